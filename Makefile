@@ -1,0 +1,49 @@
+# qgather: `make run` runs the suite on whatever hardware is present, `make test` runs the tests.
+# Both create .venv and install everything on first use. On a host without a package registry
+# (the GPU host), pass an interpreter that already has torch: `make test-multigpu PY=python3`.
+
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_WORKERS ?= 2
+
+ifeq ($(PY),$(VENV)/bin/python)
+SETUP := $(STAMP)
+else
+SETUP :=
+endif
+
+.PHONY: run test test-multigpu selftest bench golden golden-check lint clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+	touch $(STAMP)
+
+run: $(SETUP)
+	$(PY) -m harness run
+
+# pytest's exit 5 ("no tests collected") would be a broken suite: fail loudly on it.
+test: $(SETUP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m 'not gpu' -p no:cacheprovider; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-multigpu: $(SETUP)
+	$(PY) -m harness gpu-check
+	$(PY) -m pytest -m gpu -p no:cacheprovider -rs
+
+selftest: $(SETUP)
+	$(PY) -m harness selftest
+
+bench: $(SETUP)
+	$(PY) -m harness bench
+
+golden: $(SETUP)
+	$(PY) -m harness golden
+
+lint: $(SETUP)
+	$(PY) -m ruff check harness tests cases conftest.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache reports
