@@ -1,0 +1,91 @@
+"""Implementations under test, by name.
+
+Built-in names: `reference`, `mutant:<bug>` (the bug zoo), `torchao`, `te` adapters. External
+implementations load without editing qgather, either
+  - on the command line: `--impl package.module:object` (an Implementation subclass or instance), or
+  - through the `qgather.impls` entry-point group: `name = "package.module:object"`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from harness.impls.base import Implementation
+
+Factory = Callable[[], Implementation]
+
+
+class UnknownImplementationError(LookupError):
+    pass
+
+
+def _builtin() -> dict[str, Factory]:
+    from harness.impls.reference import ReferenceImplementation
+
+    factories: dict[str, Factory] = {"reference": ReferenceImplementation}
+    for module_name in ("harness.impls.mutants", "harness.impls.torchao_impl", "harness.impls.te"):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # not built yet
+            raise
+        factories.update(module.FACTORIES)
+    return factories
+
+
+def _from_entry_points() -> dict[str, Factory]:
+    return {ep.name: ep.load for ep in entry_points(group="qgather.impls")}
+
+
+def _load_object(target: str) -> Implementation:
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        raise UnknownImplementationError(
+            f"--impl {target!r}: external implementations are named package.module:object"
+        )
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownImplementationError(f"--impl {target!r}: cannot load it ({exc})") from None
+    return _instantiate(target, obj)
+
+
+def _instantiate(name: str, obj) -> Implementation:
+    impl = obj() if isinstance(obj, type) else obj
+    if not isinstance(impl, Implementation):
+        raise UnknownImplementationError(
+            f"implementation {name!r} is a {type(impl).__name__}, not a harness.impls.base.Implementation"
+        )
+    return impl
+
+
+def available() -> list[str]:
+    return sorted({*_builtin(), *_from_entry_points()})
+
+
+_CACHE: dict[str, Implementation] = {}
+
+
+def get_impl(name: str) -> Implementation:
+    """The implementation called `name` (built-in, entry point, or package.module:object)."""
+    if name in _CACHE:
+        return _CACHE[name]
+    builtin, plugins = _builtin(), _from_entry_points()
+    if name in builtin:
+        impl = _instantiate(name, builtin[name]())
+    elif name in plugins:
+        impl = _instantiate(name, plugins[name]())
+    elif ":" in name and "." in name.partition(":")[0]:
+        impl = _load_object(name)
+    else:
+        raise UnknownImplementationError(
+            f"unknown implementation {name!r}; available: {', '.join(sorted({*builtin, *plugins}))} "
+            "(or package.module:object)"
+        )
+    if not impl.name:
+        impl.name = name
+    _CACHE[name] = impl
+    return impl

@@ -1,0 +1,74 @@
+"""The adapter protocol between qgather and an implementation under test.
+
+An implementation is a tensor subclass (or a library) that FSDP2 all-gathers through
+`fsdp_pre_all_gather` / `fsdp_post_all_gather`. The harness needs only a handful of things from
+it, listed on `Implementation`; everything else (sharding, gathering, comparing against the
+golden reference) is the harness's job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from harness.cases import CaseSpec
+
+
+class Implementation:
+    """Base class for adapters. Subclasses set the class attributes and override the methods.
+
+    The harness calls, on every rank:
+      1. `skip_reason(spec, device)`: None to run, else a one-line reason to skip the case.
+      2. `make_param(fmt, weight)`: the quantized parameter of the FULL weight (every rank builds
+         the same one from the same seed); `fully_shard` then shards it through the subclass's ops.
+      3. after an unshard, `read_buffers(param)`: the gathered buffers under the format's
+         TransformerEngine names (see harness.formats), compared bit for bit with the golden.
+      4. for the `steps` / `reshard` scenarios, `requantize_shard(local, master_rows, group)`:
+         re-quantize the rank's shard from its updated high-precision master rows in place,
+         as an optimizer step would.
+    """
+
+    name: str = ""
+    formats: tuple[str, ...] = ()
+    scenarios: tuple[str, ...] = ("gather", "steps", "reshard", "hooks", "virtual")
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    #: backends whose all-gather this implementation can use as it is
+    backends: tuple[str, ...] = ("gloo", "nccl")
+
+    def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
+        if spec.fmt not in self.formats:
+            return f"{self.name} does not implement format {spec.fmt}"
+        if spec.scenario not in self.scenarios:
+            return f"{self.name} does not support scenario {spec.scenario}"
+        if device.type not in self.devices:
+            return f"{self.name} does not run on {device.type}"
+        return None
+
+    def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def requantize_shard(
+        self, local: torch.Tensor, master_rows: torch.Tensor, group: torch.distributed.ProcessGroup | None
+    ) -> None:
+        raise NotImplementedError
+
+    def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The implementation's own single-device quantization of the full weight, if it has its
+        own quantizer; None when it uses the harness's reference formats (nothing to cross-check)."""
+        return None
+
+    def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output with this (unsharded) weight: y = x @ W^T."""
+        return torch.nn.functional.linear(x, param)
+
+    def is_quantized(self, param: torch.Tensor) -> bool:
+        """Whether `param` still is the implementation's quantized type (not a high-precision fallback)."""
+        raise NotImplementedError
+
+
+def subclasses_of(params: Iterable[torch.Tensor]) -> set[type]:
+    return {type(p) for p in params}
