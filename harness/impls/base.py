@@ -8,6 +8,7 @@ golden reference) is the harness's job.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -62,8 +63,12 @@ class Implementation:
         return None
 
     def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output with this (unsharded) weight: y = x @ W^T."""
-        return torch.nn.functional.linear(x, param)
+        """The layer's output with this (unsharded) weight: y = x @ W^T (batched over experts)."""
+        return torch.matmul(x, param.transpose(-1, -2))
+
+    def gather_context(self, group) -> contextlib.AbstractContextManager:
+        """Entered around every unshard; e.g. a transport shim for a backend (harness.transport)."""
+        return contextlib.nullcontext()
 
     def is_quantized(self, param: torch.Tensor) -> bool:
         """Whether `param` still is the implementation's quantized type (not a high-precision fallback)."""

@@ -6,6 +6,8 @@ dim 0 is then slicing each buffer by entries, which is exact whenever each shard
 format's row block; shards that do not are rejected on every rank, never gathered wrong.
 
 All-gather wire:
+- world size 1: one flat uint8 input holding every row buffer, because FSDP2's world-size-1
+  path (torch 2.13) hands only the first all-gather input to fsdp_post_all_gather;
 - even shards (dim 0 divisible by the world size): each row buffer goes on the wire as it is,
   so the bytes moved equal the format's packed size;
 - uneven shards: FSDP2 requires every all-gather input to have the padded shard's shape, so the
@@ -45,7 +47,7 @@ class WireLayout:
     fmt: str
     full_shape: tuple[int, ...]
     world_size: int
-    planes: bool
+    mode: str  # "rows" (each buffer as it is), "planes" (uneven shards), "single" (world size 1)
     buffers: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # name, dtype, padded shape
 
     @property
@@ -237,16 +239,19 @@ class QuantizedParam(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         layout = ShardLayout(orig_size[0], mesh.size(), math.prod(orig_size[1:-1]))
         wire = self._padded_wire(layout.chunk * layout.inner_rows)
+        mode = "single" if layout.world_size == 1 else "rows" if layout.even else "planes"
         wire_layout = WireLayout(
             fmt=self._fmt.name,
             full_shape=tuple(orig_size),
             world_size=layout.world_size,
-            planes=not layout.even,
+            mode=mode,
             buffers=tuple((n, t.dtype, tuple(t.shape)) for n, t in wire.items()),
         )
         meta = WireMeta(wire_layout, self._metadata_glob())
-        if layout.even:
+        if mode == "rows":
             return tuple(wire.values()), meta
+        if mode == "single":
+            return (_pack_bytes(list(wire.values())),), meta
         plane_shape = (layout.chunk, *orig_size[1:])
         return _pack_planes(list(wire.values()), plane_shape), meta
 
@@ -263,8 +268,10 @@ class QuantizedParam(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata: WireMeta, param_dtype, *, out=None):
         layout = metadata.layout
-        if layout.planes:
+        if layout.mode == "planes":
             rows = self._rows_from_planes(all_gather_outputs, layout)
+        elif layout.mode == "single":
+            rows = self._trim(_unpack_planes(all_gather_outputs[:1], layout.buffers), layout, rank=0)
         else:
             rows = {name: t.clone() for (name, _, _), t in zip(layout.buffers, all_gather_outputs)}
         glob = {n: t.clone() for n, t in metadata.glob.items()}
@@ -280,10 +287,13 @@ class QuantizedParam(torch.Tensor):
         per_rank: list[dict[str, torch.Tensor]] = []
         for rank in range(layout.world_size):
             section = [o[rank * shards.chunk : (rank + 1) * shards.chunk] for o in outputs]
-            buffers = _unpack_planes(section, layout.buffers)
-            start, end = shards.row_range(rank)
-            per_rank.append({n: t[: self._entries(n, end - start)] for n, t in buffers.items()})
+            per_rank.append(self._trim(_unpack_planes(section, layout.buffers), layout, rank))
         return {name: torch.cat([r[name] for r in per_rank]) for name, _, _ in layout.buffers}
+
+    def _trim(self, buffers: dict[str, torch.Tensor], layout: WireLayout, rank: int) -> dict[str, torch.Tensor]:
+        """Drop the padding entries of one rank's section: keep those of its real rows."""
+        start, end = layout.shard_layout.row_range(rank)
+        return {n: t[: self._entries(n, end - start)].clone() for n, t in buffers.items()}
 
     def _refresh(self, rows, glob, te) -> None:
         """The in-place (`out=`) path of the second and later all-gathers: refresh every field."""
@@ -292,8 +302,12 @@ class QuantizedParam(torch.Tensor):
                 store[name].copy_(t)
 
 
+def _pack_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in tensors])
+
+
 def _pack_planes(tensors: list[torch.Tensor], plane_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    flat = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in tensors])
+    flat = _pack_bytes(tensors)
     plane_numel = math.prod(plane_shape)
     n_planes = max(1, math.ceil(flat.numel() / plane_numel))
     padded = flat.new_zeros(n_planes * plane_numel)
@@ -403,9 +417,6 @@ class ReferenceImplementation(Implementation):
 
     def is_quantized(self, param: torch.Tensor) -> bool:
         return isinstance(param, QuantizedParam)
-
-    def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, param)
 
     def requantize_shard(self, local: torch.Tensor, master_rows: torch.Tensor, group) -> None:
         fmt = local._fmt

@@ -1,0 +1,148 @@
+"""Comparisons of a gathered weight against the single-device golden, and where they differ.
+
+Buffers are compared bit for bit inside their valid regions (padding masked); a difference is
+then located in the format's row layout, where every entry maps to global rows, a scale block
+and the rank whose shard held those rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from harness.cases import ShardLayout
+from harness.formats import Format, QuantizedTensor
+
+MAP_WIDTH = 64  # block rows per text-map line
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view with the same bytes, so that comparisons are bitwise (NaN == NaN, -0 != 0)."""
+    t = t.detach().contiguous()
+    if t.dtype.is_floating_point:
+        size = t.element_size()
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+    return t
+
+
+def digest(buffers: dict[str, torch.Tensor], valid: dict[str, tuple[slice, ...]]) -> str:
+    """sha256 over every buffer's valid region (name, shape, dtype and bytes)."""
+    h = hashlib.sha256()
+    for name in sorted(buffers):
+        t = buffers[name]
+        region = t[valid[name]] if name in valid and t.dim() == len(valid[name]) else t
+        region = region.detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(region.view(torch.uint8).numpy().tobytes() if region.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass
+class BufferDiff:
+    name: str
+    problem: str  # "missing", "shape", "dtype", "bytes"
+    n_diff: int = 0
+    n_valid: int = 0
+    detail: str = ""
+
+    def line(self) -> str:
+        if self.problem == "bytes":
+            return f"{self.name}: {self.n_diff} of {self.n_valid} valid elements differ"
+        return f"{self.name}: {self.problem} {self.detail}".rstrip()
+
+
+def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> list[BufferDiff]:
+    diffs = []
+    for name, want in golden.buffers.items():
+        have = got.get(name)
+        if have is None:
+            diffs.append(BufferDiff(name, "missing", detail="(the implementation has no such buffer)"))
+            continue
+        if tuple(have.shape) != tuple(want.shape):
+            diffs.append(BufferDiff(name, "shape", detail=f"{tuple(have.shape)} != golden {tuple(want.shape)}"))
+            continue
+        if have.dtype != want.dtype and have.element_size() != want.element_size():
+            diffs.append(BufferDiff(name, "dtype", detail=f"{have.dtype} != golden {want.dtype}"))
+            continue
+        region = golden.valid[name]
+        a, b = _bits(have.to(want.device)[region]), _bits(want[region]).view(_bits(have).dtype)
+        n_diff = int((a != b).sum())
+        if n_diff:
+            diffs.append(BufferDiff(name, "bytes", n_diff=n_diff, n_valid=a.numel()))
+    return diffs
+
+
+def compare_values(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """Bitwise equality plus the size of the largest difference, for the report."""
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    if got.shape != want.shape:
+        return {"equal": False, "n_diff": -1, "max_abs": float("inf"), "detail": f"shape {tuple(got.shape)}"}
+    differ = _bits(got) != _bits(want)
+    n_diff = int(differ.sum())
+    max_abs = float((got - want).abs().nan_to_num(float("inf"))[differ].max()) if n_diff else 0.0
+    return {"equal": n_diff == 0, "n_diff": n_diff, "max_abs": max_abs}
+
+
+def locate(
+    fmt: Format,
+    got: QuantizedTensor,
+    golden: QuantizedTensor,
+    shards: ShardLayout,
+) -> list[str]:
+    """Where the gathered buffers differ: first difference and a block-row map, in row layout."""
+    try:
+        got_rows, _ = fmt.to_rows(got)
+    except Exception as exc:  # a wrong shape can make even the re-layout impossible
+        return [f"(cannot map the difference to rows: {exc})"]
+    want_rows, _ = fmt.to_rows(golden)
+    lines = []
+    for name, want in want_rows.items():
+        have = got_rows.get(name)
+        if have is None or have.shape != want.shape:
+            continue
+        differ = (_bits(have.to(want.device)) != _bits(want)).reshape(want.shape[0], -1).any(dim=1)
+        if not bool(differ.any()):
+            continue
+        r = fmt.rows_per_entry[name]
+        entries = differ.nonzero().flatten().tolist()
+        first = entries[0]
+        col = int((_bits(have.to(want.device))[first] != _bits(want[first])).reshape(-1).nonzero()[0])
+        row = first * r
+        lines.append(
+            f"{name}: {len(entries)} of {want.shape[0]} row groups differ; first at global row {row}"
+            f" (block row {row // fmt.row_block}, block column {_block_column(name, want_rows, col)},"
+            f" from rank {shards.owner_of_row(row)})"
+        )
+        lines.extend(_block_map(fmt, differ, r, shards))
+    return lines
+
+
+def _block_column(name: str, rows: dict[str, torch.Tensor], col: int) -> int:
+    """The scale-block column of element `col` of a row-layout buffer (data columns per scale)."""
+    scale = rows.get(name.replace("data", "scale_inv"))
+    if "scale" in name or scale is None or scale.dim() < 2 or scale.shape[-1] == 0:
+        return col
+    return col // max(1, rows[name].shape[-1] // scale.shape[-1])
+
+
+def _block_map(fmt: Format, differ_entries: torch.Tensor, r: int, shards: ShardLayout) -> list[str]:
+    """One character per scale-block row: '.' equal, else the rank whose shard held it."""
+    rows_per_block = max(fmt.row_block, r)
+    per_block = max(1, rows_per_block // r)
+    n_blocks = -(-differ_entries.numel() // per_block)
+    padded = torch.zeros(n_blocks * per_block, dtype=torch.bool)
+    padded[: differ_entries.numel()] = differ_entries.cpu()
+    block_differs = padded.view(n_blocks, per_block).any(dim=1).tolist()
+    marks = "".join(
+        _rank_mark(shards.owner_of_row(b * rows_per_block)) if d else "." for b, d in enumerate(block_differs)
+    )
+    lines = [f"  block rows ({rows_per_block} rows each; '.' equal, else source rank of the differing block):"]
+    for start in range(0, len(marks), MAP_WIDTH):
+        lines.append(f"  {start:>6} {marks[start:start + MAP_WIDTH]}")
+    return lines if len(lines) <= 9 else [*lines[:8], f"  ... ({len(marks)} block rows in all)"]
+
+
+def _rank_mark(rank: int) -> str:
+    return "0123456789abcdefghijklmnopqrstuvwxyz"[rank] if rank < 36 else "#"

@@ -1,0 +1,184 @@
+"""qgather's pytest integration: options, the `case` parametrization, the `qgather` fixture that
+runs a case and records its verdict, and the verdict summary at the end of the session.
+
+Test modules under cases/ declare `SWEEP = harness.suite.Sweep(...)` and one test taking
+`case` and `qgather`; the command-line options narrow every sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import pytest
+
+from harness.cases import CaseSpec
+from harness.engine import RunOptions, run_case
+from harness.verdicts import CaseReport, Verdict
+
+_REPORT_KEY = "qgather_report"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("qgather", "quantized all-gather harness")
+    group.addoption("--impl", action="append", default=None,
+                    help="implementation(s) under test: reference, mutant:<bug>, torchao, te, or "
+                         "package.module:object (repeat or comma-separate; default: reference)")
+    group.addoption("--formats", default=None, help="comma-separated formats (default: all)")
+    group.addoption("--world-sizes", default=None, help="comma-separated world sizes (default: the sweep's)")
+    group.addoption("--scenarios", default=None,
+                    help="comma-separated scenarios: gather, steps, reshard, hooks, virtual")
+    group.addoption("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                    help="process-group backend (auto: nccl when each rank can have its own GPU)")
+    group.addoption("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    group.addoption("--case-timeout", type=float, default=None,
+                    help="seconds before a case is declared HANG (default: per backend)")
+    group.addoption("--qgather-summary", action="store_true", help="print the verdict summary table")
+    group.addoption("--qgather-json", default=None, help="write every case's verdict to this JSON file")
+
+
+def _csv(value: str | None, cast=str):
+    if not value:
+        return None
+    return [cast(v.strip()) for v in value.split(",") if v.strip()]
+
+
+def _impls(config: pytest.Config) -> list[str]:
+    raw = config.getoption("--impl") or ["reference"]
+    return [name for item in raw for name in _csv(item)]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "sweep: parametrized by a harness.suite.Sweep")
+    config._qgather_reports = []  # type: ignore[attr-defined]
+    _validate_options(config)
+
+
+def _validate_options(config: pytest.Config) -> None:
+    from harness.formats import FORMATS
+    from harness.impls import UnknownImplementationError, get_impl
+
+    for fmt in _csv(config.getoption("--formats")) or []:
+        if fmt not in FORMATS:
+            raise pytest.UsageError(f"--formats: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    try:
+        sizes = _csv(config.getoption("--world-sizes"), int) or []
+    except ValueError:
+        raise pytest.UsageError("--world-sizes takes comma-separated integers, e.g. 2,4,8") from None
+    if any(ws < 1 for ws in sizes):
+        raise pytest.UsageError(f"--world-sizes: a world size must be >= 1, got {sizes}")
+    for name in _impls(config):
+        try:
+            get_impl(name)
+        except UnknownImplementationError as exc:
+            raise pytest.UsageError(f"--impl: {exc}") from None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" not in metafunc.fixturenames:
+        return
+    sweep = getattr(metafunc.module, "SWEEP", None)
+    if sweep is None:
+        return
+    config = metafunc.config
+    impls = getattr(metafunc.module, "IMPLS", None) or _impls(config)
+    cases = sweep.cases(
+        impls,
+        formats=_csv(config.getoption("--formats")),
+        world_sizes=_csv(config.getoption("--world-sizes"), int),
+        scenarios=_csv(config.getoption("--scenarios")),
+    )
+    marks = [getattr(pytest.mark, m) for m in sweep.marks]
+    params = [pytest.param(c, id=c.id, marks=marks) for c in cases]
+    metafunc.parametrize("case", params)
+
+
+class QgatherFixture:
+    """Runs cases for a test and turns verdicts into pytest outcomes."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self.request = request
+        config = request.config
+        self.options = RunOptions(
+            backend=config.getoption("--backend"),
+            device=config.getoption("--device"),
+            case_timeout=config.getoption("--case-timeout"),
+        )
+
+    def run(self, case: CaseSpec | str) -> CaseReport:
+        spec = CaseSpec.parse(case) if isinstance(case, str) else case
+        report = run_case(spec, self.options)
+        self.request.node.user_properties.append((_REPORT_KEY, _report_record(report)))
+        return report
+
+    def check(self, case: CaseSpec | str) -> CaseReport:
+        """Run a case; skip on SKIPPED, fail with the mismatch report unless the policy accepts it."""
+        report = self.run(case)
+        if report.verdict is Verdict.SKIPPED:
+            pytest.skip(report.reason)
+        if not report.passed:
+            pytest.fail(report.render(), pytrace=False)
+        return report
+
+
+@pytest.fixture
+def qgather(request: pytest.FixtureRequest) -> QgatherFixture:
+    return QgatherFixture(request)
+
+
+def _report_record(report: CaseReport) -> dict:
+    return {
+        "case": report.spec.id,
+        "verdict": report.verdict.value,
+        "passed": report.passed,
+        "reason": report.reason,
+        "seconds": round(report.duration_s, 3),
+    }
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "call" and not (report.when == "setup" and report.skipped):
+        return
+    for key, value in report.user_properties:
+        if key == _REPORT_KEY:
+            _session_reports().append(value)
+
+
+_RECORDS: list[dict] = []
+
+
+def _session_reports() -> list[dict]:
+    return _RECORDS
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    try:
+        from harness.runtime import shutdown_pools
+    except ImportError:
+        return
+    shutdown_pools()
+    path = session.config.getoption("--qgather-json")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "w") as fh:
+            json.dump(_RECORDS, fh, indent=1)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _RECORDS or not config.getoption("--qgather-summary"):
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("qgather verdicts")
+    by_impl: dict[str, Counter] = {}
+    for record in _RECORDS:
+        impl = record["case"].rsplit(":", 6)[0]
+        by_impl.setdefault(impl, Counter())[record["verdict"]] += 1
+    verdicts = [v.value for v in Verdict if any(c[v.value] for c in by_impl.values())]
+    write(f"{'implementation':<28}" + "".join(f"{v:>18}" for v in verdicts))
+    for impl, counts in sorted(by_impl.items()):
+        write(f"{impl:<28}" + "".join(f"{counts[v]:>18}" for v in verdicts))
+    failed = [r for r in _RECORDS if not r["passed"]]
+    write(f"{len(_RECORDS)} cases, {len(_RECORDS) - len(failed)} as expected, {len(failed)} not")
+    for record in failed[:20]:
+        write(f"  {record['verdict']:<16} {record['case']}  ({record['reason'][:100]})")
+        write(f"    reproduce: qgather case {record['case']}")

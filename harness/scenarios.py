@@ -1,0 +1,324 @@
+"""Scenarios: what each rank does with the implementation's quantized weight, and what it checks.
+
+Every rank builds the same full weight from the case seed, quantizes the golden on its own
+device with the harness's reference formats, runs the scenario, and returns plain data (digests,
+differences, wire counts); the verdict is decided from all ranks' results in `harness.verdicts`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from harness.cases import CaseSpec, ShardLayout, shard_layout
+from harness.compare import compare_buffers, compare_values, digest, locate
+from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
+from harness.impls import get_impl
+from harness.impls.base import Implementation
+from harness.wire import record_wire
+
+STEPS = 3
+LEARNING_RATE = 0.05
+INPUT_ROWS = 8
+
+
+# ------------------------------------------------------------------ deterministic data
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def row_scales(spec: CaseSpec) -> torch.Tensor:
+    """Magnitudes that differ by ~2^12 from the first to the last rows, so shards have very
+    different amaxes and a per-rank scale (bug class 6) cannot go unnoticed."""
+    exponents = torch.linspace(-6.0, 6.0, spec.shape[0])
+    return torch.exp2(exponents).reshape(-1, *([1] * (len(spec.shape) - 1)))
+
+
+def make_weight(spec: CaseSpec) -> torch.Tensor:
+    """The full-precision master weight (float32, CPU), identical on every rank and machine."""
+    return torch.randn(spec.shape, generator=_generator(spec.seed)) * row_scales(spec)
+
+
+def make_gradient(spec: CaseSpec, step: int) -> torch.Tensor:
+    return torch.randn(spec.shape, generator=_generator(spec.seed * 1000 + step)) * row_scales(spec)
+
+
+def make_input(spec: CaseSpec) -> torch.Tensor:
+    return torch.randn((INPUT_ROWS, spec.shape[-1]), generator=_generator(spec.seed + 7))
+
+
+# ------------------------------------------------------------------ the module under FSDP2
+class QuantizedLinear(torch.nn.Module):
+    """A bias-free linear layer whose weight is the implementation's quantized parameter."""
+
+    def __init__(self, impl: Implementation, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.impl = impl
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.impl.forward(self.weight, x)
+
+
+@dataclass
+class Golden:
+    q: QuantizedTensor | None
+    error: str | None
+    dequantized: torch.Tensor | None = None
+
+
+def golden_for(fmt: Format, weight: torch.Tensor) -> Golden:
+    try:
+        q = fmt.quantize(weight)
+    except FormatError as exc:
+        return Golden(None, str(exc))
+    return Golden(q, None, fmt.dequantize(q))
+
+
+# ------------------------------------------------------------------ inspection of a gathered weight
+def inspect(
+    impl: Implementation,
+    fmt: Format,
+    param: torch.Tensor,
+    golden: Golden,
+    x: torch.Tensor,
+    shards: ShardLayout,
+    label: str,
+) -> dict:
+    """Compare one gathered (unsharded) weight with the golden; plain data only."""
+    stage: dict = {"label": label, "quantized": impl.is_quantized(param)}
+    if golden.q is None:
+        stage["accepted_unholdable"] = golden.error
+        return stage
+    y_ref = torch.matmul(x.to(param.dtype), golden.dequantized.to(param.dtype).transpose(-1, -2))
+    if not stage["quantized"]:
+        values = param.detach().float().reshape(golden.dequantized.shape)
+        stage["values"] = compare_values(values, golden.dequantized)
+        stage["digest"] = digest({"values": values}, {})
+        return stage
+    got = impl.read_buffers(param)
+    diffs = compare_buffers(got, golden.q)
+    stage["buffer_diffs"] = [d.line() for d in diffs]
+    stage["digest"] = digest(got, golden.q.valid)
+    if not any(d.problem in ("missing", "shape", "dtype") for d in diffs):
+        gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
+        stage["dequantized"] = compare_values(fmt.dequantize(gathered), golden.dequantized)
+        if diffs:
+            stage["where"] = locate(fmt, gathered, golden.q, shards)
+    stage["output"] = compare_values(impl.forward(param, x.to(param.dtype)), y_ref)
+    return stage
+
+
+def _quantizer_check(impl: Implementation, spec: CaseSpec, weight: torch.Tensor, golden: Golden):
+    own = impl.own_quantization(spec.fmt, weight)
+    if own is None or golden.q is None:
+        return None
+    return [d.line() for d in compare_buffers(own, golden.q)]
+
+
+# ------------------------------------------------------------------ FSDP2 scenarios (on the rank pool)
+def _local_shard(module: torch.nn.Module) -> torch.Tensor:
+    weight = module.weight
+    return weight._local_tensor if hasattr(weight, "_local_tensor") else weight
+
+
+def _master_rows(master: torch.Tensor, shards: ShardLayout, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    start, end = shards.dim0_range(rank)
+    return master[start:end].to(dtype)
+
+
+def run_on_rank(ctx, case_id: str) -> dict:
+    """Entry point on every rank of a pool: one case, end to end."""
+    from torch.distributed.fsdp import fully_shard
+
+    spec = CaseSpec.parse(case_id)
+    impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
+    device = ctx.device
+    master = make_weight(spec).to(device)
+    weight = master.to(spec.torch_dtype)
+    golden = golden_for(fmt, weight)
+    x = make_input(spec).to(device)
+    shards = shard_layout(spec)
+    result: dict = {"rank": ctx.rank, "quantizer": _quantizer_check(impl, spec, weight, golden)}
+
+    if spec.scenario == "hooks":
+        result["stages"], result["wire"] = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards)
+        return result
+
+    module = QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
+    fully_shard(module, mesh=ctx.mesh)
+    param_types = (type(_local_shard(module)),)
+    stages = []
+    with impl.gather_context(ctx.group), record_wire(param_types) as wire:
+        module.unshard()
+    stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1"))
+    module.reshard()
+    if spec.scenario in ("steps", "reshard"):
+        stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, shards))
+    result["stages"] = stages
+    result["wire"] = _wire_summary(wire, fmt, weight, shards, golden)
+    return result
+
+
+def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards) -> list[dict]:
+    """Optimizer steps on the sharded master rows, re-quantized on the shards, then the `out=`
+    path of the next unshard; the golden takes the same steps on the full weight."""
+    n_steps = STEPS if spec.scenario == "steps" else 1
+    full = master.clone()
+    start, end = shards.dim0_range(ctx.rank)
+    shard_master = torch.nn.Parameter(master[start:end].clone())
+    full_param = torch.nn.Parameter(full)
+    opt_shard = torch.optim.SGD([shard_master], lr=LEARNING_RATE, momentum=0.9)
+    opt_full = torch.optim.SGD([full_param], lr=LEARNING_RATE, momentum=0.9)
+    stages = []
+    for step in range(1, n_steps + 1):
+        grad = make_gradient(spec, step).to(master.device)
+        shard_master.grad, full_param.grad = grad[start:end].clone(), grad.clone()
+        opt_shard.step()
+        opt_full.step()
+        with torch.no_grad():
+            impl.requantize_shard(_local_shard(module), shard_master.detach().to(spec.torch_dtype), ctx.group)
+            golden = golden_for(fmt, full_param.detach().to(spec.torch_dtype))
+        with impl.gather_context(ctx.group):
+            module.unshard()
+        stages.append(inspect(impl, fmt, module.weight, golden, x, shards, f"unshard {step + 1} (after step {step})"))
+        module.reshard()
+    return stages
+
+
+def _wire_summary(wire, fmt: Format, weight: torch.Tensor, shards: ShardLayout, golden: Golden) -> dict:
+    summary = wire.as_dict()
+    padded_rows = shards.chunk * shards.inner_rows
+    summary["shard_numel"] = padded_rows * weight.shape[-1]
+    summary["param_itemsize"] = weight.element_size()
+    summary["packed_bytes"] = packed_shard_bytes(fmt, golden, padded_rows)
+    return summary
+
+
+def packed_shard_bytes(fmt: Format, golden: Golden, shard_rows: int) -> int | None:
+    """Bytes of one shard's row buffers: what a packed all-gather needs to move per rank."""
+    if golden.q is None:
+        return None
+    rows, _ = fmt.to_rows(golden.q)
+    total = 0
+    for name, t in rows.items():
+        entries = math.ceil(shard_rows / fmt.rows_per_entry[name])
+        total += entries * (t[0].numel() if t.shape[0] else 0) * t.element_size()
+    return total
+
+
+# ------------------------------------------------------------------ hooks and virtual scenarios
+class VirtualMesh:
+    """What the hooks read from a mesh: its size. Used where no real DeviceMesh exists."""
+
+    def __init__(self, world_size: int) -> None:
+        self._size = world_size
+
+    def size(self, dim: int | None = None) -> int:
+        return self._size
+
+
+def shard_like_fsdp2(param: torch.Tensor, shards: ShardLayout, rank: int) -> torch.Tensor:
+    """The rank's local shard, built through the same subclass ops FSDP2's FSDPParam uses:
+    chunk, new_empty(0) placeholders, new_zeros to the padded size, narrow + copy_, narrow."""
+    chunks = list(torch.chunk(param, shards.world_size, dim=0))
+    while len(chunks) < shards.world_size:
+        chunks.append(chunks[0].new_empty(0))
+    piece = chunks[rank]
+    padded = param.new_zeros((shards.chunk, *param.shape[1:]))
+    length = piece.size(0) if piece.numel() > 0 else 0
+    if length:
+        padded.narrow(0, 0, length).copy_(piece)
+    return padded.narrow(0, 0, length)
+
+
+def check_padded_inputs(local: torch.Tensor, inputs, shards: ShardLayout, full_shape) -> None:
+    """FSDP2's own rule for uneven shards, applied where the harness calls the hooks itself."""
+    padded = torch.Size((shards.chunk, *full_shape[1:]))
+    if local.size() != padded and any(t.size() != padded for t in inputs):
+        raise AssertionError(
+            f"When a parameter is unevenly sharded by FSDP (orig size={tuple(full_shape)}, FSDP world size="
+            f"{shards.world_size}), fsdp_pre_all_gather must return all-gather inputs with the padded "
+            f"sharded size {tuple(padded)} but got {[tuple(t.size()) for t in inputs]}"
+        )
+
+
+def _pre_all_gather(local, mesh, full_shape):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    stride = torch.empty(0).new_empty(full_shape).stride()
+    return local.fsdp_pre_all_gather(mesh, torch.Size(full_shape), stride, None, MixedPrecisionPolicy())
+
+
+def _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards):
+    """The hooks around a direct all-gather of each input's bytes, without fully_shard."""
+    param = impl.make_param(spec.fmt, weight)
+    local = shard_like_fsdp2(param, shards, ctx.rank)
+    with record_wire((type(local),)) as wire:
+        inputs, metadata = _pre_all_gather(local, ctx.mesh, weight.shape)
+        check_padded_inputs(local, inputs, shards, weight.shape)
+        outputs = [_all_gather_bytes(t, ctx.world_size, ctx.group) for t in inputs]
+    unsharded, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, weight.dtype)
+    stage = inspect(impl, fmt, unsharded, golden, x, shards, "hooks")
+    return [stage], _wire_summary(wire, fmt, weight, shards, golden)
+
+
+def _all_gather_bytes(t: torch.Tensor, world_size: int, group) -> torch.Tensor:
+    # gloo rejects float8 dtypes: move bytes, then view them back as the input's dtype.
+    src = t.contiguous().view(torch.uint8).reshape(-1)
+    out = src.new_empty(src.numel() * world_size)
+    dist.all_gather_into_tensor(out, src, group=group)
+    return out.view(t.dtype).reshape(t.shape[0] * world_size, *t.shape[1:])
+
+
+def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
+    """One process emulates every rank of the world: FSDP2's chunking and padding, each rank's
+    pre-hook, concatenation in rank order, and the post-hook of every rank whose metadata differs.
+    Returns one result (or the exception it raised) per virtual rank."""
+    impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
+    master = make_weight(spec)
+    weight = master.to(spec.torch_dtype)
+    golden = golden_for(fmt, weight)
+    x = make_input(spec)
+    shards = shard_layout(spec)
+    quantizer = _quantizer_check(impl, spec, weight, golden)
+    mesh = VirtualMesh(spec.world_size)
+    param = impl.make_param(spec.fmt, weight)
+    locals_ = [shard_like_fsdp2(param, shards, rank) for rank in range(spec.world_size)]
+    with record_wire((type(locals_[0]),)) as wire:
+        pre = [_pre_all_gather(local, mesh, weight.shape) for local in locals_]
+    for local, (inputs, _) in zip(locals_, pre):
+        check_padded_inputs(local, inputs, shards, weight.shape)
+    shapes = {tuple((t.dtype, tuple(t.shape)) for t in inputs) for inputs, _ in pre}
+    if len(shapes) > 1:
+        raise RuntimeError(f"virtual ranks handed the all-gather inputs of different shapes: {sorted(shapes)}")
+    outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
+    wire_summary = _wire_summary(wire, fmt, weight, shards, golden)
+    wire_summary["collective_bytes"] = sum(t.numel() * t.element_size() for t in pre[0][0])
+    wire_summary["hook_calls"] = 1
+    results: list[dict | BaseException] = []
+    seen: dict[str, dict] = {}
+    for rank, (local, (_, metadata)) in enumerate(zip(locals_, pre)):
+        key = repr(_metadata_key(metadata))
+        if key not in seen:
+            unsharded, _ = local.fsdp_post_all_gather(outputs, metadata, weight.dtype)
+            seen[key] = inspect(impl, fmt, unsharded, golden, x, shards, "virtual gather")
+        results.append({"rank": rank, "quantizer": quantizer, "stages": [seen[key]], "wire": wire_summary})
+    return results
+
+
+def _metadata_key(metadata) -> object:
+    """Hashable content of a hook's metadata, to post-process each distinct metadata once."""
+    if isinstance(metadata, torch.Tensor):
+        return ("tensor", tuple(metadata.shape), metadata.detach().cpu().flatten().tolist()[:64],
+                float(metadata.detach().double().sum()) if metadata.numel() else 0.0)
+    if isinstance(metadata, dict):
+        return tuple((k, _metadata_key(v)) for k, v in sorted(metadata.items(), key=lambda kv: str(kv[0])))
+    if isinstance(metadata, (list, tuple)):
+        return tuple(_metadata_key(v) for v in metadata)
+    if hasattr(metadata, "__dict__"):
+        return (type(metadata).__name__, _metadata_key(vars(metadata)))
+    return repr(metadata)

@@ -1,0 +1,197 @@
+"""Verdicts: what happened to a case, decided from every rank's results, and whether it passes.
+
+Policy: a shape whose every shard is aligned to the format's row block passes only as EXACT; a
+shape that violates alignment (or that the format cannot hold at all) passes as EXACT or
+REJECTED. Everything else fails, with a report that says why.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from harness.cases import CaseSpec, shard_layout
+from harness.formats import FORMATS, FormatError
+
+
+class Verdict(str, enum.Enum):
+    EXACT = "EXACT"
+    REJECTED = "REJECTED"  # an error raised on every rank, naming a constraint
+    SILENT_MISMATCH = "SILENT_MISMATCH"  # ranks agree, but not with the golden
+    RANK_DIVERGENCE = "RANK_DIVERGENCE"  # ranks hold different gathered results
+    DEGRADED = "DEGRADED"  # gathered in high precision (the wire moved bf16/fp32 values)
+    QUANTIZER_MISMATCH = "QUANTIZER_MISMATCH"  # its own quantizer disagrees with the reference
+    ERROR = "ERROR"  # an exception on some ranks only (the others waited), or not the same one
+    HANG = "HANG"
+    CRASH = "CRASH"
+    SKIPPED = "SKIPPED"
+
+
+@dataclass(frozen=True)
+class Expectation:
+    aligned: bool
+    reason: str  # why a rejection would be acceptable (empty when aligned)
+
+    def accepts(self, verdict: Verdict) -> bool:
+        if verdict is Verdict.EXACT:
+            return True
+        return verdict is Verdict.REJECTED and not self.aligned
+
+
+def expectation(spec: CaseSpec) -> Expectation:
+    fmt = FORMATS[spec.fmt]
+    try:
+        fmt.check(spec.shape, spec.torch_dtype)
+    except FormatError as exc:
+        return Expectation(False, str(exc))
+    rank = shard_layout(spec).misaligned_rank(fmt.row_block)
+    if rank is None:
+        return Expectation(True, "")
+    start, _ = shard_layout(spec).row_range(rank)
+    return Expectation(False, f"rank {rank}'s shard starts at row {start}, not a multiple of {fmt.row_block}")
+
+
+@dataclass
+class CaseReport:
+    spec: CaseSpec
+    verdict: Verdict
+    reason: str
+    details: list[str] = field(default_factory=list)
+    expectation: Expectation | None = None
+    duration_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        if self.verdict is Verdict.SKIPPED:
+            return True
+        return self.expectation is not None and self.expectation.accepts(self.verdict)
+
+    @property
+    def repro(self) -> str:
+        return f"qgather case {self.spec.id}"
+
+    def render(self) -> str:
+        head = f"{self.spec.id}: {self.verdict.value}"
+        if self.reason:
+            head += f" - {self.reason}"
+        lines = [head, *(f"  {d}" for d in self.details)]
+        if not self.passed and self.expectation is not None:
+            wanted = "EXACT" if self.expectation.aligned else "EXACT or REJECTED"
+            why = "every shard is aligned" if self.expectation.aligned else self.expectation.reason
+            lines.append(f"  expected {wanted} ({why})")
+        if self.verdict is not Verdict.SKIPPED:
+            lines.append(f"  reproduce: {self.repro}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ classification
+def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int) -> tuple[Verdict, str, list[str]]:
+    """Exceptions: the same one on every rank is a rejection; anything else is an ERROR."""
+    first_lines = {rank: _first_line(e) for rank, e in errors.items()}
+    messages = set(first_lines.values())
+    if len(errors) == world_size and len(messages) == 1:
+        return Verdict.REJECTED, messages.pop(), []
+    rank = min(errors)
+    waiting = sorted(set(range(world_size)) - set(errors))
+    reason = f"rank {rank} raised {first_lines[rank]}"
+    details = [f"rank {r}: {m}" for r, m in sorted(first_lines.items())]
+    if waiting:
+        details.append(f"ranks {_ranks(waiting)} did not raise (they would wait in the collective)")
+    tb = getattr(errors[rank], "traceback", "") or getattr(errors[rank], "traceback_text", "")
+    if tb:
+        details.append(f"rank {rank} traceback (last lines):")
+        details.extend("  " + line for line in tb.strip().splitlines()[-6:])
+    return Verdict.ERROR, reason, details
+
+
+def _first_line(error: object) -> str:
+    type_name = getattr(error, "type_name", None) or type(error).__name__
+    message = getattr(error, "message", None)
+    if message is None:
+        message = str(error)
+    return f"{type_name}: {(message.strip().splitlines() or [''])[0]}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def classify_results(spec: CaseSpec, results: list[dict]) -> tuple[Verdict, str, list[str]]:
+    """Every rank returned: compare them with each other and with the golden."""
+    details: list[str] = []
+    n_stages = max(len(r["stages"]) for r in results)
+    for index in range(n_stages):
+        stages = [r["stages"][index] for r in results if index < len(r["stages"])]
+        verdict, reason = _classify_stage(stages, results, details)
+        if verdict is not Verdict.EXACT:
+            return verdict, f"{stages[0]['label']}: {reason}", details
+    wire = _wire_verdict(results[0].get("wire"))
+    if wire:
+        return Verdict.DEGRADED, wire, details
+    quantizer = results[0].get("quantizer")
+    if quantizer:
+        return Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference", quantizer
+    return Verdict.EXACT, "", _wire_details(results[0].get("wire"))
+
+
+def _classify_stage(stages: list[dict], results: list[dict], details: list[str]) -> tuple[Verdict, str]:
+    if any(not s["quantized"] for s in stages):
+        ranks = [r["rank"] for r, s in zip(results, stages) if not s["quantized"]]
+        values = stages[0].get("values") or {}
+        details.append(f"values vs golden dequantized: {'equal' if values.get('equal') else 'differ'}")
+        return Verdict.DEGRADED, f"the gathered weight is a plain high-precision tensor on ranks {_ranks(ranks)}"
+    if stages[0].get("accepted_unholdable"):
+        return Verdict.SILENT_MISMATCH, (
+            f"accepted a shape the format cannot hold ({stages[0]['accepted_unholdable']})"
+        )
+    digests = {}
+    for result, stage in zip(results, stages):
+        digests.setdefault(stage["digest"], []).append(result["rank"])
+    if len(digests) > 1:
+        details.append("ranks grouped by identical gathered buffers: "
+                       + "; ".join(f"[{_ranks(r)}]" for r in digests.values()))
+        details.extend(_stage_details(stages[0], results[0]["rank"]))
+        return Verdict.RANK_DIVERGENCE, f"ranks hold {len(digests)} different gathered results"
+    stage = stages[0]
+    if stage["buffer_diffs"] or not stage.get("dequantized", {}).get("equal", True):
+        details.extend(_stage_details(stage, None))
+        return Verdict.SILENT_MISMATCH, "; ".join(stage["buffer_diffs"]) or "dequantized values differ"
+    if not stage["output"]["equal"]:
+        details.append(f"layer output: {stage['output']['n_diff']} elements differ, "
+                       f"max |diff| {stage['output']['max_abs']:.3g}")
+        return Verdict.SILENT_MISMATCH, "layer output differs from the golden layer's"
+    return Verdict.EXACT, ""
+
+
+def _stage_details(stage: dict, rank: int | None) -> list[str]:
+    prefix = f"rank {rank}: " if rank is not None else ""
+    lines = [prefix + d for d in stage.get("buffer_diffs", [])]
+    deq = stage.get("dequantized")
+    if deq and not deq["equal"]:
+        lines.append(f"{prefix}dequantized weight: {deq['n_diff']} elements differ, max |diff| {deq['max_abs']:.3g}")
+    lines.extend(stage.get("where", []))
+    return lines
+
+
+def _wire_verdict(wire: dict | None) -> str:
+    """DEGRADED when the gather moved high-precision values instead of packed bytes."""
+    if not wire:
+        return ""
+    # Judged by what the bytes are, not how many: MXFP8 gathers two FP8 copies (more bytes than a
+    # bf16 gather would), and FSDP2's padded-shape rule for uneven shards inflates packed wires.
+    numel, itemsize = wire["shard_numel"], wire["param_itemsize"]
+    if wire["hook_calls"] == 0 and wire["collective_bytes"] >= numel * min(itemsize, 2):
+        return f"no pre-all-gather hook ran; {wire['collective_bytes']} bytes moved per rank for {numel} elements"
+    if wire["high_precision_elements"] * 2 >= numel > 0:
+        return (f"the pre-hook handed {wire['high_precision_elements']} high-precision elements to the gather "
+                f"(shard has {numel})")
+    return ""
+
+
+def _wire_details(wire: dict | None) -> list[str]:
+    if not wire or not wire.get("packed_bytes"):
+        return []
+    if wire["collectives"] == 0:
+        return ["wire: no collective ran (world size 1)"]
+    ratio = wire["collective_bytes"] / wire["packed_bytes"]
+    return [f"wire: {wire['collective_bytes']} bytes per rank ({ratio:.2f}x the packed shard size)"]

@@ -1,0 +1,98 @@
+"""What actually went over the wire during an unshard: the collective's bytes and the pre-hook's
+outputs. A quantized gather moves about the format's packed size; a silent high-precision
+fallback moves bf16/fp32 values (bug class 11), which no output comparison can see."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# FSDP2 calls all_gather_single on newer torch and all_gather_into_tensor on older ones; one may
+# call the other, so only the outermost call is counted.
+_GATHER_FUNCTIONS = ("all_gather_single", "all_gather_into_tensor")
+
+
+@dataclass
+class WireLog:
+    collective_bytes: int = 0
+    collectives: int = 0
+    hook_calls: int = 0
+    hook_outputs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    _depth: int = 0
+
+    def high_precision_elements(self) -> int:
+        """Elements of >= 16-bit floating dtypes handed to the gather by the pre-hook."""
+        total = 0
+        for dtype_name, shape in self.hook_outputs:
+            dtype = getattr(torch, dtype_name)
+            if dtype.is_floating_point and torch.finfo(dtype).bits >= 16:
+                total += int(torch.Size(shape).numel())
+        return total
+
+    def as_dict(self) -> dict:
+        return {
+            "collective_bytes": self.collective_bytes,
+            "collectives": self.collectives,
+            "hook_calls": self.hook_calls,
+            "hook_outputs": list(self.hook_outputs),
+            "high_precision_elements": self.high_precision_elements(),
+        }
+
+
+@contextlib.contextmanager
+def record_wire(param_types: tuple[type, ...] = ()) -> Iterator[WireLog]:
+    """Count all-gather bytes and record the pre-hook outputs of `param_types` while active."""
+    log = WireLog()
+    restore: list[tuple[object, str, object]] = []
+
+    def counting(original):
+        @functools.wraps(original)
+        def wrapper(output, input, *args, **kwargs):
+            if log._depth == 0:
+                log.collectives += 1
+                log.collective_bytes += input.numel() * input.element_size()
+            log._depth += 1
+            try:
+                return original(output, input, *args, **kwargs)
+            finally:
+                log._depth -= 1
+
+        return wrapper
+
+    def recording(original):
+        @functools.wraps(original)  # FSDP2 inspects the hook's signature
+        def pre_all_gather(self, *args, **kwargs):
+            inputs, metadata = original(self, *args, **kwargs)
+            log.hook_calls += 1
+            log.hook_outputs.extend((str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs)
+            return inputs, metadata
+
+        return pre_all_gather
+
+    for name in _GATHER_FUNCTIONS:
+        if hasattr(dist, name):
+            restore.append((dist, name, getattr(dist, name)))
+            setattr(dist, name, counting(getattr(dist, name)))
+    for cls in param_types:
+        original = cls.__dict__.get("fsdp_pre_all_gather")
+        if original is None:
+            original = getattr(cls, "fsdp_pre_all_gather", None)
+            restore.append((cls, "fsdp_pre_all_gather", None))
+        else:
+            restore.append((cls, "fsdp_pre_all_gather", original))
+        if original is not None:
+            cls.fsdp_pre_all_gather = recording(original)
+    try:
+        yield log
+    finally:
+        for owner, name, original in reversed(restore):
+            if original is None:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, original)
