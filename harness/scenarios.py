@@ -148,7 +148,7 @@ def run_on_rank(ctx, case_id: str) -> dict:
         result["stages"], result["wire"] = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards)
         return result
 
-    module = QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
+    module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
     fully_shard(module, mesh=ctx.mesh)
     param_types = (type(_local_shard(module)),)
     stages = []
@@ -181,10 +181,12 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards) -> lis
         opt_full.step()
         with torch.no_grad():
             impl.requantize_shard(_local_shard(module), shard_master.detach().to(spec.torch_dtype), ctx.group)
+            impl.after_step(module, ctx.group)
             golden = golden_for(fmt, full_param.detach().to(spec.torch_dtype))
         with impl.gather_context(ctx.group):
             module.unshard()
-        stages.append(inspect(impl, fmt, module.weight, golden, x, shards, f"unshard {step + 1} (after step {step})"))
+        label = f"unshard {step + 1} (after step {step})"
+        stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label))
         module.reshard()
     return stages
 

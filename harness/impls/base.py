@@ -49,6 +49,12 @@ class Implementation:
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def make_module(self, fmt: str, weight: torch.Tensor) -> torch.nn.Module | None:
+        """A module holding the quantized weight as `.weight`, for libraries whose quantized
+        parameter only exists inside their own module type (e.g. torchao's Float8Linear).
+        None (the default): the harness wraps `make_param(fmt, weight)` in a bias-free linear layer."""
+        return None
+
     def read_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -56,6 +62,10 @@ class Implementation:
         self, local: torch.Tensor, master_rows: torch.Tensor, group: torch.distributed.ProcessGroup | None
     ) -> None:
         raise NotImplementedError
+
+    def after_step(self, module: torch.nn.Module, group) -> None:
+        """Called on every rank after all shards were re-quantized for a step (e.g. to precompute
+        scales for the next all-gather, as torchao's precompute_float8_dynamic_scale_for_fsdp does)."""
 
     def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """The implementation's own single-device quantization of the full weight, if it has its
