@@ -29,9 +29,11 @@ test: $(SETUP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m 'not gpu' -p no:cacheprovider; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+# The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
+# more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
 test-multigpu: $(SETUP)
 	$(PY) -m harness gpu-check
-	$(PY) -m pytest -m gpu -p no:cacheprovider -rs
+	$(PY) -m pytest cases tests/gpu --device cuda -p no:cacheprovider -q -rs --qgather-summary
 
 selftest: $(SETUP)
 	$(PY) -m harness selftest

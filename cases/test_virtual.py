@@ -1,6 +1,7 @@
 """Virtual worlds: one process emulates FSDP2's chunking, padding and concatenation, for sweeps
 up to 1024 ranks that no pool could run."""
 
+from harness.cases import CaseSpec
 from harness.suite import Sweep
 
 SWEEP = Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8, 16, 64, 256, 1024))
@@ -8,3 +9,19 @@ SWEEP = Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4,
 
 def test_virtual(case, qgather):
     qgather.check(case)
+
+
+AGREEMENT = Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4))
+
+
+def test_virtual_agrees_with_real_gathers(qgather, request):
+    """On every size both can run, the emulated world gives the real gather's verdict."""
+    fmt = (request.config.getoption("--formats") or "nvfp4_2d").split(",")[0]
+    impls = [n for item in (request.config.getoption("--impl") or ["reference"]) for n in item.split(",")]
+    disagree = []
+    for real in AGREEMENT.cases(impls, formats=[fmt]):
+        virtual = CaseSpec(real.impl, real.fmt, real.shape, real.dtype, real.world_size, "virtual", real.seed)
+        a, b = qgather.run(real), qgather.run(virtual)
+        if a.verdict is not b.verdict:
+            disagree.append(f"{real.id}: real {a.verdict.value}, virtual {b.verdict.value}")
+    assert not disagree, "\n".join(disagree)

@@ -80,6 +80,28 @@ def cmd_case(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
+def cmd_gpu_check(argv: list[str]) -> int:
+    """What the GPU job will use: devices, backends, optional libraries. Exit 1 without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        print("qgather gpu-check: no GPU found (torch.cuda.is_available() is False); "
+              "run `make test` for the CPU suite", file=sys.stderr)
+        return 1
+    count = torch.cuda.device_count()
+    names = sorted({torch.cuda.get_device_name(i) for i in range(count)})
+    capability = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    print(f"gpus: {count} x {', '.join(names)} (sm {capability}); torch {torch.__version__}")
+    print(f"backends: nccl for world sizes <= {count} (one rank per GPU), gloo on CUDA tensors above")
+    for module in ("transformer_engine", "torchao"):
+        try:
+            version = getattr(importlib.import_module(module), "__version__", "?")
+            print(f"{module}: {version}")
+        except Exception as exc:  # noqa: BLE001 - report any import failure as one line
+            print(f"{module}: not available ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+    return 0
+
+
 def _shutdown_pools() -> None:
     try:
         from harness.runtime import shutdown_pools
@@ -96,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the case suite (extra arguments go to pytest)", add_help=False)
     sub.add_parser("case", help="run cases by id and print their reports", add_help=False)
+    sub.add_parser("gpu-check", help="list the GPUs, backends and optional libraries the GPU job uses")
     bench = sub.add_parser("bench", help="run benchmarks (formats, runtime); default: all")
     bench.add_argument("which", nargs="*")
     sub.add_parser("selftest", help="run the bug zoo and print how many mutants were caught",
@@ -115,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_run(rest)
     if command == "case":
         return cmd_case(rest)
+    if command == "gpu-check":
+        return cmd_gpu_check(rest)
     if command == "selftest":
         return cmd_module("harness.selftest", rest)
     if command == "golden":

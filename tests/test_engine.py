@@ -1,0 +1,68 @@
+"""End to end through the rank pools, and the one-line answers to bad input."""
+
+import subprocess
+import sys
+
+import pytest
+
+from harness.cases import CaseSpec
+from harness.engine import CaseInputError, RunOptions, run_case
+from harness.impls import UnknownImplementationError
+from harness.verdicts import Verdict
+
+CPU = RunOptions(backend="gloo", device="cpu")
+
+
+@pytest.mark.parametrize("case_id, verdict", [
+    ("reference:nvfp4_2d:128x64:bf16:ws2:gather:s0", Verdict.EXACT),
+    ("reference:fp8_tensor:10x64:fp32:ws4:reshard:s1", Verdict.EXACT),   # uneven shards, out= path
+    ("reference:fp8_block:255x128:bf16:ws2:steps:s0", Verdict.EXACT),    # uneven, partial 128-row tile
+    ("reference:mxfp8:4x32x64:bf16:ws3:gather:s0", Verdict.EXACT),       # 3-D experts, uneven split
+    ("reference:nvfp4_2d:136x64:bf16:ws8:gather:s0", Verdict.REJECTED),  # 17-row shards
+    ("reference:nvfp4_1d:128x40:bf16:ws2:gather:s0", Verdict.REJECTED),  # K the format cannot hold
+])
+def test_reference_verdicts(case_id, verdict):
+    report = run_case(CaseSpec.parse(case_id), CPU)
+    assert report.verdict is verdict, report.render()
+    assert report.passed
+
+
+def test_rejection_names_the_constraint():
+    report = run_case(CaseSpec.parse("reference:nvfp4_2d:136x64:bf16:ws8:gather:s0"), CPU)
+    assert "starts at row 17" in report.reason and "16-row scale block" in report.reason
+
+
+def test_nccl_without_gpus_is_skipped_with_a_reason():
+    report = run_case(CaseSpec.parse("reference:fp8_tensor:8x64:bf16:ws2:gather:s0"),
+                      RunOptions(backend="nccl", device="cpu"))
+    assert report.verdict is Verdict.SKIPPED and "nccl" in report.reason.lower()
+
+
+@pytest.mark.parametrize("case_id, error", [
+    ("reference:fp7:8x64:bf16:ws2:gather:s0", CaseInputError),
+    ("nosuch:fp8_tensor:8x64:bf16:ws2:gather:s0", UnknownImplementationError),
+    ("reference:fp8_tensor:8x64:bf16:ws128:gather:s0", CaseInputError),
+])
+def test_bad_cases_raise_one_clear_error(case_id, error):
+    with pytest.raises(error) as info:
+        run_case(CaseSpec.parse(case_id), CPU)
+    assert "\n" not in str(info.value)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_case_reproduces_and_sets_the_exit_code():
+    done = _cli("case", "reference:nvfp4_2d:64x64:bf16:ws2:virtual:s0")
+    assert done.returncode == 0 and "EXACT" in done.stdout
+    bad = _cli("case", "reference:fp7:8x64:bf16:ws2:gather:s0")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "unknown format 'fp7'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_pytest_options_are_validated_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pytest", "cases/test_alignment.py", "--formats", "fp7",
+                           "-p", "no:cacheprovider", "-q"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4 and "unknown format 'fp7'" in done.stderr

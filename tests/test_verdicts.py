@@ -1,0 +1,85 @@
+"""Classification rules on synthetic rank results (the end-to-end paths are in test_engine.py)."""
+
+from harness.cases import CaseSpec
+from harness.runtime import RankError
+from harness.verdicts import Verdict, classify_errors, classify_results, expectation
+
+SPEC = CaseSpec("reference", "nvfp4_2d", (128, 64), "bf16", 2, "gather")
+
+
+def stage(digest="d0", diffs=(), output_equal=True, quantized=True):
+    return {"label": "unshard 1", "quantized": quantized, "digest": digest, "buffer_diffs": list(diffs),
+            "dequantized": {"equal": not diffs, "n_diff": len(diffs), "max_abs": 0.0},
+            "output": {"equal": output_equal, "n_diff": 0 if output_equal else 3, "max_abs": 0.5}}
+
+
+def wire(**kw):
+    base = {"collective_bytes": 4608, "collectives": 1, "hook_calls": 1, "hook_outputs": [],
+            "high_precision_elements": 0, "shard_numel": 4096, "param_itemsize": 2, "packed_bytes": 4608}
+    return {**base, **kw}
+
+
+def results(*stages_per_rank, **wire_kw):
+    return [{"rank": r, "quantizer": None, "stages": [s], "wire": wire(**wire_kw)}
+            for r, s in enumerate(stages_per_rank)]
+
+
+def test_identical_exact_ranks_are_exact():
+    verdict, reason, details = classify_results(SPEC, results(stage(), stage()))
+    assert verdict is Verdict.EXACT and "1.00x the packed shard size" in details[0]
+
+
+def test_ranks_that_disagree_are_divergent_and_grouped():
+    verdict, _, details = classify_results(SPEC, results(stage("a"), stage("b")))
+    assert verdict is Verdict.RANK_DIVERGENCE and "[0]; [1]" in details[0]
+
+
+def test_agreeing_ranks_that_differ_from_golden_are_silent_mismatch():
+    diff = "rowwise_scale_inv: 3 of 1024 valid elements differ"
+    verdict, reason, _ = classify_results(SPEC, results(stage(diffs=[diff]), stage(diffs=[diff])))
+    assert verdict is Verdict.SILENT_MISMATCH and diff in reason
+
+
+def test_output_difference_alone_is_a_mismatch():
+    verdict, _, _ = classify_results(SPEC, results(stage(output_equal=False), stage(output_equal=False)))
+    assert verdict is Verdict.SILENT_MISMATCH
+
+
+def test_high_precision_on_the_wire_is_degraded_even_when_values_match():
+    verdict, reason, _ = classify_results(SPEC, results(stage(), stage(), high_precision_elements=4096))
+    assert verdict is Verdict.DEGRADED and "high-precision" in reason
+    verdict, reason, _ = classify_results(SPEC, results(stage(), stage(), hook_calls=0, collective_bytes=8192))
+    assert verdict is Verdict.DEGRADED and "no pre-all-gather hook" in reason
+
+
+def test_plain_tensor_after_gather_is_degraded():
+    plain = {"label": "unshard 1", "quantized": False, "values": {"equal": True}, "digest": "v"}
+    verdict, _, _ = classify_results(SPEC, results(plain, plain))
+    assert verdict is Verdict.DEGRADED
+
+
+def test_quantizer_disagreement_is_reported_after_an_exact_gather():
+    res = results(stage(), stage())
+    for r in res:
+        r["quantizer"] = ["scale_inv: 1 of 1 valid elements differ"]
+    verdict, _, details = classify_results(SPEC, res)
+    assert verdict is Verdict.QUANTIZER_MISMATCH and details == ["scale_inv: 1 of 1 valid elements differ"]
+
+
+def test_same_error_everywhere_is_rejected_partial_is_error():
+    err = RankError(0, "ValueError", "shard of 17 rows is not a multiple of 16", "")
+    verdict, reason, _ = classify_errors(SPEC, {0: err, 1: RankError(1, "ValueError", err.message, "")}, 2)
+    assert verdict is Verdict.REJECTED and "multiple of 16" in reason
+    verdict, reason, details = classify_errors(SPEC, {1: RankError(1, "AssertionError", "padded", "tb")}, 2)
+    assert verdict is Verdict.ERROR and reason.startswith("rank 1 raised AssertionError")
+    assert any("ranks 0 did not raise" in d for d in details)
+
+
+def test_policy():
+    aligned = expectation(SPEC)
+    assert aligned.aligned and aligned.accepts(Verdict.EXACT) and not aligned.accepts(Verdict.REJECTED)
+    split = expectation(CaseSpec("reference", "nvfp4_2d", (136, 64), "bf16", 8, "gather"))
+    assert not split.aligned and split.accepts(Verdict.REJECTED) and "row 17" in split.reason
+    assert not split.accepts(Verdict.SILENT_MISMATCH)
+    unholdable = expectation(CaseSpec("reference", "nvfp4_2d", (128, 40), "bf16", 2, "gather"))
+    assert not unholdable.aligned and "nvfp4_2d" in unholdable.reason
