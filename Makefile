@@ -6,6 +6,7 @@ VENV ?= .venv
 PY ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
+GPU_IMPLS ?= reference,torchao,te
 
 ifeq ($(PY),$(VENV)/bin/python)
 SETUP := $(STAMP)
@@ -26,14 +27,14 @@ run: $(SETUP)
 
 # pytest's exit 5 ("no tests collected") would be a broken suite: fail loudly on it.
 test: $(SETUP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m 'not gpu' -p no:cacheprovider; rc=$$?; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not gpu" -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
 test-multigpu: $(SETUP)
 	$(PY) -m harness gpu-check
-	$(PY) -m pytest cases tests/gpu --device cuda -p no:cacheprovider -q -rs --qgather-summary
+	$(PY) -m pytest cases tests/gpu --device cuda --impl $(GPU_IMPLS) -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
 
 selftest: $(SETUP)
 	$(PY) -m harness selftest
