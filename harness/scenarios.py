@@ -108,7 +108,7 @@ def inspect(
         stage["dequantized"] = compare_values(fmt.dequantize(gathered), golden.dequantized)
         if diffs:
             stage["where"] = locate(fmt, gathered, golden.q, shards)
-    stage["output"] = compare_values(impl.forward(param, x.to(param.dtype)), y_ref)
+    stage["output"] = compare_values(impl.forward(param, x.to(param.dtype)), y_ref, impl.output_tolerance(fmt.name))
     return stage
 
 

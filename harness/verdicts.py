@@ -21,7 +21,7 @@ class Verdict(str, enum.Enum):
     RANK_DIVERGENCE = "RANK_DIVERGENCE"  # ranks hold different gathered results
     DEGRADED = "DEGRADED"  # gathered in high precision (the wire moved bf16/fp32 values)
     QUANTIZER_MISMATCH = "QUANTIZER_MISMATCH"  # its own quantizer disagrees with the reference
-    ERROR = "ERROR"  # an exception on some ranks only (the others waited), or not the same one
+    ERROR = "ERROR"  # an exception on some ranks only (the others waited), not the same one, or an internal fault
     HANG = "HANG"
     CRASH = "CRASH"
     SKIPPED = "SKIPPED"
@@ -85,11 +85,20 @@ class CaseReport:
 
 
 # ------------------------------------------------------------------ classification
+# Exception types that say the implementation's own code broke (a None where a tensor belongs, a
+# missing attribute, a bad key or index), not that it refused a shape: never a rejection, even when
+# every rank raises the same one.
+INTERNAL_ERRORS = frozenset({"AttributeError", "TypeError", "NameError", "UnboundLocalError", "KeyError",
+                             "IndexError", "ZeroDivisionError", "RecursionError"})
+
+
 def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int) -> tuple[Verdict, str, list[str]]:
-    """Exceptions: the same one on every rank is a rejection; anything else is an ERROR."""
+    """Exceptions: the same one on every rank is a rejection, unless it is an internal fault
+    (INTERNAL_ERRORS); anything else is an ERROR."""
     first_lines = {rank: _first_line(e) for rank, e in errors.items()}
     messages = set(first_lines.values())
-    if len(errors) == world_size and len(messages) == 1:
+    internal = any(_type_name(e) in INTERNAL_ERRORS for e in errors.values())
+    if len(errors) == world_size and len(messages) == 1 and not internal:
         return Verdict.REJECTED, messages.pop(), []
     rank = min(errors)
     waiting = sorted(set(range(world_size)) - set(errors))
@@ -97,6 +106,9 @@ def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int) 
     details = [f"rank {r}: {m}" for r, m in sorted(first_lines.items())]
     if waiting:
         details.append(f"ranks {_ranks(waiting)} did not raise (they would wait in the collective)")
+    elif internal and len(messages) == 1:
+        details.append(f"every rank raised {_type_name(errors[rank])}: an internal fault of the "
+                       "implementation, not a rejection naming a constraint")
     tb = getattr(errors[rank], "traceback", "") or getattr(errors[rank], "traceback_text", "")
     if tb:
         details.append(f"rank {rank} traceback (last lines):")
@@ -104,8 +116,12 @@ def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int) 
     return Verdict.ERROR, reason, details
 
 
+def _type_name(error: object) -> str:
+    return getattr(error, "type_name", None) or type(error).__name__
+
+
 def _first_line(error: object) -> str:
-    type_name = getattr(error, "type_name", None) or type(error).__name__
+    type_name = _type_name(error)
     message = getattr(error, "message", None)
     if message is None:
         message = str(error)
@@ -131,7 +147,11 @@ def classify_results(spec: CaseSpec, results: list[dict]) -> tuple[Verdict, str,
     quantizer = results[0].get("quantizer")
     if quantizer:
         return Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference", quantizer
-    return Verdict.EXACT, "", _wire_details(results[0].get("wire"))
+    details = _wire_details(results[0].get("wire"))
+    tolerance = results[0]["stages"][0].get("output", {}).get("tolerance")
+    if tolerance:
+        details.append(f"layer output compared within {tolerance} (not bitwise: another GEMM kernel)")
+    return Verdict.EXACT, "", details
 
 
 def _classify_stage(stages: list[dict], results: list[dict], details: list[str]) -> tuple[Verdict, str]:
@@ -158,7 +178,8 @@ def _classify_stage(stages: list[dict], results: list[dict], details: list[str])
         return Verdict.SILENT_MISMATCH, "; ".join(stage["buffer_diffs"]) or "dequantized values differ"
     if not stage["output"]["equal"]:
         details.append(f"layer output: {stage['output']['n_diff']} elements differ, "
-                       f"max |diff| {stage['output']['max_abs']:.3g}")
+                       f"max |diff| {stage['output']['max_abs']:.3g}"
+                       + (f" (allowed: {stage['output']['tolerance']})" if "tolerance" in stage["output"] else ""))
         return Verdict.SILENT_MISMATCH, "layer output differs from the golden layer's"
     return Verdict.EXACT, ""
 

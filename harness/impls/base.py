@@ -80,6 +80,12 @@ class Implementation:
         """Entered around every unshard; e.g. a transport shim for a backend (harness.transport)."""
         return contextlib.nullcontext()
 
+    def output_tolerance(self, fmt: str) -> float | None:
+        """None: `forward` runs the same math as the golden layer and must match bit for bit.
+        Otherwise the relative bound (times max|golden output|) for an output computed by another
+        kernel (e.g. an FP8 GEMM); it is printed with every verdict that used it."""
+        return None
+
     def is_quantized(self, param: torch.Tensor) -> bool:
         """Whether `param` still is the implementation's quantized type (not a high-precision fallback)."""
         raise NotImplementedError
