@@ -83,3 +83,10 @@ def test_policy():
     assert not split.accepts(Verdict.SILENT_MISMATCH)
     unholdable = expectation(CaseSpec("reference", "nvfp4_2d", (128, 40), "bf16", 2, "gather"))
     assert not unholdable.aligned and "nvfp4_2d" in unholdable.reason
+
+
+def test_an_internal_fault_on_every_rank_is_an_error_not_a_rejection():
+    message = "'NoneType' object has no attribute 'dtype'"
+    errors = {r: RankError(r, "AttributeError", message, "") for r in (0, 1)}
+    verdict, _, details = classify_errors(SPEC, errors, 2)
+    assert verdict is Verdict.ERROR and any("internal fault" in d for d in details)

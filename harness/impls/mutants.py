@@ -1,0 +1,435 @@
+"""The bug zoo: one deliberately broken variant of the reference implementation per bug class of
+docs/bug-classes.md, so that the harness can prove it detects (and names) every one of them.
+
+Each mutant is the reference `QuantizedParam` with one small method overridden (or, where the
+bug lives in the optimizer-step path, one method of `ReferenceImplementation`), modelled on how
+that bug occurs in real FSDP2 hooks of TransformerEngine / torchao-style tensor subclasses; the
+docstring of each says which real failure it models. Every mutant's implementation class carries
+
+  bug_class       the number of the bug class in docs/bug-classes.md
+  expected        the verdict the harness must give it (harness.verdicts.Verdict)
+  catching_cases  case ids (with the mutant's own name) on which that verdict shows, while the
+                  reference passes the same case (see harness.selftest)
+
+`harness.impls` registers `FACTORIES`, so every mutant runs like any implementation:
+`qgather case mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from harness.formats import FORMATS
+from harness.formats import numerics as nx
+from harness.formats.nvfp4 import Nvfp4_1DFormat, Nvfp4_2DFormat
+from harness.impls.reference import QuantizedParam, ReferenceImplementation, _pack_bytes, aten
+from harness.verdicts import Verdict
+
+__all__ = ["FACTORIES", "MUTANTS", "Mutant"]
+
+
+class Mutant(ReferenceImplementation):
+    """Base of the zoo's implementations: the reference adapter with a broken parameter class."""
+
+    bug: str = ""
+    bug_class: int = 0
+    expected: Verdict = Verdict.EXACT
+    catching_cases: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.bug:
+            cls.name = f"mutant:{cls.bug}"
+
+
+def _cases(bug: str, *cases: str) -> tuple[str, ...]:
+    return tuple(f"mutant:{bug}:{case}" for case in cases)
+
+
+# ====================================================================== 1. misaligned shard
+class MisalignedShardParam(QuantizedParam):
+    """Models TransformerEngine's NVFP4 hooks without their `shard_M % 16 == 0` assertion.
+
+    Slicing the full weight's buffers at row 18 is still exact (the rowwise scales of 2D NVFP4
+    are stored per row), so the first all-gather looks fine. But the optimizer step re-quantizes
+    each 18-row shard on its own 16x16 tile grid, which starts at the shard's first row: the tiles
+    of every rank but the first straddle the global tiles, and the gathered weight silently carries
+    tile scales (and codes) computed over the wrong rows. (With 17-row shards the re-quantization
+    itself refuses: NVFP4 needs an even row count, the same FormatError on every rank.)"""
+
+    def _check_alignment(self, start_dim0: int, what: str) -> None:
+        # BUG: the shard-boundary check was dropped; shards may start inside a scale block.
+        return None
+
+
+class MisalignedShard(Mutant):
+    bug, bug_class = "misaligned_shard", 1
+    param_class = MisalignedShardParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_2d:144x64:bf16:ws8:steps:s0")
+
+
+# ====================================================================== 2. trim to fit
+class TrimToFitParam(MisalignedShardParam):
+    """Models a post-hook that "drops the padding" by cutting every gathered buffer to the entry
+    count the full shape implies, instead of failing on a mis-sized gather.
+
+    Built on the misaligned_shard mutant, whose misaligned nvfp4_1d gather is still caught by the
+    shape check (8 ranks x ceil(17/16) = 16 columnwise scale blocks arrive for a weight that has 9,
+    and 72 packed column pairs for 68: the same FormatError on every rank). The trim makes those
+    shapes fit: 7 scale blocks and 4 packed rows are silently discarded, the rest is scrambled."""
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        layout = metadata.layout
+        if layout.mode == "rows":
+            rows = math.prod(layout.full_shape[:-1])
+            # BUG: whatever arrived is cut to the expected entry count, never checked.
+            all_gather_outputs = tuple(
+                t[: self._entries(name, rows)] for (name, _, _), t in zip(layout.buffers, all_gather_outputs)
+            )
+        return super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+
+
+class TrimToFit(Mutant):
+    bug, bug_class = "trim_to_fit", 2
+    param_class = TrimToFitParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_1d:136x64:bf16:ws8:gather:s0")
+
+
+# ====================================================================== 3. slice ignores bounds
+class SliceIgnoresBoundsParam(QuantizedParam):
+    """Models a dispatch handler for `aten.slice` written for "FSDP2 only narrows a shard to
+    itself": it honours `start` but takes the slice to the end of the tensor, ignoring `end`.
+
+    FSDP2 pre-pads every shard (`new_zeros(padded)`), copies the rank's chunk into
+    `padded.narrow(0, 0, length)` and keeps that narrow as the local shard. On the ranks whose
+    chunk is shorter than the padded size (uneven shards) the narrow is the whole padded tensor,
+    so the copy sees mismatched shapes and raises on those ranks only; the others go on into the
+    all-gather and wait."""
+
+    def _slice(self, dim: int, start: int | None, end: int | None, step: int) -> QuantizedParam:
+        # BUG: `end` is ignored: the slice always runs to the end of dim 0.
+        return super()._slice(dim, start, None, step)
+
+
+class SliceIgnoresBounds(Mutant):
+    bug, bug_class = "slice_ignores_bounds", 3
+    param_class = SliceIgnoresBoundsParam
+    expected = Verdict.ERROR
+    catching_cases = _cases(bug, "nvfp4_2d:3x16x64:bf16:ws2:gather:s0")
+
+
+# ====================================================================== 4. missing usage
+class MissingUsageParam(QuantizedParam):
+    """Models TransformerEngine-style hooks on a weight whose rowwise usage was dropped to save
+    memory (`update_usage(rowwise_usage=False)`, e.g. once only the columnwise copy is needed for
+    the backward GEMMs): the pre-hook hands `_rowwise_data`, which is None, to the all-gather.
+    Every rank fails the same way, inside the hook, with an error that names no constraint."""
+
+    def _padded_wire(self, padded_rows: int) -> dict[str, torch.Tensor]:
+        wire = super()._padded_wire(padded_rows)
+        # BUG: the buffer of a usage the shard no longer holds goes on the wire as None.
+        wire["rowwise_data"] = None
+        return wire
+
+
+class MissingUsage(Mutant):
+    bug, bug_class = "missing_usage", 4
+    param_class = MissingUsageParam
+    expected = Verdict.ERROR
+    catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
+
+
+# ====================================================================== 5. columnwise not transposed
+class ColumnwiseNotTransposedParam(QuantizedParam):
+    """Models a post-hook that receives the columnwise data gathered along dim 0 (each rank's
+    rows of x, packed in pairs: (M/2, K)) and stores it in TransformerEngine's transposed
+    (K, M/2) columnwise buffer with a reshape, as if it had been gathered transposed: the shape
+    fits, the bytes are in row order instead of column order."""
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        result = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        param = out if out is not None else result[0]
+        stacked = param._rows["columnwise_data"]  # (M/2, K), the shards stacked along dim 0
+        # BUG: reshaped into the (K, M/2) slot instead of transposed back (stacked.t()).
+        param._te["columnwise_data"].copy_(stacked.reshape(param._te["columnwise_data"].shape))
+        return result
+
+
+class ColumnwiseNotTransposed(Mutant):
+    bug, bug_class = "columnwise_not_transposed", 5
+    param_class = ColumnwiseNotTransposedParam
+    formats = ("nvfp4_1d",)  # the format whose columnwise data is gathered
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws2:gather:s0")
+
+
+# ====================================================================== 6. per-rank amax
+class PerRankAmax(Mutant):
+    """Models a quantizer that re-quantizes each shard after the optimizer step with the shard's
+    own amax (TE's current-scaling quantizer without `with_amax_reduction`), while the pre-hook's
+    metadata carries the local rank's amax for the whole gathered tensor, as TE's NVFP4 hooks do.
+
+    The rows of magnitude 2^-6 and those of 2^6 now have different global scales, and every
+    rank's unsharded weight claims its own amax: the ranks disagree with each other (and with a
+    single-device quantization of the full weight)."""
+
+    bug, bug_class = "per_rank_amax", 6
+    expected = Verdict.RANK_DIVERGENCE
+    catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:steps:s0")
+
+    def _global_amax(self, local, master_rows, group):
+        if not local._glob:
+            return None
+        # BUG: the amax all-reduce across the shards is missing.
+        if not master_rows.numel():
+            return master_rows.new_zeros((), dtype=torch.float32)
+        return master_rows.detach().abs().amax().float()
+
+
+# ====================================================================== 7. columnwise derived in 1D
+class DeriveColumnwise1DParam(QuantizedParam):
+    """Models TransformerEngine 2.20.2's NVFP4 post-hook ("derives columnwise locally", by
+    transposing the rowwise tiles) applied to a 1D-scaled weight. Only 16x16 tiles transpose
+    exactly; with 1x16 blocks the result takes each 16-row group's first row of scales for the
+    whole group and never matches the columnwise quantization of x^T."""
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        result = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        param = out if out is not None else result[0]
+        rowwise = {n: param._rows[n] for n in FORMATS["nvfp4_2d"].rows_per_entry}
+        # BUG: the 2D derivation (transpose the rowwise tiles) on 1x16-block data.
+        derived = FORMATS["nvfp4_2d"].from_rows(rowwise, param._glob, param._shape)
+        for name in ("columnwise_data", "columnwise_scale_inv"):
+            param._te[name].copy_(derived.buffers[name])
+        return result
+
+
+class DeriveColumnwise1D(Mutant):
+    bug, bug_class = "derive_columnwise_1d", 7
+    param_class = DeriveColumnwise1DParam
+    formats = ("nvfp4_1d",)
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws2:gather:s0")
+
+
+# ====================================================================== 8. scale padding
+class _ColumnwiseScalesPaddedLikeRowwise:
+    """NVFP4 buffer specs with the M axis of the columnwise scales padded to a multiple of 128
+    (the rule for the rowwise scales' M axis) instead of 4."""
+
+    def buffer_specs(self, shape):
+        specs = super().buffer_specs(shape)
+        (k_rows, _), dtype = specs["columnwise_scale_inv"]
+        m_blocks = nx.ceil_div(math.prod(tuple(shape)[:-1]), 16)
+        specs["columnwise_scale_inv"] = ((k_rows, nx.round_up(m_blocks, 128)), dtype)
+        return specs
+
+
+class _MisPadded1D(_ColumnwiseScalesPaddedLikeRowwise, Nvfp4_1DFormat):
+    pass
+
+
+class _MisPadded2D(_ColumnwiseScalesPaddedLikeRowwise, Nvfp4_2DFormat):
+    pass
+
+
+_MISPADDED = {"nvfp4_1d": _MisPadded1D(), "nvfp4_2d": _MisPadded2D()}
+
+
+class ScalePaddingParam(QuantizedParam):
+    """Models a post-hook that re-pads the gathered columnwise scales to the wrong multiple: their
+    M axis (ceil(M/16) blocks) is rounded up to 128, the rule of the rowwise scales' M axis, where
+    TransformerEngine pads it to 4. The valid scales are intact; the buffer a GEMM would index
+    with TE's leading dimension is not."""
+
+    @classmethod
+    def from_weight(cls, fmt, weight):
+        # BUG: the re-layout after the gather (Format.from_rows) pads with the wrong buffer specs.
+        return super().from_weight(_MISPADDED.get(fmt.name, fmt), weight)
+
+
+class ScalePadding(Mutant):
+    bug, bug_class = "scale_padding", 8
+    param_class = ScalePaddingParam
+    formats = ("nvfp4_1d", "nvfp4_2d")
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
+
+
+# ====================================================================== 9. unpadded uneven shards
+class UnpaddedUnevenParam(QuantizedParam):
+    """Models TransformerEngine's Float8Tensor pre-hook, which returns the shard's own buffers
+    `(self._data,)` whatever the shard size. FSDP2 needs every input at the padded shard size when
+    shards are uneven; it checks that only on the ranks whose shard is short (the pytorch NOTE:
+    "this error can only be raised on the ranks that have padding"), so those ranks raise while
+    the full ranks enter the all-gather and wait for them."""
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        inputs, metadata = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        if metadata.layout.mode == "planes":
+            # BUG: uneven shards go on the wire as they are, unpadded.
+            return tuple(self._rows.values()), metadata
+        return inputs, metadata
+
+
+class UnpaddedUneven(Mutant):
+    bug, bug_class = "unpadded_uneven", 9
+    param_class = UnpaddedUnevenParam
+    expected = Verdict.ERROR
+    catching_cases = _cases(bug, "fp8_tensor:5x64:bf16:ws2:gather:s0")
+
+
+# ====================================================================== 10. stale out= path
+class StaleOutParam(QuantizedParam):
+    """Models the `out=` branch of a post-hook (second and later all-gathers) that refreshes the
+    gathered data but not the per-tensor values. In torchao's float8 hooks the data arrive in
+    place and that branch is a single `out._scale = scale; return`: without that line the
+    unsharded weight keeps the first all-gather's scale. After an optimizer step the weight is
+    then quantized with the new scale and dequantized with the old one."""
+
+    def _refresh(self, rows, glob, te) -> None:
+        for name, t in rows.items():
+            self._rows[name].copy_(t)
+        for name, t in te.items():
+            # BUG: the per-tensor values (scale_inv, amax) are not refreshed, here nor in _glob.
+            if name not in glob:
+                self._te[name].copy_(t)
+
+
+class StaleOut(Mutant):
+    bug, bug_class = "stale_out", 10
+    param_class = StaleOutParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:reshard:s0")
+
+
+# ====================================================================== 11. high-precision fallback
+class HpFallbackParam(QuantizedParam):
+    """Models a subclass without a `new_zeros` handler, whose dispatch runs every unhandled op on
+    the dequantized weight (TransformerEngine's QuantizedTensor: "Default op: dequantize and
+    perform op").
+
+    FSDP2 pre-pads each shard with `param.new_zeros(padded_size)` and copies the rank's chunk into
+    it: the padded shard is then a plain bf16 tensor holding the dequantized chunk, FSDP2 finds no
+    all-gather hooks on it, gathers bf16 and the layer computes with a bf16 weight. Every value can
+    still match the golden's dequantized weight; the bytes on the wire are bf16."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # BUG: new_zeros / new_empty have no handler and fall through to the high-precision path.
+        # (Ops whose first argument is a plain tensor, such as copy_ into that result, must take
+        # the same path: the reference's handlers expect a QuantizedParam there.)
+        if func in (aten.new_zeros.default, aten.new_empty.default) or not (
+            args and isinstance(args[0], QuantizedParam)
+        ):
+            def unwrap(t: QuantizedParam) -> torch.Tensor:
+                return t.dequantize().to(t.dtype).reshape(t.shape)
+
+            args, kwargs = tree_map_only(QuantizedParam, unwrap, (args, kwargs))
+            return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class HpFallback(Mutant):
+    bug, bug_class = "hp_fallback", 11
+    param_class = HpFallbackParam
+    expected = Verdict.DEGRADED
+    catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
+
+
+# ====================================================================== 12. nibble order
+def _pack_high_nibble_first(codes: torch.Tensor) -> torch.Tensor:
+    """torchao's old `pack_uint4` convention: element 2c in the HIGH nibble (TE puts it low)."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return torch.add(pairs[..., 1], pairs[..., 0], alpha=16)
+
+
+class NibbleSwapParam(QuantizedParam):
+    """Models a pre-hook that unpacks the shard's FP4 codes and re-packs them for the wire with
+    torchao's `pack_uint4` convention (first element in the high nibble), while the post-hook
+    reads TransformerEngine's (first element in the low nibble). Every byte whose two codes
+    differ is silently swapped; scales and amax are untouched."""
+
+    def _padded_wire(self, padded_rows: int) -> dict[str, torch.Tensor]:
+        wire = super()._padded_wire(padded_rows)
+        for name in ("rowwise_data", "columnwise_data"):
+            if name in wire and self._fmt.name.startswith("nvfp4"):
+                # BUG: re-packed high nibble first.
+                wire[name] = _pack_high_nibble_first(nx.unpack_nibbles(wire[name]))
+        return wire
+
+
+class NibbleSwap(Mutant):
+    bug, bug_class = "nibble_swap", 12
+    param_class = NibbleSwapParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
+
+
+# ====================================================================== 13. world size 1 path
+class Ws1PathParam(QuantizedParam):
+    """Models a world-size-1 fast path written apart from the multi-rank one. FSDP2 (torch 2.13)
+    hands only the first all-gather input to the post-hook at world size 1, so that path packs
+    every buffer into one flat byte input; this one serializes the buffers in name order
+    (columnwise before rowwise), while the parser it shares with the uneven-shard path reads them
+    in storage order. On 2+ ranks it is never taken; with nvfp4_2d (rowwise buffers only, already
+    in name order) it happens to be right."""
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        inputs, metadata = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        if metadata.layout.mode == "single":
+            wire = self._padded_wire(orig_size[0] * math.prod(orig_size[1:-1]))
+            # BUG: packed in sorted-name order; metadata.layout lists the storage order.
+            inputs = (_pack_bytes([wire[name] for name in sorted(wire)]),)
+        return inputs, metadata
+
+
+class Ws1Path(Mutant):
+    bug, bug_class = "ws1_path", 13
+    param_class = Ws1PathParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws1:gather:s0")
+
+
+# ====================================================================== 14. stale derived data
+class StaleDerived(Mutant):
+    """Models a transpose cache / columnwise copy that the optimizer-step path does not refresh
+    (TE's FP8 weights kept a `_transpose` cache that had to be invalidated whenever the data
+    changed): the shard is re-quantized for its rowwise usage only, so the columnwise data and
+    scales gathered after the step are still those of the initial weight, while the rowwise data
+    and the amax are new."""
+
+    bug, bug_class = "stale_derived", 14
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws2:steps:s0")
+
+    def requantize_shard(self, local, master_rows, group) -> None:
+        fmt = local._fmt
+        amax = self._global_amax(local, master_rows, group)
+        if master_rows.shape[0] == 0:
+            local._assign({}, self._glob_for_amax(fmt, master_rows, amax))
+            return
+        q = fmt.quantize(master_rows, amax=amax) if amax is not None else fmt.quantize(master_rows)
+        rows, glob = fmt.to_rows(q)
+        # BUG: only the rowwise buffers are written back; the columnwise copy keeps its old values.
+        local._assign({n: t for n, t in rows.items() if not n.startswith("columnwise")}, glob)
+
+
+MUTANTS: tuple[type[Mutant], ...] = tuple(
+    sorted(
+        (
+            MisalignedShard, TrimToFit, SliceIgnoresBounds, MissingUsage, ColumnwiseNotTransposed,
+            PerRankAmax, DeriveColumnwise1D, ScalePadding, UnpaddedUneven, StaleOut, HpFallback,
+            NibbleSwap, Ws1Path, StaleDerived,
+        ),
+        key=lambda m: m.bug_class,
+    )
+)
+
+FACTORIES: dict[str, type[Mutant]] = {m.name: m for m in MUTANTS}

@@ -1,0 +1,77 @@
+"""The bug zoo in `make test`: every mutant gets its expected verdict on its catching case while
+the reference passes the same case, and `qgather selftest` reports every mutant caught.
+
+Case reports are memoized per process (`harness.selftest.run`), so the summary test re-runs only
+the cases its xdist worker has not run yet."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import selftest
+from harness.cases import CaseSpec
+from harness.engine import expectation
+from harness.impls import available, get_impl
+from harness.impls.mutants import MUTANTS
+from harness.verdicts import CaseReport, Verdict
+
+FAILING_VERDICTS = {Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE, Verdict.DEGRADED, Verdict.ERROR,
+                    Verdict.QUANTIZER_MISMATCH, Verdict.HANG, Verdict.CRASH}
+
+
+def test_one_registered_mutant_per_bug_class():
+    assert sorted(m.bug_class for m in MUTANTS) == list(range(1, 15))
+    names = set(available())
+    for mutant in MUTANTS:
+        assert mutant.name == f"mutant:{mutant.bug}" and mutant.name in names
+        assert isinstance(get_impl(mutant.name), mutant)
+        assert mutant.expected in FAILING_VERDICTS, mutant.name
+        assert mutant.catching_cases and all(CaseSpec.parse(c).impl == mutant.name for c in mutant.catching_cases)
+        assert (mutant.__doc__ or mutant.param_class.__doc__ or "").strip(), f"{mutant.name} says what it models"
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.bug)
+def test_mutant_is_caught_with_its_verdict(mutant):
+    result = selftest.check_mutant(mutant)
+    for check in result.checks:
+        assert check.report.verdict is mutant.expected, check.report.render()
+        assert not check.report.passed, check.report.render()
+        assert selftest.reference_passes(check.reference), check.reference.render()
+    assert result.caught and result.line().endswith("  caught")
+
+
+def test_without_the_trim_a_misaligned_1d_gather_is_still_refused():
+    """trim_to_fit is misaligned_shard plus the trim: without it, the mis-sized gather (16 columnwise
+    scale blocks for 9) fails the shape check on every rank, a rejection the policy accepts."""
+    report = selftest.run("mutant:misaligned_shard:nvfp4_1d:136x64:bf16:ws8:gather:s0")
+    assert report.verdict is Verdict.REJECTED and report.passed, report.render()
+    assert "columnwise_data" in report.reason and "uint8(72, 64), expected torch.uint8(68, 64)" in report.reason
+
+
+def _report(case_id: str, verdict: Verdict) -> CaseReport:
+    spec = CaseSpec.parse(case_id)
+    return CaseReport(spec, verdict, "", expectation=expectation(spec))
+
+
+@pytest.mark.parametrize("reference_verdict, mutant_verdict, caught", [
+    (Verdict.EXACT, Verdict.SILENT_MISMATCH, True),
+    (Verdict.SILENT_MISMATCH, Verdict.SILENT_MISMATCH, False),  # the reference fails the case too
+    (Verdict.REJECTED, Verdict.SILENT_MISMATCH, False),  # aligned: a rejection is a failure
+    (Verdict.EXACT, Verdict.RANK_DIVERGENCE, False),  # caught, but not named as expected
+])
+def test_a_catch_needs_the_expected_verdict_and_a_passing_reference(reference_verdict, mutant_verdict, caught):
+    case = "mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0"
+    check = selftest.CaseCheck(case, _report(case, mutant_verdict),
+                               _report(selftest.reference_case(case), reference_verdict), Verdict.SILENT_MISMATCH)
+    assert check.caught is caught
+    assert ("reference fails this case too" in check.reference_line()) is (not check.reference.passed)
+
+
+def test_selftest_reports_every_mutant_caught(capsys):
+    rc = selftest.main(["--keep-pools"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"mutants caught: {len(MUTANTS)}/{len(MUTANTS)}" == "mutants caught: 14/14"
+    assert rc == 0
+    summary = [line for line in lines if line.startswith("mutant:")]
+    assert [line.split()[0] for line in summary] == [m.name for m in MUTANTS]
+    assert all(line.endswith("  caught") for line in summary)
