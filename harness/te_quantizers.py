@@ -3,7 +3,8 @@
 Used where TE is the producer (golden entries, the TE adapters' own quantization). Needs a CUDA
 GPU and transformer_engine; every function raises TEUnavailable with one line otherwise.
 NVFP4 goes through TE's kernel-free reference quantizer (custom_recipes.reference_nvfp4), since
-TE's NVFP4 kernels need sm_100; MXFP8 kernels likewise fail on sm_90 (TE raises, we pass it on).
+TE's NVFP4 kernels need sm_100. MXFP8 needs sm_100 too, and on sm_90 TE's quantize does not
+raise but returns garbage buffers (seen on an H200), so availability is checked first.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def make_quantizer(fmt: str):
         return block(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, amax_epsilon=0.0,
                      force_pow_2_scales=True, block_scaling_dim=2 if fmt == "fp8_block" else 1)
     if fmt == "mxfp8":
+        from transformer_engine.pytorch.quantization import is_mxfp8_available
+
+        available, reason = is_mxfp8_available(return_reason=True)
+        if not available:
+            raise TEUnavailable(f"TE MXFP8: {reason}")
         return mxfp8(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True)
     if fmt in ("nvfp4_1d", "nvfp4_2d"):
         return nvfp4_ref(dtype=reference_utils.Fp4Formats.E2M1, rowwise=True, columnwise=True,

@@ -1,0 +1,255 @@
+"""The Format interface, the QuantizedTensor container and input validation shared by all formats."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import numerics as nx
+
+#: Input dtypes every format accepts (TE's high-precision dtypes).
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FormatError(ValueError):
+    """A tensor (or a rebuilt buffer set) that a format cannot hold; the message is one line that
+    names the format and the constraint."""
+
+
+@dataclass(eq=False)
+class QuantizedTensor:
+    """TE-layout buffers of one quantized tensor.
+
+    format: the format name; shape: the original (unflattened) shape; buffers: name -> tensor
+    (names, dtypes, 2-D shapes and padding as TE 2.20.2, padding zero); valid: name -> the
+    region (tuple of slices) of each buffer that carries information.
+    """
+
+    format: str
+    shape: tuple[int, ...]
+    buffers: dict[str, torch.Tensor]
+    valid: dict[str, tuple[slice, ...]]
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.buffers.values())).device
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        return QuantizedTensor(self.format, self.shape,
+                               {k: v.to(device) for k, v in self.buffers.items()}, dict(self.valid))
+
+    def mismatches(self, other: QuantizedTensor, *, valid_only: bool = False) -> list[str]:
+        """One line per difference from `other` (format, shape, buffer set, dtype, shape, bits);
+        empty when both are bit-identical (in the valid regions only, if valid_only)."""
+        out: list[str] = []
+        if self.format != other.format:
+            out.append(f"format {self.format} != {other.format}")
+        if tuple(self.shape) != tuple(other.shape):
+            out.append(f"shape {tuple(self.shape)} != {tuple(other.shape)}")
+        if set(self.buffers) != set(other.buffers):
+            out.append(f"buffers {sorted(self.buffers)} != {sorted(other.buffers)}")
+            return out
+        for name, a in self.buffers.items():
+            b = other.buffers[name]
+            if a.dtype != b.dtype or a.shape != b.shape:
+                out.append(f"{name}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}")
+                continue
+            if valid_only:
+                a, b = a[self.valid[name]], b[self.valid[name]]
+            n = int((_bits(a) != _bits(b.to(a.device))).sum())
+            if n:
+                out.append(f"{name}: {n} elements differ")
+        return out
+
+    def bitwise_equal(self, other: QuantizedTensor, *, valid_only: bool = False) -> bool:
+        return not self.mismatches(other, valid_only=valid_only)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view of t's bits (so that -0.0 != 0.0 and NaN == NaN compare as bits)."""
+    if t.dtype.is_floating_point and t.element_size() == 4:
+        return t.view(torch.int32)
+    if t.dtype.is_floating_point and t.element_size() == 2:
+        return t.view(torch.int16)
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t
+
+
+def flat_dims(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(M, K) = (prod(shape[:-1]), shape[-1])."""
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def full(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
+
+
+class Format:
+    """One quantized weight format. Subclasses set the class attributes and implement the
+    `_quantize`, `_dequantize*`, `_to_rows`, `_from_rows`, `buffer_specs` and `valid_regions` hooks."""
+
+    name: str = ""
+    #: rows a shard must be a multiple of for exact gathers
+    row_block: int = 1
+    #: rows_per_entry of each key of to_rows()'s first dict
+    rows_per_entry: dict[str, int] = {}
+    #: keys of to_rows()'s second dict (per-tensor values)
+    glob_keys: tuple[str, ...] = ()
+    #: whether quantize() accepts amax= (per-tensor-scaled formats)
+    per_tensor: bool = False
+    #: whether there are columnwise buffers (dequantize_columnwise works)
+    has_columnwise: bool = True
+    #: K must be a multiple of this; M too if m_multiple is set
+    k_multiple: int = 1
+    m_multiple: int = 1
+    #: whether K == 0 is allowed (M == 0 always is: FSDP2 ranks may hold zero rows)
+    allow_empty_k: bool = False
+
+    # ---------------------------------------------------------------- validation
+
+    def check(self, shape, dtype: torch.dtype = torch.float32) -> None:
+        """Raise FormatError (one line: format + constraint) if this format cannot hold a tensor of
+        this shape and dtype."""
+        shape = tuple(int(s) for s in shape)
+        if dtype not in INPUT_DTYPES:
+            raise FormatError(f"{self.name}: dtype {dtype} is not supported "
+                              "(float32, bfloat16 or float16 required)")
+        if len(shape) < 2:
+            raise FormatError(f"{self.name}: a tensor of at least 2 dims is required, got shape {shape}")
+        m, k = flat_dims(shape)
+        if k == 0 and not self.allow_empty_k:
+            raise FormatError(f"{self.name}: K=0 (empty last dim) cannot be quantized, shape {shape}")
+        if k % self.k_multiple:
+            raise FormatError(f"{self.name}: K={k} must be a multiple of {self.k_multiple}")
+        if m % self.m_multiple:
+            raise FormatError(f"{self.name}: M={m} (rows = prod(shape[:-1])) must be a multiple "
+                              f"of {self.m_multiple}")
+
+    def _check_q(self, q: QuantizedTensor) -> tuple[int, int]:
+        if not isinstance(q, QuantizedTensor):
+            raise FormatError(f"{self.name}: expected a QuantizedTensor, got {type(q).__name__}")
+        if q.format != self.name:
+            raise FormatError(f"{self.name}: got a QuantizedTensor of format {q.format}")
+        return flat_dims(tuple(q.shape))
+
+    # ---------------------------------------------------------------- public API
+
+    def quantize(self, x: torch.Tensor, amax: torch.Tensor | float | None = None) -> QuantizedTensor:
+        """Quantize x ((..., K), float32/bfloat16/float16, any device) into TE's buffers.
+
+        amax (per-tensor-scaled formats only): the global max|x| to scale with instead of this
+        tensor's own (a shard re-quantized with the all-reduced amax then equals the slice of the
+        full quantization). Other formats raise FormatError (a ValueError) if it is given.
+        """
+        if not isinstance(x, torch.Tensor):
+            raise FormatError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
+        shape = tuple(x.shape)
+        self.check(shape, x.dtype)
+        if amax is not None and not self.per_tensor:
+            raise FormatError(f"{self.name}: amax= is only accepted by per-tensor-scaled formats "
+                              "(fp8_tensor*, nvfp4_*)")
+        m, k = flat_dims(shape)
+        with torch.no_grad():  # parameters (requires_grad) are quantized as plain data
+            x2 = x.detach().reshape(m, k).contiguous()
+            local = nx.global_abs_amax(x2)
+            if not bool(torch.isfinite(local).all()):
+                raise FormatError(f"{self.name}: input contains NaN or inf")
+            if amax is not None:
+                amax = self._check_amax(amax, x.device)
+            else:
+                amax = local
+            return self._quantize(x2, amax, shape)
+
+    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        """float32 tensor of q.shape from the rowwise buffers."""
+        self._check_q(q)
+        return self._dequantize(q).reshape(q.shape)
+
+    def dequantize_columnwise(self, q: QuantizedTensor) -> torch.Tensor:
+        """float32 tensor of q.shape from the columnwise buffers."""
+        self._check_q(q)
+        if not self.has_columnwise:
+            raise FormatError(f"{self.name}: this format has no columnwise buffers")
+        return self._dequantize_columnwise(q).reshape(q.shape)
+
+    def to_rows(self, q: QuantizedTensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(rows, glob): every buffer in row layout (dim 0 = groups of rows_per_entry[key] rows of
+        the flattened tensor, padding removed, contiguous) and the per-tensor values."""
+        self._check_q(q)
+        rows, glob = self._to_rows(q)
+        return ({k: v.contiguous() for k, v in rows.items()},
+                {k: v.contiguous() for k, v in glob.items()})
+
+    def from_rows(self, rows: dict[str, torch.Tensor], glob: dict[str, torch.Tensor],
+                  shape) -> QuantizedTensor:
+        """Rebuild the full TE-layout QuantizedTensor from to_rows()'s output for a tensor of
+        `shape`. Raises FormatError naming the buffer if any key, dtype or shape is wrong (a
+        mis-sized gather is an error, never trimmed or padded to fit)."""
+        shape = tuple(int(s) for s in shape)
+        self.check(shape, torch.float32)
+        self._check_layout("rows", rows, self.row_specs(shape))
+        self._check_layout("glob", glob, self.glob_specs())
+        return self._from_rows(rows, glob, shape)
+
+    def row_specs(self, shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Expected (shape, dtype) of each tensor of to_rows()'s first dict for a tensor of `shape`."""
+        raise NotImplementedError
+
+    def glob_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: ((1,), torch.float32) for k in self.glob_keys}
+
+    def buffer_specs(self, shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each TE buffer for a tensor of `shape`."""
+        raise NotImplementedError
+
+    def valid_regions(self, shape) -> dict[str, tuple[slice, ...]]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<Format {self.name} row_block={self.row_block}>"
+
+    # ---------------------------------------------------------------- helpers
+
+    def _check_amax(self, amax, device) -> torch.Tensor:
+        if not isinstance(amax, torch.Tensor):
+            amax = torch.tensor([float(amax)], dtype=torch.float32)
+        if amax.numel() != 1 or not amax.dtype.is_floating_point:
+            raise FormatError(f"{self.name}: amax must be a floating-point scalar tensor, "
+                              f"got {amax.dtype}{tuple(amax.shape)}")
+        amax = amax.detach().to(device=device, dtype=torch.float32).reshape(1)
+        if not bool(torch.isfinite(amax).all() & (amax >= 0).all()):
+            raise FormatError(f"{self.name}: amax must be finite and >= 0, got {float(amax[0])}")
+        return amax
+
+    def _check_layout(self, what: str, got: dict, specs: dict) -> None:
+        if not isinstance(got, dict) or set(got) != set(specs):
+            keys = sorted(got) if isinstance(got, dict) else type(got).__name__
+            raise FormatError(f"{self.name}: {what} keys {keys} != expected {sorted(specs)}")
+        for key, (shape, dtype) in specs.items():
+            t = got[key]
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                desc = f"{t.dtype}{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise FormatError(f"{self.name}: {what}[{key!r}] is {desc}, expected "
+                                  f"{dtype}{tuple(shape)}")
+
+    def _make(self, shape: tuple[int, ...], buffers: dict[str, torch.Tensor]) -> QuantizedTensor:
+        return QuantizedTensor(self.name, tuple(shape), buffers, self.valid_regions(shape))
+
+    # hooks
+    def _quantize(self, x2: torch.Tensor, amax: torch.Tensor, shape: tuple[int, ...]) -> QuantizedTensor:
+        raise NotImplementedError
+
+    def _dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dequantize_columnwise(self, q: QuantizedTensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _to_rows(self, q: QuantizedTensor):
+        raise NotImplementedError
+
+    def _from_rows(self, rows, glob, shape) -> QuantizedTensor:
+        raise NotImplementedError
