@@ -1,0 +1,42 @@
+"""Warm rank pools: run a case function on every rank of a process group, contain every failure.
+
+    spec = PoolSpec(backend="gloo", world_size=4, device="cpu")   # PoolSpec.auto(4) picks by GPUs
+    spec.validate()                                   # PoolSpecError: one line saying why not
+    out = get_pool(spec).run(fn, *args, timeout=30.0, case_id="...", seed=0)
+    out.status                                        # "ok" | "error" | "hang" | "crash"
+    out.results, out.errors, out.stacks, out.exit_codes, out.duration_s, out.summary()
+    shutdown_pools()                                  # also registered with atexit
+
+`fn(ctx: CaseContext, *args)` must be a module-level function; it runs on every rank after a
+barrier and `torch.manual_seed(seed)`, and returns something picklable (tensors come back on
+the CPU). A pool is per process (so per pytest-xdist worker) and per spec; its ranks start on
+the first case, stay warm, and are respawned on the next case after a hang, a crash, or an
+error that left some rank behind. Under torchrun/SLURM, get_pool returns an ExternalPool bound
+to the launcher's world instead, with the same `run`.
+
+Environment knobs: QGATHER_START_METHOD=spawn (instead of a forkserver with torch preloaded),
+QGATHER_GPU_SPLIT=0 (no GPU sharing-out between xdist workers), QGATHER_PIN_CPUS=0 (no CPU pinning
+of CPU ranks).
+"""
+
+from harness.runtime.external import ExternalPool, external_world, is_reporting_rank
+from harness.runtime.outcome import CaseOutcome, RankError
+from harness.runtime.pool import RankPool
+from harness.runtime.registry import get_pool, shutdown_pools
+from harness.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
+from harness.runtime.worker import CaseContext
+
+__all__ = [
+    "CaseContext",
+    "CaseOutcome",
+    "ExternalPool",
+    "PoolSpec",
+    "PoolSpecError",
+    "RankError",
+    "RankPool",
+    "external_world",
+    "get_pool",
+    "is_reporting_rank",
+    "shutdown_pools",
+    "visible_gpus",
+]

@@ -1,0 +1,165 @@
+"""What a case run returns: per-rank results, errors, stacks and exit codes, plus a summary."""
+
+from __future__ import annotations
+
+import re
+import signal
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+STATUSES = ("ok", "error", "hang", "crash")
+
+_THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # "[.../pair.cc:537] " from C++
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+@dataclass(frozen=True)
+class RankError:
+    """An exception raised by `fn` (or by the runtime around it) on one rank."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback_text: str = ""
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> RankError:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank, type(exc).__name__, str(exc), text)
+
+    def first_line(self, limit: int = 160) -> str:
+        lines = self.message.strip().splitlines()
+        if not lines:
+            return self.type_name
+        text = _SOURCE_PREFIX.sub("", lines[0])
+        if len(text) > limit:
+            text = text[: limit - 3] + "..."
+        return f"{self.type_name}: {text}"
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} raised {self.first_line()}"
+
+
+@dataclass
+class CaseOutcome:
+    """The verdict-neutral record of one case on every rank of a pool."""
+
+    status: str
+    results: list[Any]
+    errors: dict[int, RankError] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    duration_s: float = 0.0
+    case_id: str = ""
+    unfinished: tuple[int, ...] = ()  # ranks that neither returned, raised nor died
+    note: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.results)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def summary(self) -> str:
+        """One line for humans (the case id is not repeated: callers print it beside the summary)."""
+        head = {"ok": _summary_ok, "error": _summary_error, "hang": _summary_hang,
+                "crash": _summary_crash}[self.status](self)
+        return f"{head} ({self.note})" if self.note else head
+
+
+def format_ranks(ranks: list[int] | set[int]) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def where_blocked(stack_text: str) -> str:
+    """Name the call a rank is stuck in, from its faulthandler dump (all threads).
+
+    The interesting thread is the one running the case (it has a `run_case` frame); inside it,
+    the innermost torch.distributed frame says which collective it waits in.
+    """
+    for frames in _threads(stack_text):
+        if not any(func == "run_case" for _, _, func in frames):
+            continue
+        for file, _line, func in frames:  # innermost first
+            if "torch/distributed/" in file.replace("\\", "/"):
+                return f"waiting in a collective ({func})"
+        file, line, func = frames[0]
+        return f"in {func} ({file.rsplit('/', 1)[-1]}:{line})"
+    return "not running the case"
+
+
+def _threads(stack_text: str) -> list[list[tuple[str, int, str]]]:
+    threads: list[list[tuple[str, int, str]]] = []
+    for line in stack_text.splitlines():
+        if _THREAD_HEADER.match(line):
+            threads.append([])
+            continue
+        match = _FRAME.match(line)
+        if match and threads:
+            threads[-1].append((match["file"], int(match["line"]), match["func"]))
+    return [frames for frames in threads if frames]
+
+
+def _others(outcome: CaseOutcome) -> str:
+    """Group the ranks that did not report by where they were stuck."""
+    by_place: dict[str, list[int]] = {}
+    for rank in outcome.unfinished:
+        place = where_blocked(outcome.stacks[rank]) if rank in outcome.stacks else "did not report"
+        by_place.setdefault(place, []).append(rank)
+    return "; ".join(f"{_ranks_word(ranks)} {_were(ranks)} {place}" for place, ranks in by_place.items())
+
+
+def _ranks_word(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+
+
+def _were(ranks: list[int]) -> str:
+    return "was" if len(ranks) == 1 else "were"
+
+
+def _summary_ok(outcome: CaseOutcome) -> str:
+    return f"ok on {outcome.world_size} ranks in {outcome.duration_s * 1e3:.1f} ms"
+
+
+def _summary_error(outcome: CaseOutcome) -> str:
+    errors = list(outcome.errors.values())
+    first = errors[0]
+    same = {(e.type_name, e.message) for e in errors}
+    if len(errors) == outcome.world_size and len(same) == 1:
+        return f"every rank raised {first.first_line()}"
+    text = str(first)
+    if len(errors) > 1:
+        text += f" (also raised on {_ranks_word([e.rank for e in errors[1:]])})"
+    others = _others(outcome)
+    return f"{text} ({others})" if others else text
+
+
+def _summary_hang(outcome: CaseOutcome) -> str:
+    places = _others(outcome)
+    return f"HANG after {outcome.duration_s:.1f} s: {places or 'no rank reported'}"
+
+
+def _summary_crash(outcome: CaseOutcome) -> str:
+    deaths = "; ".join(f"rank {rank} {describe_exit(code)}" for rank, code in outcome.exit_codes.items())
+    text = f"CRASH: {deaths or 'a rank was lost'}"
+    if outcome.errors:
+        by_type: dict[str, list[RankError]] = {}
+        for error in outcome.errors.values():
+            by_type.setdefault(error.type_name, []).append(error)
+        then = "; ".join(f"{_ranks_word([e.rank for e in errors])} raised {errors[0].first_line(limit=80)}"
+                         for errors in by_type.values())
+        text += f" (then {then})"
+    return text

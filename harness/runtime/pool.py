@@ -1,0 +1,474 @@
+"""A warm pool of rank processes that runs one case at a time and contains every failure.
+
+The parent sends each case to every rank, then waits on the ranks' result pipes and process
+sentinels together, always with a deadline:
+
+* every rank replies                  -> "ok", or "error" (the pool stays warm after a health check)
+* a rank raises, another never replies -> "error" after a short grace, then the pool is aborted
+* a rank process dies                  -> "crash" with its exit code or signal, then aborted
+* the deadline passes                  -> "hang", then aborted
+
+Aborting sends SIGTERM, which makes each rank dump all its threads' Python stacks (faulthandler)
+into a per-rank file before it dies, then SIGKILL for anything left. The next case respawns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing import forkserver, resource_tracker
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from harness.runtime.outcome import CaseOutcome, RankError
+from harness.runtime.spec import PoolSpec, rank_cpus, threads_per_rank, worker_env
+from harness.runtime.worker import PICKLE_PROTOCOL, WorkerConfig, worker_main
+
+ERROR_GRACE_S = 0.4  # after a first failure, how long the other ranks get to report their own
+TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
+KILL_WAIT_S = 5.0
+HELPER_STOP_S = 5.0
+REAP_WAIT_S = 5.0  # a dead rank's exit status comes via the forkserver, a moment after its pipe closes
+STOP_WAIT_S = 5.0  # graceful stop: destroy_process_group and exit
+CHECK_TIMEOUT_S = 10.0
+# Collectives must never time out before the case deadline does: the parent decides, not gloo/NCCL.
+PG_TIMEOUT_S = 4 * 3600.0
+# Preloaded by the forkserver, so a (re)spawned rank starts without paying the torch import.
+FORKSERVER_PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch._dynamo",
+    "harness.runtime.worker",
+]
+
+_owned_helpers: dict[str, int | None] = {}  # multiprocessing helpers this runtime started
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: Any  # multiprocessing.process.BaseProcess
+    conn: Connection
+
+
+@dataclass
+class _Replies:
+    """What the ranks said (or did) in answer to one message."""
+
+    world_size: int
+    results: list[Any] = field(default_factory=list)
+    errors: dict[int, RankError] = field(default_factory=dict)
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    pending: set[int] = field(default_factory=set)
+    first_failure_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.results = [None] * self.world_size
+        self.pending = set(range(self.world_size))
+
+    def failed(self) -> None:
+        if self.first_failure_at is None:
+            self.first_failure_at = time.monotonic()
+
+    def wait_until(self, deadline: float) -> float:
+        if self.first_failure_at is None:
+            return deadline
+        return min(deadline, self.first_failure_at + ERROR_GRACE_S)
+
+    @property
+    def status(self) -> str:
+        if self.exit_codes:
+            return "crash"
+        if self.errors:
+            return "error"
+        return "hang" if self.pending else "ok"
+
+
+class RankPool:
+    """`world_size` rank processes in one process group, spawned on first use and reused."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        self.spec = spec.validate()
+        self.spawn_count = 0
+        self._ranks: list[_Rank] = []
+        self._tmpdir: str | None = None
+        self._checks = 0
+
+    @property
+    def started(self) -> bool:
+        return bool(self._ranks)
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.process.pid for r in self._ranks]
+
+    @property
+    def tmpdir(self) -> str | None:
+        return self._tmpdir
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            case_id: str = "", seed: int = 0) -> CaseOutcome:
+        """Run `fn(ctx, *args)` on every rank and report what happened; never raises for what
+        the case does (only for a case that cannot be sent, or a bad timeout or seed).
+
+        `timeout` (seconds) bounds the case itself, not the spawn of a cold pool; None: the
+        spec's default for its backend.
+        """
+        blob = _pickle_case(fn, args)
+        limit = _check_timeout(timeout, self.spec.case_timeout_s)
+        if not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if self._ranks and self._idle_rank_gone():
+            self._teardown()  # a rank died while idle (OOM killer, a stray signal): not this case's doing
+        if not self._ranks:
+            failure = self.start()
+            if failure is not None:
+                failure.case_id = case_id
+                return failure
+        start = time.monotonic()
+        try:
+            replies = self._exchange(_dumps(("case", case_id, seed, blob)), limit)
+            return self._conclude(replies, time.monotonic() - start, case_id)
+        except BaseException:
+            # Interrupted mid-case (Ctrl-C, a bug here): the ranks' late replies would be read as
+            # the next case's, so this pool's ranks cannot be trusted any more.
+            self._teardown()
+            raise
+
+    def _idle_rank_gone(self) -> bool:
+        # An idle rank sends nothing, so a readable pipe means EOF: the process is gone, even
+        # before a forkserver has reaped it and made its sentinel ready.
+        return bool(wait([w for r in self._ranks for w in (r.conn, r.process.sentinel)], timeout=0))
+
+    def start(self) -> CaseOutcome | None:
+        """Spawn the ranks and join the process group; returns the failure if that fails."""
+        if self._ranks:
+            return None
+        start = time.monotonic()
+        try:
+            self._spawn()
+            replies = self._collect(_Replies(self.spec.world_size), start + self.spec.startup_timeout_s)
+        except BaseException:
+            self._teardown()
+            raise
+        if replies.status == "ok":
+            return None
+        outcome = self._conclude(replies, time.monotonic() - start, "")
+        outcome.results = [None] * self.spec.world_size
+        outcome.note = f"pool startup failed for {self.spec}"
+        return outcome
+
+    def shutdown(self) -> None:
+        """Stop every rank (gracefully, then SIGTERM, then SIGKILL) and remove the temp dir."""
+        for r in self._ranks:
+            _send_quietly(r.conn, _dumps(("stop",)))
+        _wait_dead(self._ranks, STOP_WAIT_S)
+        self._teardown()
+
+    def __repr__(self) -> str:
+        state = f"pids={self.pids}" if self._ranks else "not started"
+        return f"RankPool({self.spec}, {state})"
+
+    # -- spawning -------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        context = _mp_context()
+        self._tmpdir = tempfile.mkdtemp(prefix="qgather-pool-")
+        threads = threads_per_rank(self.spec.world_size)
+        env = worker_env(self.spec, threads)
+        cpus = rank_cpus(self.spec)
+        for rank in range(self.spec.world_size):
+            config = WorkerConfig(
+                rank=rank, world_size=self.spec.world_size, backend=self.spec.backend,
+                device=self.spec.device, store_path=os.path.join(self._tmpdir, "store"),
+                stacks_path=self._stacks_path(rank), env=env, threads=threads, pg_timeout_s=PG_TIMEOUT_S,
+                cpus=cpus[rank],
+            )
+            parent_conn, child_conn = context.Pipe(duplex=True)
+            process = context.Process(target=worker_main, args=(config, child_conn),
+                                      name=f"qgather-rank{rank}", daemon=True)
+            process.start()
+            child_conn.close()
+            self._ranks.append(_Rank(rank, process, parent_conn))
+        self.spawn_count += 1
+
+    def _stacks_path(self, rank: int) -> str:
+        assert self._tmpdir is not None
+        return os.path.join(self._tmpdir, f"rank{rank}.stacks")
+
+    # -- talking to the ranks -------------------------------------------------------------
+
+    def _exchange(self, message: bytes, timeout: float) -> _Replies:
+        replies = _Replies(self.spec.world_size)
+        deadline = time.monotonic() + timeout
+        for r in self._ranks:
+            if not _send_quietly(r.conn, message):
+                self._bury(r, replies)
+        return self._collect(replies, deadline)
+
+    def _collect(self, replies: _Replies, deadline: float) -> _Replies:
+        owners: dict[Any, _Rank] = {}
+        for r in self._ranks:
+            owners[r.conn] = r
+            owners[r.process.sentinel] = r
+        while replies.pending:
+            remaining = replies.wait_until(deadline) - time.monotonic()
+            if remaining <= 0:
+                break
+            waitables = [w for r in self._ranks if r.rank in replies.pending
+                         for w in (r.conn, r.process.sentinel)]
+            for ready in wait(waitables, timeout=remaining):
+                r = owners[ready]
+                if r.rank not in replies.pending:
+                    continue
+                if ready is r.conn:
+                    self._receive(r, replies)
+                else:
+                    self._bury(r, replies)
+        return replies
+
+    def _receive(self, r: _Rank, replies: _Replies) -> None:
+        try:
+            data = r.conn.recv_bytes()
+        except (EOFError, OSError):
+            self._bury(r, replies)
+            return
+        self._record(r, data, replies)
+
+    def _record(self, r: _Rank, data: bytes, replies: _Replies) -> None:
+        replies.pending.discard(r.rank)
+        try:
+            kind, value = pickle.loads(data)
+        except Exception as exc:
+            kind, value = "error", RankError(r.rank, type(exc).__name__,
+                                             f"the parent could not unpickle this rank's reply: {exc}")
+        if kind in ("error", "init_error"):
+            replies.errors[r.rank] = value
+            replies.failed()
+        else:
+            replies.results[r.rank] = value
+
+    def _bury(self, r: _Rank, replies: _Replies) -> None:
+        """The rank's process is gone (or its pipe broke): a crash, unless it replied first."""
+        if self._last_reply(r, replies):
+            return
+        r.process.join(timeout=REAP_WAIT_S)
+        code = r.process.exitcode
+        replies.exit_codes[r.rank] = code if code is not None else -signal.SIGKILL
+        replies.pending.discard(r.rank)
+        replies.failed()
+
+    def _last_reply(self, r: _Rank, replies: _Replies) -> bool:
+        """A rank that replied and then exited (e.g. its startup error) is not a crash."""
+        try:
+            if not r.conn.poll(0):
+                return False
+            data = r.conn.recv_bytes()
+        except (EOFError, OSError):
+            return False
+        self._record(r, data, replies)
+        return True
+
+    # -- deciding -------------------------------------------------------------------------
+
+    def _conclude(self, replies: _Replies, duration: float, case_id: str) -> CaseOutcome:
+        outcome = CaseOutcome(
+            status=replies.status, results=replies.results, errors=replies.errors,
+            exit_codes=replies.exit_codes, duration_s=duration, case_id=case_id,
+            unfinished=tuple(sorted(replies.pending)),
+        )
+        if outcome.status == "ok":
+            return outcome
+        if replies.pending or replies.exit_codes or not self._healthy():
+            outcome.stacks = self._abort()
+        return outcome
+
+    def _healthy(self) -> bool:
+        """After a case failed on ranks that all replied: is the process group still in step?"""
+        self._checks += 1
+        replies = self._exchange(_dumps(("check", self._checks)), CHECK_TIMEOUT_S)
+        return replies.status == "ok"
+
+    def _abort(self) -> dict[int, str]:
+        """Kill every rank, keeping the stacks they dump on SIGTERM (and any fatal-signal dump)."""
+        alive = [r for r in self._ranks if r.process.is_alive()]
+        _signal_all(alive, signal.SIGTERM)
+        _wait_dead(alive, TERM_WAIT_S)
+        stacks = {}
+        for r in self._ranks:
+            text = _read_text(self._stacks_path(r.rank))
+            if text.strip():
+                stacks[r.rank] = text
+        self._teardown()
+        return stacks
+
+    def _teardown(self) -> None:
+        alive = [r for r in self._ranks if r.process.is_alive()]
+        _signal_all(alive, signal.SIGTERM)
+        _wait_dead(alive, TERM_WAIT_S)
+        left = [r for r in alive if r.process.is_alive()]
+        _signal_all(left, signal.SIGKILL)
+        _wait_dead(left, KILL_WAIT_S)
+        for r in self._ranks:
+            r.conn.close()
+            r.process.join(timeout=0.1)
+            try:
+                r.process.close()
+            except ValueError:  # still running after SIGKILL: leave it to multiprocessing's reaper
+                pass
+        self._ranks = []
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+def _pickle_case(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    if not callable(fn):
+        raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
+    try:
+        return _dumps((fn, args))
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"cannot send case {name} to the ranks (fn must be a module-level function "
+                        f"and args picklable): {exc}") from None
+
+
+def _check_timeout(timeout: float | None, default: float) -> float:
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
+
+
+def _send_quietly(conn: Connection, data: bytes) -> bool:
+    try:
+        conn.send_bytes(data)
+        return True
+    except (BrokenPipeError, ConnectionError, OSError):
+        return False
+
+
+def _signal_all(ranks: list[_Rank], signum: int) -> None:
+    for r in ranks:
+        _signal_pid(r.process.pid, signum)
+
+
+def _wait_dead(ranks: list[_Rank], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [r.process.sentinel for r in ranks if r.process.is_alive()]
+        remaining = deadline - time.monotonic()
+        if not alive or remaining <= 0:
+            return
+        wait(alive, timeout=remaining)
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _mp_context() -> Any:
+    """A forkserver that has torch preloaded, or plain spawn where that is not available.
+
+    Either way multiprocessing runs a resource tracker; what this runtime started, it stops.
+    """
+    tracker_started = _helper_pid("tracker") is None
+    context = _forkserver_context() or mp.get_context("spawn")
+    if tracker_started:
+        resource_tracker.ensure_running()
+        _owned_helpers["tracker"] = _helper_pid("tracker")
+    return context
+
+
+def _forkserver_context() -> Any:
+    method = os.environ.get("QGATHER_START_METHOD", "forkserver")
+    if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
+        return None
+    context = mp.get_context("forkserver")
+    server = forkserver._forkserver
+    started = _helper_pid("forkserver") is None
+    if started:
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    try:
+        with _nvml_cuda_checks():
+            server.ensure_running()
+    except Exception:
+        return None
+    if started:
+        _owned_helpers["forkserver"] = _helper_pid("forkserver")
+    return context
+
+
+@contextlib.contextmanager
+def _nvml_cuda_checks() -> Iterator[None]:
+    """Start the forkserver with torch's fork-safe (NVML) CUDA availability check.
+
+    Should anything it preloads ask torch.cuda.is_available(), the CUDA driver must not get
+    initialized there: every rank forked from it would inherit a driver it cannot use.
+    """
+    name = "PYTORCH_NVML_BASED_CUDA_CHECK"
+    previous = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def _helper_pid(name: str) -> int | None:
+    if name == "forkserver":
+        return getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
+
+
+def stop_helpers() -> None:
+    """Stop the forkserver and resource tracker if this runtime started them (they are our children).
+
+    Both exit as soon as their "alive" pipe closes, which is what their `_stop` does.
+    """
+    helpers = {"forkserver": forkserver._forkserver, "tracker": resource_tracker._resource_tracker}
+    for name, helper in helpers.items():
+        pid = _owned_helpers.pop(name, None)
+        stop = getattr(helper, "_stop", None)
+        if pid is not None and pid == _helper_pid(name) and stop is not None:
+            _bounded(stop, pid)
+
+
+def _bounded(stop: Callable[[], None], pid: int) -> None:
+    """Run a helper's `_stop` (which waits for the helper without a timeout) with a deadline:
+    a helper still there after HELPER_STOP_S is killed, which ends that wait."""
+    timer = threading.Timer(HELPER_STOP_S, _signal_pid, args=(pid, signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
+    try:
+        stop()
+    finally:
+        timer.cancel()
+
+
+def _signal_pid(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,42 @@
+"""One pool per (backend, world size, device) per process, and their teardown."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+
+from harness.runtime.external import ExternalPool, external_world
+from harness.runtime.pool import RankPool, stop_helpers
+from harness.runtime.spec import PoolSpec
+
+_pools: dict[PoolSpec, RankPool | ExternalPool] = {}
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def get_pool(spec: PoolSpec) -> RankPool | ExternalPool:
+    """The pool for `spec`, created on first request (its ranks start on its first case).
+
+    Under torchrun/SLURM this is an ExternalPool bound to the launcher's world instead.
+    """
+    global _atexit_registered
+    with _lock:
+        pool = _pools.get(spec)
+        if pool is None:
+            world = external_world()
+            pool = ExternalPool(spec, world) if world is not None else RankPool(spec)
+            _pools[spec] = pool
+            if not _atexit_registered:
+                atexit.register(shutdown_pools)
+                _atexit_registered = True
+        return pool
+
+
+def shutdown_pools() -> None:
+    """Stop every pool's ranks, remove their temp dirs, and stop the forkserver if ours."""
+    with _lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.shutdown()
+    stop_helpers()

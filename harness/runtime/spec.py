@@ -1,0 +1,167 @@
+"""What a pool is (backend, world size, device), how it is checked, and the GPUs it may use."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+BACKENDS = ("gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+
+# Case timeouts by backend: NCCL cases pay kernel launches, allocator warm-up and communicator
+# setup on their first collective, so they get more room than gloo on CPU.
+DEFAULT_CASE_TIMEOUT_S = {("gloo", "cpu"): 60.0, ("gloo", "cuda"): 90.0, ("nccl", "cuda"): 120.0}
+DEFAULT_STARTUP_TIMEOUT_S = {("gloo", "cpu"): 120.0, ("gloo", "cuda"): 180.0, ("nccl", "cuda"): 300.0}
+
+# The GPU host needs NVLink multicast off; an explicit setting in the environment wins.
+WORKER_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+class PoolSpecError(ValueError):
+    """A pool that cannot exist here; the message is one line that says why."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    backend: str = "gloo"
+    world_size: int = 2
+    device: str = "cpu"
+
+    def validate(self) -> PoolSpec:
+        problem = self._problem()
+        if problem:
+            raise PoolSpecError(f"{self}: {problem}")
+        return self
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.backend, self.device)
+
+    @property
+    def case_timeout_s(self) -> float:
+        return DEFAULT_CASE_TIMEOUT_S[self.key]
+
+    @property
+    def startup_timeout_s(self) -> float:
+        return DEFAULT_STARTUP_TIMEOUT_S[self.key]
+
+    @classmethod
+    def auto(cls, world_size: int) -> PoolSpec:
+        """NCCL with one rank per GPU when there are enough GPUs, else gloo (on CUDA if any)."""
+        gpus = len(visible_gpus())
+        if gpus >= world_size:
+            return cls("nccl", world_size, "cuda")
+        return cls("gloo", world_size, "cuda" if gpus else "cpu")
+
+    def __str__(self) -> str:
+        return f"PoolSpec({self.backend}, world_size={self.world_size}, device={self.device})"
+
+    def _problem(self) -> str:
+        problem = self.shape_problem()
+        if problem or self.device != "cuda":
+            return problem
+        return _gpu_problem(self.backend, self.world_size, len(visible_gpus()))
+
+    def shape_problem(self) -> str:
+        """What is wrong with the spec itself, whatever the hardware ("" if nothing)."""
+        if self.backend not in BACKENDS:
+            return f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}"
+        if self.device not in DEVICES:
+            return f"unknown device {self.device!r}; choose from {', '.join(DEVICES)}"
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool):
+            return f"world size must be an int, got {type(self.world_size).__name__}"
+        if self.world_size < 1:
+            return f"world size must be >= 1, got {self.world_size}"
+        if self.backend == "nccl" and self.device != "cuda":
+            return "nccl needs device='cuda'"
+        return ""
+
+
+def _gpu_problem(backend: str, world_size: int, gpus: int) -> str:
+    if gpus == 0:
+        return f"{backend} on cuda needs a GPU, but none is visible{_share_note()}"
+    if backend == "nccl" and world_size > gpus:
+        return (f"nccl runs one rank per GPU: {world_size} ranks but {gpus} visible GPU(s){_share_note()}; "
+                "use gloo on cuda for more ranks than GPUs")
+    return ""
+
+
+def _share_note() -> str:
+    count, _ = _xdist_slot()
+    return f" (this pytest-xdist worker's share of {count} workers)" if count > 1 else ""
+
+
+def _xdist_slot() -> tuple[int, int]:
+    """(number of pytest-xdist workers, this worker's index); (1, 0) outside xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (name.startswith("gw") and name[2:].isdigit() and count.isdigit()):
+        return 1, 0
+    return max(1, int(count)), int(name[2:])
+
+
+def _parent_gpu_names() -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries for a child process."""
+    try:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        count = 0
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(count)]
+    return [name.strip() for name in listed.split(",") if name.strip()][:count]
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process's pools may use (CUDA_VISIBLE_DEVICES entries for the workers).
+
+    Under pytest-xdist with several GPUs, the GPUs are dealt round-robin to the xdist workers so
+    that two workers never put NCCL ranks on the same GPU; QGATHER_GPU_SPLIT=0 turns that off.
+    """
+    names = _parent_gpu_names()
+    count, index = _xdist_slot()
+    if count == 1 or len(names) < 2 or os.environ.get("QGATHER_GPU_SPLIT", "1") == "0":
+        return names
+    if len(names) >= count:
+        return [name for i, name in enumerate(names) if i % count == index]
+    return [names[index % len(names)]]
+
+
+def worker_env(spec: PoolSpec, threads: int) -> dict[str, str]:
+    """Environment for a pool's workers: the parent's, plus what the runtime needs."""
+    env = dict(os.environ)
+    for name, value in WORKER_ENV_DEFAULTS.items():
+        env.setdefault(name, value)
+    # All ranks of a pool are local; loopback avoids hosts whose hostname resolves to nothing usable.
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["OMP_NUM_THREADS"] = str(threads)
+    if spec.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus())
+    return env
+
+
+def threads_per_rank(world_size: int) -> int:
+    count, _ = _xdist_slot()
+    return max(1, (os.cpu_count() or 1) // (world_size * count))
+
+
+def rank_cpus(spec: PoolSpec) -> list[tuple[int, ...]]:
+    """A disjoint CPU slice per CPU rank (wrapping round when ranks outnumber CPUs).
+
+    On a small machine the ranks outnumber the cores, and letting the scheduler migrate their
+    gloo threads costs more than the collectives themselves. GPU ranks are left alone (their
+    NUMA placement is the GPU's business); QGATHER_PIN_CPUS=0 turns pinning off.
+    """
+    if spec.device != "cpu" or os.environ.get("QGATHER_PIN_CPUS", "1") == "0" \
+            or not hasattr(os, "sched_getaffinity"):
+        return [()] * spec.world_size
+    allowed = sorted(os.sched_getaffinity(0))
+    count, index = _xdist_slot()
+    per_rank = max(1, len(allowed) // (spec.world_size * count))
+    slots = []
+    for rank in range(spec.world_size):
+        first = (index * spec.world_size + rank) * per_rank
+        slots.append(tuple(allowed[(first + i) % len(allowed)] for i in range(per_rank)))
+    return slots

@@ -1,0 +1,237 @@
+"""The rank side of a pool: one process per rank, serving cases sent down its pipe.
+
+Messages are pickled by the runtime itself (not by multiprocessing's ForkingPickler) so that
+tensors travel inline instead of through torch's shared-memory file-descriptor passing, which
+would need a resource-sharer thread and socket in every process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import os
+import pickle
+import random
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.runtime.outcome import RankError
+
+PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_PR_SET_PDEATHSIG = 1
+
+
+class CaseContext:
+    """What a case function gets on each rank. Built inside the worker; never pickled."""
+
+    def __init__(self, rank: int, world_size: int, backend: str, device: torch.device,
+                 group: dist.ProcessGroup, seed: int, case_id: str,
+                 mesh_factory: Callable[[], Any]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.group = group
+        self.seed = seed
+        self.case_id = case_id
+        self._mesh_factory = mesh_factory
+
+    @property
+    def mesh(self) -> Any:
+        """A 1-D DeviceMesh over all ranks (for fully_shard), built on first use and cached."""
+        return self._mesh_factory()
+
+    def __repr__(self) -> str:
+        return (f"CaseContext(rank={self.rank}, world_size={self.world_size}, backend={self.backend}, "
+                f"device={self.device}, seed={self.seed}, case_id={self.case_id!r})")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    store_path: str
+    stacks_path: str
+    env: dict[str, str]
+    threads: int
+    pg_timeout_s: float
+    cpus: tuple[int, ...] = ()  # pin the rank to these CPUs (empty: leave it to the scheduler)
+
+
+@dataclass
+class _RankState:
+    config: WorkerConfig
+    device: torch.device
+    group: dist.ProcessGroup
+    meshes: dict[str, Any] = field(default_factory=dict)
+    token: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
+
+    def barrier(self) -> None:
+        # On gloo a one-element all_reduce synchronizes like dist.barrier() (no rank leaves before
+        # every rank arrived) at half its cost; NCCL's barrier is already such an all_reduce.
+        if self.config.backend == "gloo":
+            dist.all_reduce(self.token)
+        else:
+            dist.barrier()
+
+    def mesh(self) -> Any:
+        if "world" not in self.meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.meshes["world"] = init_device_mesh(self.device.type, (self.config.world_size,))
+        return self.meshes["world"]
+
+
+_keep_alive: list[Any] = []  # faulthandler writes to this file from a signal handler
+
+
+def worker_main(config: WorkerConfig, conn: Connection) -> None:
+    """Entry point of a rank process: set up, join the process group, then serve cases."""
+    _prepare_process(config)
+    try:
+        state = _join_group(config)
+    except BaseException as exc:  # report, then exit: the parent treats it as a failed start
+        _send(conn, ("init_error", RankError.from_exception(config.rank, exc)))
+        return
+    _send(conn, ("ready", os.getpid()))
+    _serve(state, conn)
+
+
+def _prepare_process(config: WorkerConfig) -> None:
+    # A forkserver child inherits the forkserver's environment, not the parent's current one.
+    os.environ.update(config.env)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _die_with_parent()
+    stacks = open(config.stacks_path, "w")
+    _keep_alive.append(stacks)
+    faulthandler.enable(file=stacks, all_threads=True)
+    # SIGTERM dumps every thread's stack, then terminates: the parent's abort doubles as a snapshot.
+    faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
+    torch.set_num_threads(config.threads)
+    if config.cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, config.cpus)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if its parent dies, so no rank outlives a killed pytest.
+
+    The parent is the forkserver (which exits with pytest), or, with spawn, the thread that
+    started the pool: under QGATHER_START_METHOD=spawn, start pools from a long-lived thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _bind_device(config: WorkerConfig) -> torch.device:
+    if config.device == "cpu":
+        return torch.device("cpu")
+    if torch.cuda._is_in_bad_fork():
+        raise RuntimeError("this rank was forked from a process with CUDA initialized; "
+                           "run with QGATHER_START_METHOD=spawn")
+    index = config.rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _join_group(config: WorkerConfig) -> _RankState:
+    device = _bind_device(config)
+    store = dist.FileStore(config.store_path, config.world_size)
+    dist.init_process_group(
+        config.backend, store=store, rank=config.rank, world_size=config.world_size,
+        timeout=datetime.timedelta(seconds=config.pg_timeout_s),
+        device_id=device if config.backend == "nccl" else None,
+    )
+    dist.barrier()
+    return _RankState(config, device, dist.group.WORLD)
+
+
+def _serve(state: _RankState, conn: Connection) -> None:
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())  # blocks: no polling between cases
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if message[0] == "stop":
+            break
+        reply = run_case(state, *message[1:]) if message[0] == "case" else _check(state, message[1])
+        if not _send_bytes(conn, reply):
+            break
+    dist.destroy_process_group()
+
+
+def run_case(state: _RankState, case_id: str, seed: int, blob: bytes) -> bytes:
+    """Barrier, seed, run the case function, and pickle its reply (this name is looked for in stacks)."""
+    config = state.config
+    try:
+        fn, args = pickle.loads(blob)
+        state.barrier()
+        torch.manual_seed(seed)
+        random.seed(seed)
+        ctx = CaseContext(config.rank, config.world_size, config.backend, state.device, state.group,
+                          seed, case_id, state.mesh)
+        result = to_cpu(fn(ctx, *args))
+    except BaseException as exc:  # the case's failure is data: report it, keep serving
+        return _dumps(("error", RankError.from_exception(config.rank, exc)))
+    try:
+        return _dumps(("ok", result))
+    except Exception as exc:
+        error = RankError(config.rank, type(exc).__name__,
+                          f"result of {getattr(fn, '__qualname__', fn)} is not picklable: {exc}")
+        return _dumps(("error", error))
+
+
+def _check(state: _RankState, sequence: int) -> bytes:
+    """A collective every rank must complete after a failed case before the pool is trusted again."""
+    try:
+        mine = torch.tensor([sequence], device=state.device)
+        gathered = [torch.zeros_like(mine) for _ in range(state.config.world_size)]
+        dist.all_gather(gathered, mine)
+        if any(int(t.item()) != sequence for t in gathered):
+            raise RuntimeError(f"health check out of step: {[int(t.item()) for t in gathered]}")
+        return _dumps(("ok", None))
+    except BaseException as exc:
+        return _dumps(("error", RankError.from_exception(state.config.rank, exc)))
+
+
+def to_cpu(value: Any) -> Any:
+    """Move tensors in a (nested) result to the CPU, compacting views so only their data travels."""
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+        tensor = value.detach().cpu()
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+        return tensor
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(to_cpu(item) for item in value)
+    return value
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
+
+
+def _send(conn: Connection, obj: Any) -> bool:
+    return _send_bytes(conn, _dumps(obj))
+
+
+def _send_bytes(conn: Connection, data: bytes) -> bool:
+    try:
+        conn.send_bytes(data)
+        return True
+    except (BrokenPipeError, OSError):
+        return False

@@ -1,0 +1,315 @@
+"""The rank-pool runtime on its good paths: specs, contexts, results, reuse, FSDP2, and outcomes.
+
+Case functions live at module level: the ranks import this module to unpickle them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.runtime import (
+    CaseOutcome,
+    PoolSpec,
+    PoolSpecError,
+    RankError,
+    RankPool,
+    external_world,
+    get_pool,
+    is_reporting_rank,
+    shutdown_pools,
+)
+from harness.runtime import spec as spec_module
+from harness.runtime.external import ExternalPool
+from harness.runtime.outcome import where_blocked
+
+GLOO2 = PoolSpec("gloo", 2, "cpu")
+GLOO4 = PoolSpec("gloo", 4, "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pools_after_module():
+    yield
+    shutdown_pools()
+
+
+# -- case functions (run on every rank) ---------------------------------------------------------
+
+
+def gather_ranks(ctx):
+    mine = torch.tensor([ctx.rank])
+    gathered = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, mine, group=ctx.group)
+    return [int(t) for t in gathered]
+
+
+def describe_context(ctx):
+    return {
+        "rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
+        "seed": ctx.seed, "case_id": ctx.case_id, "group_size": ctx.group.size(),
+        "is_world": ctx.group == dist.group.WORLD, "pid": os.getpid(),
+    }
+
+
+def random_draw(ctx):
+    return torch.rand(4)
+
+
+def worker_environment(ctx, names):
+    return {name: os.environ.get(name) for name in names}
+
+
+def fsdp2_shard_and_unshard(ctx):
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Linear(16, 8)  # same init on every rank: the runtime seeded them alike
+    reference = model.weight.detach().clone()
+    fully_shard(model, mesh=ctx.mesh)
+    local_rows = model.weight.to_local().shape[0]
+    model.unshard()
+    full = model.weight.detach().clone()
+    model.reshard()
+    return {"local_rows": local_rows, "matches": bool(torch.equal(full, reference)),
+            "mesh_cached": ctx.mesh is ctx.mesh}
+
+
+def view_of_big_tensor(ctx):
+    return {"slice": torch.arange(1_000_000, dtype=torch.float32)[ctx.rank: ctx.rank + 2]}
+
+
+def unpicklable_result(ctx):
+    return lambda: None
+
+
+# -- specs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, words", [
+    (PoolSpec("gloo", 0, "cpu"), "world size must be >= 1"),
+    (PoolSpec("gloo", -2, "cpu"), "world size must be >= 1"),
+    (PoolSpec("gloo", "4", "cpu"), "world size must be an int"),
+    (PoolSpec("mpi", 2, "cpu"), "unknown backend 'mpi'"),
+    (PoolSpec("gloo", 2, "tpu"), "unknown device 'tpu'"),
+    (PoolSpec("nccl", 2, "cpu"), "nccl needs device='cuda'"),
+])
+def test_bad_spec_is_one_clear_line(spec, words):
+    with pytest.raises(PoolSpecError, match=words) as info:
+        spec.validate()
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.fixture
+def outside_xdist(monkeypatch):
+    """GPU sharing between xdist workers is tested on its own; keep it out of the other GPU tests."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_cuda_spec_without_gpus_is_refused(outside_xdist, monkeypatch, backend):
+    monkeypatch.setattr(spec_module, "_parent_gpu_names", lambda: [])
+    with pytest.raises(PoolSpecError, match="needs a GPU, but none is visible"):
+        PoolSpec(backend, 2, "cuda").validate()
+
+
+def test_more_nccl_ranks_than_gpus_is_refused(outside_xdist, monkeypatch):
+    monkeypatch.setattr(spec_module, "_parent_gpu_names", lambda: ["0", "1"])
+    with pytest.raises(PoolSpecError, match="4 ranks but 2 visible GPU"):
+        PoolSpec("nccl", 4, "cuda").validate()
+    assert PoolSpec("gloo", 4, "cuda").validate()  # gloo shares GPUs between ranks
+
+
+def test_get_pool_refuses_bad_spec_before_spawning():
+    with pytest.raises(PoolSpecError):
+        get_pool(PoolSpec("gloo", 0, "cpu"))
+
+
+def test_gpus_are_dealt_to_xdist_workers(monkeypatch):
+    monkeypatch.setattr(spec_module, "_parent_gpu_names", lambda: ["0", "1", "2", "3"])
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert spec_module.visible_gpus() == ["1", "3"]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "8")
+    assert spec_module.visible_gpus() == ["1"]
+    monkeypatch.setenv("QGATHER_GPU_SPLIT", "0")
+    assert spec_module.visible_gpus() == ["0", "1", "2", "3"]
+
+
+def test_auto_spec_follows_the_gpus(outside_xdist, monkeypatch):
+    monkeypatch.setattr(spec_module, "_parent_gpu_names", lambda: [])
+    assert PoolSpec.auto(4) == PoolSpec("gloo", 4, "cpu")
+    monkeypatch.setattr(spec_module, "_parent_gpu_names", lambda: ["0", "1"])
+    assert PoolSpec.auto(2) == PoolSpec("nccl", 2, "cuda")
+    assert PoolSpec.auto(8) == PoolSpec("gloo", 8, "cuda")
+
+
+# -- running cases --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [GLOO2, GLOO4], ids=["ws2", "ws4"])
+def test_every_rank_returns_its_result(spec):
+    out = get_pool(spec).run(gather_ranks, case_id="gather")
+    assert out.status == "ok", out.summary()
+    assert out.results == [list(range(spec.world_size))] * spec.world_size
+    assert out.errors == {} and out.stacks == {} and out.exit_codes == {}
+    assert out.case_id == "gather" and out.duration_s > 0
+    assert "ok on" in out.summary()
+
+
+def test_context_describes_the_rank():
+    out = get_pool(GLOO2).run(describe_context, case_id="ctx:1", seed=7)
+    assert out.status == "ok", out.summary()
+    for rank, info in enumerate(out.results):
+        assert info["rank"] == rank
+        assert (info["world_size"], info["backend"], info["device"]) == (2, "gloo", "cpu")
+        assert (info["seed"], info["case_id"], info["group_size"], info["is_world"]) == (7, "ctx:1", 2, True)
+
+
+def test_pool_is_warm_and_reused():
+    pool = get_pool(GLOO2)
+    assert get_pool(PoolSpec("gloo", 2, "cpu")) is pool
+    assert get_pool(GLOO4) is not pool
+    first = pool.run(describe_context)
+    spawns = pool.spawn_count
+    second = pool.run(describe_context)
+    assert [r["pid"] for r in first.results] == [r["pid"] for r in second.results] == pool.pids
+    assert pool.spawn_count == spawns
+
+
+def test_seed_is_applied_on_every_rank():
+    pool = get_pool(GLOO2)
+    a = pool.run(random_draw, seed=5).results
+    b = pool.run(random_draw, seed=5).results
+    c = pool.run(random_draw, seed=6).results
+    assert torch.equal(a[0], a[1]) and torch.equal(a[0], b[0])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_workers_get_the_runtime_environment(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    monkeypatch.setenv("QGATHER_TEST_MARKER", "from-parent")
+    pool = RankPool(PoolSpec("gloo", 1, "cpu"))  # the environment is taken when the ranks spawn
+    names = ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "GLOO_SOCKET_IFNAME", "QGATHER_TEST_MARKER"]
+    try:
+        out = pool.run(worker_environment, names)
+    finally:
+        pool.shutdown()
+    assert out.results[0] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                              "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+                              "QGATHER_TEST_MARKER": "from-parent"}
+
+
+def test_fsdp2_fully_shard_and_unshard_on_the_mesh():
+    out = get_pool(GLOO4).run(fsdp2_shard_and_unshard, seed=3)
+    assert out.status == "ok", out.summary()
+    assert out.results == [{"local_rows": 2, "matches": True, "mesh_cached": True}] * 4
+
+
+def test_tensor_results_come_back_compact():
+    out = get_pool(GLOO2).run(view_of_big_tensor)
+    assert out.status == "ok", out.summary()
+    for rank, result in enumerate(out.results):
+        assert result["slice"].tolist() == [rank, rank + 1]
+        assert result["slice"].untyped_storage().nbytes() == 8
+
+
+def test_unpicklable_result_is_that_ranks_error():
+    pool = get_pool(GLOO2)
+    pids = pool.run(describe_context).results
+    out = pool.run(unpicklable_result)
+    assert out.status == "error"
+    assert sorted(out.errors) == [0, 1]
+    assert "not picklable" in out.errors[0].message
+    assert [r["pid"] for r in pool.run(describe_context).results] == [r["pid"] for r in pids]
+
+
+@pytest.mark.parametrize("fn, words", [
+    (lambda ctx: None, "cannot send case"),
+    ("not callable", "fn must be a module-level function"),
+])
+def test_unsendable_case_is_one_line_type_error(fn, words):
+    with pytest.raises(TypeError, match=words) as info:
+        get_pool(GLOO2).run(fn)
+    assert "\n" not in str(info.value)
+
+
+def test_unpicklable_argument_is_one_line_type_error():
+    with pytest.raises(TypeError, match="args picklable"):
+        get_pool(GLOO2).run(gather_ranks, lambda: None)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "5", True])
+def test_bad_timeout_is_refused(timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        get_pool(GLOO2).run(gather_ranks, timeout=timeout)
+
+
+# -- outcomes without processes -------------------------------------------------------------------
+
+HANG_DUMP = """Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 4100 in barrier
+  File "/x/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/work/main/tests/test_x.py", line 12 in skip_one
+  File "/work/main/harness/runtime/worker.py", line 170 in run_case
+  File "/work/main/harness/runtime/worker.py", line 150 in _serve
+"""
+
+
+def test_where_blocked_names_the_collective():
+    assert where_blocked(HANG_DUMP) == "waiting in a collective (barrier)"
+    plain = HANG_DUMP.replace("/x/torch/distributed/", "/x/lib/")
+    assert where_blocked(plain) == "in barrier (distributed_c10d.py:4100)"
+    assert where_blocked("") == "not running the case"
+
+
+def test_summaries_are_short_and_specific():
+    error = RankError(3, "ValueError", "block size 16 does not divide 136\nmore", "Traceback ...")
+    out = CaseOutcome("error", [None] * 4, errors={3: error}, stacks={r: HANG_DUMP for r in range(3)},
+                      duration_s=0.5, case_id="c1", unfinished=(0, 1, 2))
+    assert out.summary() == ("rank 3 raised ValueError: block size 16 does not divide 136 "
+                             "(ranks 0,1,2 were waiting in a collective (barrier))")
+    every = {r: RankError(r, "ValueError", "bad dtype") for r in range(2)}
+    assert CaseOutcome("error", [None] * 2, errors=every).summary() == "every rank raised ValueError: bad dtype"
+    hang = CaseOutcome("hang", [None] * 2, stacks={0: HANG_DUMP, 1: HANG_DUMP}, duration_s=5.0,
+                       unfinished=(0, 1))
+    assert hang.summary() == "HANG after 5.0 s: ranks 0,1 were waiting in a collective (barrier)"
+    crash = CaseOutcome("crash", [None] * 2, exit_codes={1: -11})
+    assert crash.summary() == "CRASH: rank 1 killed by SIGSEGV"
+    assert CaseOutcome("crash", [None] * 2, exit_codes={0: 3}).summary() == "CRASH: rank 0 exited with code 3"
+
+
+# -- external launcher detection ------------------------------------------------------------------
+
+LAUNCHER_VARS = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID",
+                 "SLURM_NTASKS", "LOCAL_RANK"]
+
+
+@pytest.mark.parametrize("env, world", [
+    ({}, None),
+    ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, (1, 4)),
+    ({"RANK": "2", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}, (2, 4)),
+    ({"RANK": "2", "WORLD_SIZE": "4"}, None),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, (3, 8)),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, None),
+])
+def test_external_world_is_detected_from_the_environment(monkeypatch, env, world):
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert external_world() == world
+    assert is_reporting_rank() == (world is None or world[0] == 0)
+
+
+def test_external_world_size_is_fixed_by_the_launcher():
+    with pytest.raises(PoolSpecError, match="external launcher: world size is fixed at 4 by torchrun"):
+        ExternalPool(PoolSpec("gloo", 8, "cpu"), (0, 4))
