@@ -3,6 +3,7 @@ up to 1024 ranks that no pool could run."""
 
 from harness.cases import CaseSpec
 from harness.suite import Sweep
+from harness.verdicts import Verdict
 
 SWEEP = Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8, 16, 64, 256, 1024))
 
@@ -22,6 +23,8 @@ def test_virtual_agrees_with_real_gathers(qgather, request):
     for real in AGREEMENT.cases(impls, formats=[fmt]):
         virtual = CaseSpec(real.impl, real.fmt, real.shape, real.dtype, real.world_size, "virtual", real.seed)
         a, b = qgather.run(real), qgather.run(virtual)
+        if Verdict.SKIPPED in (a.verdict, b.verdict):
+            continue  # an implementation that cannot run one of the two has nothing to agree on
         if a.verdict is not b.verdict:
             disagree.append(f"{real.id}: real {a.verdict.value}, virtual {b.verdict.value}")
     assert not disagree, "\n".join(disagree)

@@ -33,7 +33,8 @@ def digest(buffers: dict[str, torch.Tensor], valid: dict[str, tuple[slice, ...]]
     for name in sorted(buffers):
         t = buffers[name]
         region = t[valid[name]] if name in valid and t.dim() == len(valid[name]) else t
-        region = region.detach().contiguous().cpu()
+        # A copy: .numpy() pins a CPU tensor's storage, and FSDP2 later resizes gathered storages.
+        region = region.detach().cpu().clone()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         h.update(region.view(torch.uint8).numpy().tobytes() if region.numel() else b"")
     return h.hexdigest()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from inspect import signature
 
 import torch
 import torch.distributed as dist
@@ -249,8 +250,11 @@ def check_padded_inputs(local: torch.Tensor, inputs, shards: ShardLayout, full_s
 
 
 def _pre_all_gather(local, mesh, full_shape):
+    """Call the pre-hook as FSDP2 does: the one-argument (mesh) form is still accepted there."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    if len(signature(local.fsdp_pre_all_gather).parameters) == 1:
+        return local.fsdp_pre_all_gather(mesh)
     stride = torch.empty(0).new_empty(full_shape).stride()
     return local.fsdp_pre_all_gather(mesh, torch.Size(full_shape), stride, None, MixedPrecisionPolicy())
 
