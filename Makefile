@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 run: $(SETUP)
-	$(PY) -m harness run
+	$(PY) -m harness run -n $(PYTEST_WORKERS)
 
 # pytest's exit 5 ("no tests collected") would be a broken suite: fail loudly on it.
 test: $(SETUP)

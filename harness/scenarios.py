@@ -224,13 +224,17 @@ class VirtualMesh:
         return self._size
 
 
-def shard_like_fsdp2(param: torch.Tensor, shards: ShardLayout, rank: int) -> torch.Tensor:
-    """The rank's local shard, built through the same subclass ops FSDP2's FSDPParam uses:
-    chunk, new_empty(0) placeholders, new_zeros to the padded size, narrow + copy_, narrow."""
-    chunks = list(torch.chunk(param, shards.world_size, dim=0))
-    while len(chunks) < shards.world_size:
+def fsdp2_chunks(param: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """FSDP2's dim-0 split of a parameter: torch.chunk, padded with new_empty(0) placeholders."""
+    chunks = list(torch.chunk(param, world_size, dim=0))
+    while len(chunks) < world_size:
         chunks.append(chunks[0].new_empty(0))
-    piece = chunks[rank]
+    return chunks
+
+
+def shard_like_fsdp2(param: torch.Tensor, piece: torch.Tensor, shards: ShardLayout) -> torch.Tensor:
+    """A rank's local shard, built through the same subclass ops FSDP2's FSDPParam uses on its
+    chunk: new_zeros to the padded size, narrow + copy_, narrow."""
     padded = param.new_zeros((shards.chunk, *param.shape[1:]))
     length = piece.size(0) if piece.numel() > 0 else 0
     if length:
@@ -262,7 +266,7 @@ def _pre_all_gather(local, mesh, full_shape):
 def _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards):
     """The hooks around a direct all-gather of each input's bytes, without fully_shard."""
     param = impl.make_param(spec.fmt, weight)
-    local = shard_like_fsdp2(param, shards, ctx.rank)
+    local = shard_like_fsdp2(param, fsdp2_chunks(param, ctx.world_size)[ctx.rank], shards)
     with record_wire((type(local),)) as wire:
         inputs, metadata = _pre_all_gather(local, ctx.mesh, weight.shape)
         check_padded_inputs(local, inputs, shards, weight.shape)
@@ -293,7 +297,7 @@ def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
     quantizer = _quantizer_check(impl, spec, weight, golden)
     mesh = VirtualMesh(spec.world_size)
     param = impl.make_param(spec.fmt, weight)
-    locals_ = [shard_like_fsdp2(param, shards, rank) for rank in range(spec.world_size)]
+    locals_ = [shard_like_fsdp2(param, piece, shards) for piece in fsdp2_chunks(param, spec.world_size)]
     with record_wire((type(locals_[0]),)) as wire:
         pre = [_pre_all_gather(local, mesh, weight.shape) for local in locals_]
     for local, (inputs, _) in zip(locals_, pre):
@@ -305,6 +309,7 @@ def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
     wire_summary = _wire_summary(wire, fmt, weight, shards, golden)
     wire_summary["collective_bytes"] = sum(t.numel() * t.element_size() for t in pre[0][0])
     wire_summary["hook_calls"] = 1
+    wire_summary["collectives"] = int(spec.world_size > 1)  # the emulated one
     results: list[dict | BaseException] = []
     seen: dict[str, dict] = {}
     for rank, (local, (_, metadata)) in enumerate(zip(locals_, pre)):

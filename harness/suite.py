@@ -25,12 +25,15 @@ UNHOLDABLE_K = {"mxfp8": 48, "nvfp4_1d": 40, "nvfp4_2d": 40}
 
 def alignment_shapes(fmt_name: str) -> list[tuple[int, ...]]:
     b = FORMATS[fmt_name].row_block
+    # Sizes scale with the row block; per-tensor formats (b = 1) use 16-row units so that their
+    # shapes are also ones GPU GEMMs accept (dims that are multiples of 16).
+    u = max(b, 16)
     shapes = {
-        (8 * b, K),  # aligned at 1, 2, 4 and 8 ranks; split blocks at 3
-        (10 * b, K),  # even at 2 ranks; split blocks at 4 and 8
-        (3 * b - 2 if b > 1 else 5, K),  # uneven but aligned at 3 ranks (chunks b, b, b-2)
-        (17 * max(b, 8) // 2 if b > 1 else 3, K),  # 136x64 for NVFP4: 17-row shards at 8 ranks
-        (2 * b - 1 if b > 2 else 7, 2 * K),  # odd dim 0: uneven everywhere
+        (8 * u, K),  # aligned at 1, 2, 4 and 8 ranks; split blocks at 3
+        (10 * u, K),  # even at 2 ranks; split blocks at 4 and 8
+        (3 * u - 2, K),  # uneven at 3 ranks, aligned (chunks u, u, u-2) when b divides u
+        (17 * u // 2, K),  # 136x64 for NVFP4: 17-row shards at 8 ranks
+        (2 * u - 1, 2 * K),  # odd dim 0: uneven everywhere
         (4, K),  # dim 0 smaller than most world sizes: zero-row ranks
         (4, b, K),  # 3-D expert weights: FSDP2 shards the experts
         (3, b, K),  # 3-D, uneven expert split

@@ -410,13 +410,7 @@ class StaleDerived(Mutant):
     catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws2:steps:s0")
 
     def requantize_shard(self, local, master_rows, group) -> None:
-        fmt = local._fmt
-        amax = self._global_amax(local, master_rows, group)
-        if master_rows.shape[0] == 0:
-            local._assign({}, self._glob_for_amax(fmt, master_rows, amax))
-            return
-        q = fmt.quantize(master_rows, amax=amax) if amax is not None else fmt.quantize(master_rows)
-        rows, glob = fmt.to_rows(q)
+        rows, glob = self._requantized(local, master_rows, group)
         # BUG: only the rowwise buffers are written back; the columnwise copy keeps its old values.
         local._assign({n: t for n, t in rows.items() if not n.startswith("columnwise")}, glob)
 

@@ -419,14 +419,16 @@ class ReferenceImplementation(Implementation):
         return isinstance(param, QuantizedParam)
 
     def requantize_shard(self, local: torch.Tensor, master_rows: torch.Tensor, group) -> None:
+        local._assign(*self._requantized(local, master_rows, group))
+
+    def _requantized(self, local: QuantizedParam, master_rows: torch.Tensor, group):
+        """The shard's new row buffers and per-tensor values (a zero-row shard has only the latter)."""
         fmt = local._fmt
         amax = self._global_amax(local, master_rows, group)
         if master_rows.shape[0] == 0:
-            local._assign({}, self._glob_for_amax(fmt, master_rows, amax))
-            return
+            return {}, self._glob_for_amax(fmt, master_rows, amax)
         q = fmt.quantize(master_rows, amax=amax) if amax is not None else fmt.quantize(master_rows)
-        rows, glob = fmt.to_rows(q)
-        local._assign(rows, glob)
+        return fmt.to_rows(q)
 
     def _global_amax(self, local: QuantizedParam, master_rows: torch.Tensor, group) -> torch.Tensor | None:
         """Per-tensor formats scale by the amax of the WHOLE weight: all-reduce the shards' amaxes."""
