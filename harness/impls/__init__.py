@@ -54,7 +54,8 @@ def _load_object(target: str) -> Implementation:
 
 
 def _instantiate(name: str, obj) -> Implementation:
-    impl = obj() if isinstance(obj, type) else obj
+    is_adapter_class = isinstance(obj, type) and issubclass(obj, Implementation)
+    impl = obj() if is_adapter_class else obj
     if not isinstance(impl, Implementation):
         raise UnknownImplementationError(
             f"implementation {name!r} is a {type(impl).__name__}, not a harness.impls.base.Implementation"
@@ -67,6 +68,8 @@ def available() -> list[str]:
 
 
 _CACHE: dict[str, Implementation] = {}
+# Prefixes of built-in families, so that a misspelt `mutant:x` is "unknown", not "cannot import mutant".
+_BUILTIN_PREFIXES = ("mutant", "torchao", "te")
 
 
 def get_impl(name: str) -> Implementation:
@@ -78,7 +81,7 @@ def get_impl(name: str) -> Implementation:
         impl = _instantiate(name, builtin[name]())
     elif name in plugins:
         impl = _instantiate(name, plugins[name]())
-    elif ":" in name and "." in name.partition(":")[0]:
+    elif ":" in name and name.partition(":")[0] not in _BUILTIN_PREFIXES:
         impl = _load_object(name)
     else:
         raise UnknownImplementationError(
