@@ -7,6 +7,7 @@ and the rank whose shard held those rows.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from dataclasses import dataclass
 
@@ -27,16 +28,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor, on the CPU (read directly: numpy is not a dependency)."""
+    t = t.detach().to("cpu").contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+
+
 def digest(buffers: dict[str, torch.Tensor], valid: dict[str, tuple[slice, ...]]) -> str:
     """sha256 over every buffer's valid region (name, shape, dtype and bytes)."""
     h = hashlib.sha256()
     for name in sorted(buffers):
         t = buffers[name]
         region = t[valid[name]] if name in valid and t.dim() == len(valid[name]) else t
-        # A copy: .numpy() pins a CPU tensor's storage, and FSDP2 later resizes gathered storages.
-        region = region.detach().cpu().clone()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(region.view(torch.uint8).numpy().tobytes() if region.numel() else b"")
+        h.update(tensor_bytes(region))
     return h.hexdigest()
 
 

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.cases import DTYPES
+from harness.compare import tensor_bytes
 from harness.formats import FORMATS
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
@@ -71,7 +72,7 @@ def golden_input(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:
 
 
 def sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
 
 def _producer_reference(fmt: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
