@@ -7,6 +7,13 @@ from the harness's reference bits (bit-exact with TE's reference quantizer, see 
 corpus) and the steps/reshard scenarios, which re-quantize shards, are skipped there.
 TE's pre-hook reads FSDP state from the module, so the hooks/virtual scenarios (module=None) do
 not apply.
+
+Limit (seen on 2 x H200, TE 2.20.2): only Float8Tensor handles the ops FSDP2 shards with (split,
+new_zeros, copy_). Float8BlockwiseQTensor and NVFP4Tensor fall back to QuantizedTensor's default
+dispatch, which dequantizes, so sharding an already-quantized weight gathers bf16 (DEGRADED). TE's
+supported route for them is deferred init: the module is built under quantized_model_init,
+fully_shard shards the high-precision parameter, and reset_parameters quantizes each local shard.
+That route (where shard alignment to the 128-row / 16-row blocks matters) is not modelled here yet.
 """
 
 from __future__ import annotations
