@@ -19,8 +19,10 @@ def test_virtual_agrees_with_real_gathers(qgather, request):
     """On every size both can run, the emulated world gives the real gather's verdict."""
     fmt = (request.config.getoption("--formats") or "nvfp4_2d").split(",")[0]
     impls = [n for item in (request.config.getoption("--impl") or ["reference"]) for n in item.split(",")]
+    sizes = request.config.getoption("--world-sizes")
+    world_sizes = [int(w) for w in sizes.split(",")] if sizes else None
     disagree = []
-    for real in AGREEMENT.cases(impls, formats=[fmt]):
+    for real in AGREEMENT.cases(impls, formats=[fmt], world_sizes=world_sizes):
         virtual = CaseSpec(real.impl, real.fmt, real.shape, real.dtype, real.world_size, "virtual", real.seed)
         a, b = qgather.run(real), qgather.run(virtual)
         if Verdict.SKIPPED in (a.verdict, b.verdict):
