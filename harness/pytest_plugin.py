@@ -50,8 +50,6 @@ def _impls(config: pytest.Config) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "sweep: parametrized by a harness.suite.Sweep")
-    config._qgather_reports = []  # type: ignore[attr-defined]
     _validate_options(config)
 
 
@@ -142,14 +140,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     for key, value in report.user_properties:
         if key == _REPORT_KEY:
-            _session_reports().append(value)
+            _RECORDS.append(value)
 
 
+# Verdict records of this process (under xdist, the controller's come from the workers' reports).
 _RECORDS: list[dict] = []
-
-
-def _session_reports() -> list[dict]:
-    return _RECORDS
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -126,11 +126,6 @@ def _local_shard(module: torch.nn.Module) -> torch.Tensor:
     return weight._local_tensor if hasattr(weight, "_local_tensor") else weight
 
 
-def _master_rows(master: torch.Tensor, shards: ShardLayout, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    start, end = shards.dim0_range(rank)
-    return master[start:end].to(dtype)
-
-
 def run_on_rank(ctx, case_id: str) -> dict:
     """Entry point on every rank of a pool: one case, end to end."""
     from torch.distributed.fsdp import fully_shard

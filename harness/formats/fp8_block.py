@@ -23,6 +23,12 @@ from . import numerics as nx
 from .base import Format, QuantizedTensor, flat_dims, full
 
 BLOCK = 128
+
+
+def _block_counts(shape) -> tuple[int, int, int, int]:
+    """M, K and the number of 128-blocks along each (2D tiles and 1D blocks share the grid)."""
+    m, k = flat_dims(tuple(shape))
+    return m, k, nx.ceil_div(m, BLOCK), nx.ceil_div(k, BLOCK)
 FP8 = torch.float8_e4m3fn
 
 
@@ -31,12 +37,9 @@ class Fp8Block2DFormat(Format):
     row_block = BLOCK
     rows_per_entry = {"rowwise_data": 1, "rowwise_scale_inv": BLOCK}
 
-    def _tiles(self, shape):
-        m, k = flat_dims(tuple(shape))
-        return m, k, nx.ceil_div(m, BLOCK), nx.ceil_div(k, BLOCK)
 
     def buffer_specs(self, shape):
-        m, k, mt, kt = self._tiles(shape)
+        m, k, mt, kt = _block_counts(shape)
         return {
             "rowwise_data": ((m, k), torch.uint8),
             "rowwise_scale_inv": ((mt, nx.round_up(kt, 4)), torch.float32),
@@ -45,16 +48,16 @@ class Fp8Block2DFormat(Format):
         }
 
     def valid_regions(self, shape):
-        m, k, mt, kt = self._tiles(shape)
+        m, k, mt, kt = _block_counts(shape)
         return {"rowwise_data": full((m, k)), "rowwise_scale_inv": full((mt, kt)),
                 "columnwise_data": full((k, m)), "columnwise_scale_inv": full((kt, mt))}
 
     def row_specs(self, shape):
-        m, k, mt, kt = self._tiles(shape)
+        m, k, mt, kt = _block_counts(shape)
         return {"rowwise_data": ((m, k), torch.uint8), "rowwise_scale_inv": ((mt, kt), torch.float32)}
 
     def _assemble(self, shape, data, tile_scale_inv) -> QuantizedTensor:
-        m, k, mt, kt = self._tiles(shape)
+        m, k, mt, kt = _block_counts(shape)
         return self._make(shape, {
             "rowwise_data": data,
             "rowwise_scale_inv": nx.padded_zeros(tile_scale_inv, (mt, nx.round_up(kt, 4))),
@@ -63,7 +66,7 @@ class Fp8Block2DFormat(Format):
         })
 
     def _quantize(self, x2, amax, shape):
-        m, k, mt, kt = self._tiles(shape)
+        m, k, mt, kt = _block_counts(shape)
         xp = nx.pad2d(x2, mt * BLOCK, kt * BLOCK)
         tile_amax = nx.abs_amax(xp.view(mt, BLOCK, kt, BLOCK), dim=(1, 3))
         scale, scale_inv = nx.pow2_block_scale(tile_amax, nx.FP8_E4M3_MAX)
@@ -106,12 +109,9 @@ class Fp8Block1DFormat(Format):
     rows_per_entry = {"rowwise_data": 1, "rowwise_scale_inv": 1, "columnwise_data": 1,
                       "columnwise_scale_inv": BLOCK}
 
-    def _blocks(self, shape):
-        m, k = flat_dims(tuple(shape))
-        return m, k, nx.ceil_div(m, BLOCK), nx.ceil_div(k, BLOCK)
 
     def buffer_specs(self, shape):
-        m, k, mb, kb = self._blocks(shape)
+        m, k, mb, kb = _block_counts(shape)
         return {
             "rowwise_data": ((m, k), torch.uint8),
             "rowwise_scale_inv": ((kb, nx.round_up(m, 4)), torch.float32),
@@ -120,19 +120,19 @@ class Fp8Block1DFormat(Format):
         }
 
     def valid_regions(self, shape):
-        m, k, mb, kb = self._blocks(shape)
+        m, k, mb, kb = _block_counts(shape)
         return {"rowwise_data": full((m, k)), "rowwise_scale_inv": full((kb, m)),
                 "columnwise_data": full((k, m)), "columnwise_scale_inv": full((mb, k))}
 
     def row_specs(self, shape):
-        m, k, mb, kb = self._blocks(shape)
+        m, k, mb, kb = _block_counts(shape)
         return {"rowwise_data": ((m, k), torch.uint8), "rowwise_scale_inv": ((m, kb), torch.float32),
                 "columnwise_data": ((m, k), torch.uint8),
                 "columnwise_scale_inv": ((mb, k), torch.float32)}
 
     def _assemble(self, shape, row_data, row_sinv, col_data_mk, col_sinv) -> QuantizedTensor:
         """row_sinv: (M, Kb); col_data_mk: (M, K) (not yet transposed); col_sinv: (Mb, K)."""
-        m, k, mb, kb = self._blocks(shape)
+        m, k, mb, kb = _block_counts(shape)
         return self._make(shape, {
             "rowwise_data": row_data,
             "rowwise_scale_inv": nx.padded_zeros(row_sinv.t(), (kb, nx.round_up(m, 4))),
@@ -141,7 +141,7 @@ class Fp8Block1DFormat(Format):
         })
 
     def _quantize(self, x2, amax, shape):
-        m, k, mb, kb = self._blocks(shape)
+        m, k, mb, kb = _block_counts(shape)
         # rowwise: 1x128 blocks along K
         xr = nx.pad2d(x2, m, kb * BLOCK)
         r_scale, r_sinv = nx.pow2_block_scale(nx.abs_amax(xr.view(m, kb, BLOCK), dim=2), nx.FP8_E4M3_MAX)
@@ -160,13 +160,13 @@ class Fp8Block1DFormat(Format):
         return self._assemble(shape, row_data, r_sinv, col_data, c_sinv)
 
     def _dequantize(self, q):
-        m, k, mb, kb = self._blocks(q.shape)
+        m, k, mb, kb = _block_counts(q.shape)
         sinv = q.buffers["rowwise_scale_inv"][q.valid["rowwise_scale_inv"]].t()  # (M, Kb)
         vals = nx.pad2d(nx.fp8_values(q.buffers["rowwise_data"], FP8), m, kb * BLOCK)
         return (vals.reshape(m, kb, BLOCK) * sinv.reshape(m, kb, 1)).view(m, kb * BLOCK)[:, :k]
 
     def _dequantize_columnwise(self, q):
-        m, k, mb, kb = self._blocks(q.shape)
+        m, k, mb, kb = _block_counts(q.shape)
         sinv = q.buffers["columnwise_scale_inv"][q.valid["columnwise_scale_inv"]]  # (Mb, K)
         vals = nx.pad2d(nx.fp8_values(q.buffers["columnwise_data"], FP8).t(), mb * BLOCK, k)
         return (vals.reshape(mb, BLOCK, k) * sinv.reshape(mb, 1, k)).view(mb * BLOCK, k)[:m]

@@ -9,7 +9,6 @@ golden reference) is the harness's job.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 
 import torch
 
@@ -89,7 +88,3 @@ class Implementation:
     def is_quantized(self, param: torch.Tensor) -> bool:
         """Whether `param` still is the implementation's quantized type (not a high-precision fallback)."""
         raise NotImplementedError
-
-
-def subclasses_of(params: Iterable[torch.Tensor]) -> set[type]:
-    return {type(p) for p in params}

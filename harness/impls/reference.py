@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from harness.cases import CaseSpec, ShardLayout
+from harness.cases import ShardLayout
 from harness.formats import FORMATS, Format
 from harness.impls.base import Implementation
 
@@ -448,6 +448,3 @@ class ReferenceImplementation(Implementation):
             return {}
         probe = master_rows.new_zeros((fmt.row_block * 2, master_rows.shape[-1]))
         return fmt.to_rows(fmt.quantize(probe, amax=amax))[1]
-
-    def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
-        return super().skip_reason(spec, device)
