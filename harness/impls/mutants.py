@@ -247,10 +247,19 @@ class ScalePaddingParam(QuantizedParam):
     TransformerEngine pads it to 4. The valid scales are intact; the buffer a GEMM would index
     with TE's leading dimension is not."""
 
-    @classmethod
-    def from_weight(cls, fmt, weight):
-        # BUG: the re-layout after the gather (Format.from_rows) pads with the wrong buffer specs.
-        return super().from_weight(_MISPADDED.get(fmt.name, fmt), weight)
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        result = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        if out is None:
+            param = result[0]
+            param._te = self._mispadded(param._rows, param._glob, param._shape)
+        return result
+
+    def _refresh(self, rows, glob, te) -> None:
+        super()._refresh(rows, glob, self._mispadded(rows, glob, self._shape))
+
+    def _mispadded(self, rows, glob, shape) -> dict[str, torch.Tensor]:
+        # BUG: the re-layout after the gather pads the columnwise scales with the rowwise rule.
+        return dict(_MISPADDED.get(self._fmt.name, self._fmt).from_rows(rows, glob, shape).buffers)
 
 
 class ScalePadding(Mutant):
