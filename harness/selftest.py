@@ -135,17 +135,18 @@ def _warm_order(mutants: list[type[Mutant]]) -> list[type[Mutant]]:
 
 # ====================================================================== mutation mode (--suite)
 SUITE_DTYPE = "bf16"
-SUITE_WORLD_SIZES = (2,)
+SUITE_WORLD_SIZES = (2, 3)
 SUITE_SCENARIOS = ("gather", "steps")
 
 
 def _suite_shapes(fmt: str) -> list[tuple[int, ...]]:
-    """Two of the suite's alignment shapes (harness.suite.alignment_shapes): 8 row units (every
-    shard aligned at 1, 2, 4 and 8 ranks) and 8.5 row units (shards that split a scale block)."""
+    """Four of the suite's alignment shapes (harness.suite.alignment_shapes), in row units u:
+    8u (aligned at 2 ranks, split blocks at 3), 8.5u (shards that split a scale block),
+    3u-2 (uneven at 2 and 3 ranks) and 4 rows (zero-row ranks at 8)."""
     from harness.formats import FORMATS
 
     u = max(FORMATS[fmt].row_block, 16)
-    wanted = [(8 * u, K), (17 * u // 2, K)]
+    wanted = [(8 * u, K), (17 * u // 2, K), (3 * u - 2, K), (4, K)]
     return [s for s in wanted if s in set(alignment_shapes(fmt))]
 
 

@@ -97,3 +97,10 @@ def test_two_real_mutants_are_killed(capsys):
     out = capsys.readouterr().out.splitlines()
     assert SUMMARY.match(out[-1]).groups() == ("2", "2", "0")
     assert any(line.startswith("nibble_swap  bug 12  killed by mutant:nibble_swap:") for line in out)
+
+
+def test_hp_fallback_steps_are_degraded_not_an_adapter_error():
+    """The fallback leaves a plain bf16 shard; the optimizer step must update it as such, so the
+    steps scenario shows the bug (DEGRADED), not an AttributeError of the mutant's adapter."""
+    report = selftest.run("mutant:hp_fallback:nvfp4_2d:128x64:bf16:ws2:steps:s0")
+    assert report.verdict is Verdict.DEGRADED, report.render()

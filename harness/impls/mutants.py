@@ -71,7 +71,10 @@ class MisalignedShardParam(QuantizedParam):
 
 class MisalignedShard(Mutant):
     bug, bug_class = "misaligned_shard", 1
-    verdicts = frozenset({Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE})
+    # Without the check, a misaligned shard also reaches shard-level code that fails on the
+    # misaligned ranks only (e.g. an odd 43-row NVFP4 shard at 3 ranks): ERROR, or HANG/CRASH.
+    verdicts = frozenset({Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE, Verdict.ERROR, Verdict.HANG,
+                          Verdict.CRASH})
     param_class = MisalignedShardParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_2d:144x64:bf16:ws8:steps:s0")
@@ -100,7 +103,7 @@ class TrimToFitParam(MisalignedShardParam):
 
 class TrimToFit(Mutant):
     bug, bug_class = "trim_to_fit", 2
-    verdicts = frozenset({Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE})
+    verdicts = MisalignedShard.verdicts  # built on misaligned_shard, whose failures it keeps
     param_class = TrimToFitParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_1d:136x64:bf16:ws8:gather:s0")
@@ -365,6 +368,14 @@ class HpFallback(Mutant):
     param_class = HpFallbackParam
     expected = Verdict.DEGRADED
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
+
+    def requantize_shard(self, local, master_rows, group) -> None:
+        if isinstance(local, QuantizedParam):
+            super().requantize_shard(local, master_rows, group)
+            return
+        # The fallback left a plain high-precision shard: the optimizer step writes it as it is.
+        with torch.no_grad():
+            local.copy_(master_rows.reshape(local.shape).to(local.dtype))
 
 
 # ====================================================================== 12. nibble order
