@@ -135,13 +135,13 @@ def _warm_order(mutants: list[type[Mutant]]) -> list[type[Mutant]]:
 
 # ====================================================================== mutation mode (--suite)
 SUITE_DTYPE = "bf16"
-SUITE_WORLD_SIZES = (2, 3)
-SUITE_SCENARIOS = ("gather", "steps")
+SUITE_WORLD_SIZES = (2, 3, 8)
+SUITE_SCENARIOS = ("gather", "steps", "reshard")
 
 
 def _suite_shapes(fmt: str) -> list[tuple[int, ...]]:
     """Four of the suite's alignment shapes (harness.suite.alignment_shapes), in row units u:
-    8u (aligned at 2 ranks, split blocks at 3), 8.5u (shards that split a scale block),
+    8u (aligned at 2 and 8 ranks, split blocks at 3), 8.5u (shards that split a scale block),
     3u-2 (uneven at 2 and 3 ranks) and 4 rows (zero-row ranks at 8)."""
     from harness.formats import FORMATS
 
@@ -181,7 +181,8 @@ class SuiteResult:
 
     @property
     def kills(self) -> list[CaseReport]:
-        return [m for m, _ in self._counted() if m.verdict in self.mutant.verdicts]
+        kills = [m for m, _ in self._counted() if m.verdict in self.mutant.verdicts]
+        return sorted(kills, key=lambda m: m.verdict is not self.mutant.expected)  # the expected verdict first
 
     @property
     def wrong_class(self) -> list[CaseReport]:
