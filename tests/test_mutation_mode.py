@@ -104,3 +104,15 @@ def test_hp_fallback_steps_are_degraded_not_an_adapter_error():
     steps scenario shows the bug (DEGRADED), not an AttributeError of the mutant's adapter."""
     report = selftest.run("mutant:hp_fallback:nvfp4_2d:128x64:bf16:ws2:steps:s0")
     assert report.verdict is Verdict.DEGRADED, report.render()
+
+
+def test_scale_padding_injects_its_bug_in_the_gather_not_at_construction():
+    import torch
+
+    from harness.impls import get_impl
+
+    weight = torch.randn(128, 64, dtype=torch.bfloat16)
+    built = get_impl("mutant:scale_padding").make_param("nvfp4_2d", weight)
+    expected = get_impl("reference").make_param("nvfp4_2d", weight)
+    assert built._fmt.name == "nvfp4_2d" and type(built._fmt) is type(expected._fmt)
+    assert {n: t.shape for n, t in built._te.items()} == {n: t.shape for n, t in expected._te.items()}
