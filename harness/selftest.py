@@ -10,18 +10,27 @@ A case the reference fails too proves nothing about the mutant, so it never coun
 
 One line per mutant, then the reference's verdicts, and last `mutants caught: X/N`; the exit
 status is 0 only when every mutant is caught.
+
+`qgather selftest --suite` (mutation mode) runs every mutant over a fixed sample of the default
+suite (see `suite_sample` and docs/mutation-mode.md) instead of its catching cases only. A mutant is
+KILLED by a case where the reference passes and the mutant fails with a verdict of its class
+(`Mutant.verdicts`, the failing verdicts consistent with its bug); a failing verdict outside that
+class where the reference passes is a wrong-class verdict. The last line is
+`mutants killed: X/Y, wrong-class verdicts: Z`; the exit status is 0 only when X == Y and Z == 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from harness.cases import CaseSpec
 from harness.engine import RunOptions, run_case
 from harness.impls.mutants import MUTANTS, Mutant
+from harness.suite import K, alignment_shapes
 from harness.verdicts import CaseReport, Verdict
 
 OPTIONS = RunOptions(backend="gloo", device="cpu")
@@ -124,14 +133,109 @@ def _warm_order(mutants: list[type[Mutant]]) -> list[type[Mutant]]:
     return sorted(mutants, key=lambda m: m.expected is Verdict.ERROR)
 
 
+# ====================================================================== mutation mode (--suite)
+SUITE_DTYPE = "bf16"
+SUITE_WORLD_SIZES = (2, 3, 8)
+SUITE_SCENARIOS = ("gather", "steps", "reshard")
+
+
+def _suite_shapes(fmt: str) -> list[tuple[int, ...]]:
+    """Four of the suite's alignment shapes (harness.suite.alignment_shapes), in row units u:
+    8u (aligned at 2 and 8 ranks, split blocks at 3), 8.5u (shards that split a scale block),
+    3u-2 (uneven at 2 and 3 ranks) and 4 rows (zero-row ranks at 8)."""
+    from harness.formats import FORMATS
+
+    u = max(FORMATS[fmt].row_block, 16)
+    wanted = [(8 * u, K), (17 * u // 2, K), (3 * u - 2, K), (4, K)]
+    return [s for s in wanted if s in set(alignment_shapes(fmt))]
+
+
+def suite_sample(mutant: type[Mutant]) -> list[str]:
+    """The fixed sample of the default suite one mutant runs over in mutation mode: the formats of
+    its catching cases x `_suite_shapes` (plus the catching shapes) x world sizes SUITE_WORLD_SIZES
+    (plus the catching ones) x scenarios SUITE_SCENARIOS (plus the catching ones), bf16, seed 0.
+    The catching cases are always in it, so a mutant the plain self-test catches is killable."""
+    catching = [CaseSpec.parse(c) for c in mutant.catching_cases]
+    fmts = sorted({c.fmt for c in catching})
+    sizes = sorted(set(SUITE_WORLD_SIZES) | {c.world_size for c in catching})
+    scenarios = sorted(set(SUITE_SCENARIOS) | {c.scenario for c in catching})
+    ids = {c.id for c in catching}
+    for fmt in fmts:
+        shapes = set(_suite_shapes(fmt)) | {c.shape for c in catching if c.fmt == fmt}
+        for shape in sorted(shapes):
+            for ws in sizes:
+                for scenario in scenarios:
+                    ids.add(CaseSpec(mutant.name, fmt, shape, SUITE_DTYPE, ws, scenario, 0).id)
+    return sorted(ids)
+
+
+@dataclass
+class SuiteResult:
+    """One mutant's verdicts over its sample, each next to the reference's on the same case."""
+
+    mutant: type[Mutant]
+    pairs: list[tuple[CaseReport, CaseReport]]  # (mutant, reference)
+
+    def _counted(self) -> list[tuple[CaseReport, CaseReport]]:
+        return [(m, r) for m, r in self.pairs if reference_passes(r) and not m.passed]
+
+    @property
+    def kills(self) -> list[CaseReport]:
+        kills = [m for m, _ in self._counted() if m.verdict in self.mutant.verdicts]
+        return sorted(kills, key=lambda m: m.verdict is not self.mutant.expected)  # the expected verdict first
+
+    @property
+    def wrong_class(self) -> list[CaseReport]:
+        return [m for m, _ in self._counted() if m.verdict not in self.mutant.verdicts]
+
+    @property
+    def killed(self) -> bool:
+        return bool(self.kills)
+
+    def line(self) -> str:
+        counts = Counter(m.verdict.value for m, _ in self.pairs)
+        shown = ", ".join(f"{v} {n}" for v, n in sorted(counts.items()))
+        head = f"{self.mutant.bug}  bug {self.mutant.bug_class}  "
+        head += f"killed by {self.kills[0].spec.id}" if self.killed else "SURVIVED"
+        line = f"{head}  [{len(self.pairs)} cases: {shown}]"
+        for report in self.wrong_class:
+            line += f"\n    wrong-class {report.verdict.value} on {report.spec.id} " \
+                    f"(expected one of {', '.join(sorted(v.value for v in self.mutant.verdicts))})"
+        return line
+
+
+def run_suite(mutants: Sequence[type[Mutant]], runner: Callable[[str], CaseReport] | None = None,
+              ) -> list[SuiteResult]:
+    """Run the reference once over the union of the samples, then every mutant over its own."""
+    runner = runner or run
+    samples = {m: suite_sample(m) for m in mutants}
+    for case_id in sorted({reference_case(c) for ids in samples.values() for c in ids}):
+        runner(case_id)
+    return [SuiteResult(m, [(runner(c), runner(reference_case(c))) for c in samples[m]])
+            for m in _warm_order(list(mutants))]
+
+
+def suite_summary(results: Sequence[SuiteResult]) -> tuple[list[str], int]:
+    """The per-mutant lines, the last line, and the exit status."""
+    killed = sum(r.killed for r in results)
+    wrong = sum(len(r.wrong_class) for r in results)
+    lines = [r.line() for r in results]
+    lines.append(f"mutants killed: {killed}/{len(results)}, wrong-class verdicts: {wrong}")
+    return lines, 0 if killed == len(results) and wrong == 0 else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qgather selftest", description=__doc__.splitlines()[0])
     parser.add_argument("mutants", nargs="*", metavar="MUTANT", help="only these (e.g. nibble_swap)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every case's full report")
+    parser.add_argument("--suite", action="store_true",
+                        help="mutation mode: every mutant over a fixed sample of the default suite")
     parser.add_argument("--keep-pools", action="store_true",
                         help="leave the rank pools running (for callers that run more cases)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     mutants = _select(args.mutants)
+    if args.suite:
+        return _main_suite(mutants, args.keep_pools)
     try:
         results = {m: check_mutant(m) for m in _warm_order(mutants)}
     finally:
@@ -146,6 +250,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(result.lines(args.verbose)))
     print(f"mutants caught: {caught}/{len(mutants)}")
     return 0 if caught == len(mutants) else 1
+
+
+def _main_suite(mutants: list[type[Mutant]], keep_pools: bool) -> int:
+    n_cases = sum(len(suite_sample(m)) for m in mutants)
+    n_ref = len({reference_case(c) for m in mutants for c in suite_sample(m)})
+    print(f"mutation mode: {len(mutants)} mutants, {n_cases} mutant cases, {n_ref} reference cases", flush=True)
+    try:
+        results = run_suite(mutants)
+    finally:
+        if not keep_pools:
+            from harness.runtime import shutdown_pools
+
+            shutdown_pools()
+    by_mutant = {r.mutant: r for r in results}
+    lines, status = suite_summary([by_mutant[m] for m in mutants])
+    print("\n".join(lines))
+    return status
 
 
 if __name__ == "__main__":

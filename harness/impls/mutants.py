@@ -8,6 +8,8 @@ docstring of each says which real failure it models. Every mutant's implementati
 
   bug_class       the number of the bug class in docs/bug-classes.md
   expected        the verdict the harness must give it (harness.verdicts.Verdict)
+  verdicts        every failing verdict consistent with the bug (`qgather selftest --suite` counts
+                  any other failing verdict as a wrong-class verdict); defaults to {expected}
   catching_cases  case ids (with the mutant's own name) on which that verdict shows, while the
                   reference passes the same case (see harness.selftest)
 
@@ -37,12 +39,14 @@ class Mutant(ReferenceImplementation):
     bug: str = ""
     bug_class: int = 0
     expected: Verdict = Verdict.EXACT
+    verdicts: frozenset[Verdict] = frozenset()
     catching_cases: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if cls.bug:
             cls.name = f"mutant:{cls.bug}"
+            cls.verdicts = frozenset(cls.verdicts) | {cls.expected}
 
 
 def _cases(bug: str, *cases: str) -> tuple[str, ...]:
@@ -67,6 +71,10 @@ class MisalignedShardParam(QuantizedParam):
 
 class MisalignedShard(Mutant):
     bug, bug_class = "misaligned_shard", 1
+    # Without the check, a misaligned shard also reaches shard-level code that fails on the
+    # misaligned ranks only (e.g. an odd 43-row NVFP4 shard at 3 ranks): ERROR, or HANG/CRASH.
+    verdicts = frozenset({Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE, Verdict.ERROR, Verdict.HANG,
+                          Verdict.CRASH})
     param_class = MisalignedShardParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_2d:144x64:bf16:ws8:steps:s0")
@@ -95,6 +103,7 @@ class TrimToFitParam(MisalignedShardParam):
 
 class TrimToFit(Mutant):
     bug, bug_class = "trim_to_fit", 2
+    verdicts = MisalignedShard.verdicts  # built on misaligned_shard, whose failures it keeps
     param_class = TrimToFitParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_1d:136x64:bf16:ws8:gather:s0")
@@ -118,6 +127,7 @@ class SliceIgnoresBoundsParam(QuantizedParam):
 
 class SliceIgnoresBounds(Mutant):
     bug, bug_class = "slice_ignores_bounds", 3
+    verdicts = frozenset({Verdict.ERROR, Verdict.HANG, Verdict.CRASH, Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE})
     param_class = SliceIgnoresBoundsParam
     expected = Verdict.ERROR
     catching_cases = _cases(bug, "nvfp4_2d:3x16x64:bf16:ws2:gather:s0")
@@ -139,6 +149,7 @@ class MissingUsageParam(QuantizedParam):
 
 class MissingUsage(Mutant):
     bug, bug_class = "missing_usage", 4
+    verdicts = frozenset({Verdict.ERROR})
     param_class = MissingUsageParam
     expected = Verdict.ERROR
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
@@ -162,6 +173,7 @@ class ColumnwiseNotTransposedParam(QuantizedParam):
 
 class ColumnwiseNotTransposed(Mutant):
     bug, bug_class = "columnwise_not_transposed", 5
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = ColumnwiseNotTransposedParam
     formats = ("nvfp4_1d",)  # the format whose columnwise data is gathered
     expected = Verdict.SILENT_MISMATCH
@@ -179,6 +191,7 @@ class PerRankAmax(Mutant):
     single-device quantization of the full weight)."""
 
     bug, bug_class = "per_rank_amax", 6
+    verdicts = frozenset({Verdict.RANK_DIVERGENCE, Verdict.SILENT_MISMATCH})
     expected = Verdict.RANK_DIVERGENCE
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:steps:s0")
 
@@ -211,6 +224,7 @@ class DeriveColumnwise1DParam(QuantizedParam):
 
 class DeriveColumnwise1D(Mutant):
     bug, bug_class = "derive_columnwise_1d", 7
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = DeriveColumnwise1DParam
     formats = ("nvfp4_1d",)
     expected = Verdict.SILENT_MISMATCH
@@ -247,14 +261,24 @@ class ScalePaddingParam(QuantizedParam):
     TransformerEngine pads it to 4. The valid scales are intact; the buffer a GEMM would index
     with TE's leading dimension is not."""
 
-    @classmethod
-    def from_weight(cls, fmt, weight):
-        # BUG: the re-layout after the gather (Format.from_rows) pads with the wrong buffer specs.
-        return super().from_weight(_MISPADDED.get(fmt.name, fmt), weight)
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        result = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        if out is None:
+            param = result[0]
+            param._te = self._mispadded(param._rows, param._glob, param._shape)
+        return result
+
+    def _refresh(self, rows, glob, te) -> None:
+        super()._refresh(rows, glob, self._mispadded(rows, glob, self._shape))
+
+    def _mispadded(self, rows, glob, shape) -> dict[str, torch.Tensor]:
+        # BUG: the re-layout after the gather pads the columnwise scales with the rowwise rule.
+        return dict(_MISPADDED.get(self._fmt.name, self._fmt).from_rows(rows, glob, shape).buffers)
 
 
 class ScalePadding(Mutant):
     bug, bug_class = "scale_padding", 8
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = ScalePaddingParam
     formats = ("nvfp4_1d", "nvfp4_2d")
     expected = Verdict.SILENT_MISMATCH
@@ -279,6 +303,7 @@ class UnpaddedUnevenParam(QuantizedParam):
 
 class UnpaddedUneven(Mutant):
     bug, bug_class = "unpadded_uneven", 9
+    verdicts = frozenset({Verdict.ERROR, Verdict.HANG, Verdict.CRASH})
     param_class = UnpaddedUnevenParam
     expected = Verdict.ERROR
     catching_cases = _cases(bug, "fp8_tensor:5x64:bf16:ws2:gather:s0")
@@ -303,6 +328,7 @@ class StaleOutParam(QuantizedParam):
 
 class StaleOut(Mutant):
     bug, bug_class = "stale_out", 10
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = StaleOutParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:reshard:s0")
@@ -338,9 +364,18 @@ class HpFallbackParam(QuantizedParam):
 
 class HpFallback(Mutant):
     bug, bug_class = "hp_fallback", 11
+    verdicts = frozenset({Verdict.DEGRADED})
     param_class = HpFallbackParam
     expected = Verdict.DEGRADED
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
+
+    def requantize_shard(self, local, master_rows, group) -> None:
+        if isinstance(local, QuantizedParam):
+            super().requantize_shard(local, master_rows, group)
+            return
+        # The fallback left a plain high-precision shard: the optimizer step writes it as it is.
+        with torch.no_grad():
+            local.copy_(master_rows.reshape(local.shape).to(local.dtype))
 
 
 # ====================================================================== 12. nibble order
@@ -367,6 +402,7 @@ class NibbleSwapParam(QuantizedParam):
 
 class NibbleSwap(Mutant):
     bug, bug_class = "nibble_swap", 12
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = NibbleSwapParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
@@ -392,6 +428,7 @@ class Ws1PathParam(QuantizedParam):
 
 class Ws1Path(Mutant):
     bug, bug_class = "ws1_path", 13
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = Ws1PathParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws1:gather:s0")
@@ -406,6 +443,7 @@ class StaleDerived(Mutant):
     and the amax are new."""
 
     bug, bug_class = "stale_derived", 14
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws2:steps:s0")
 

@@ -1,0 +1,118 @@
+"""`qgather selftest --suite` (mutation mode): the sample, kills, wrong-class verdicts, the summary
+line and the exit status. Most tests use fake reports (a monkeypatched `selftest.run`); one runs
+two real mutants over their samples."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness import selftest
+from harness.cases import CaseSpec
+from harness.engine import expectation
+from harness.impls.mutants import FACTORIES, MUTANTS
+from harness.verdicts import CaseReport, Verdict
+
+SUMMARY = re.compile(r"^mutants killed: (\d+)/(\d+), wrong-class verdicts: (\d+)$")
+
+
+def _report(case_id: str, verdict: Verdict) -> CaseReport:
+    spec = CaseSpec.parse(case_id)
+    return CaseReport(spec, verdict, "", expectation=expectation(spec))
+
+
+def _fake(mutant_verdict: Verdict, reference_verdict: Verdict = Verdict.EXACT):
+    def run(case_id: str) -> CaseReport:
+        impl = CaseSpec.parse(case_id).impl
+        return _report(case_id, reference_verdict if impl == "reference" else mutant_verdict)
+    return run
+
+
+def test_sample_is_fixed_and_holds_the_catching_cases():
+    for mutant in MUTANTS:
+        sample = selftest.suite_sample(mutant)
+        assert sample == selftest.suite_sample(mutant) and sample == sorted(set(sample))
+        assert set(mutant.catching_cases) <= set(sample)
+        assert all(CaseSpec.parse(c).impl == mutant.name for c in sample)
+
+
+def test_every_mutant_class_set_holds_failing_verdicts_only():
+    for mutant in MUTANTS:
+        assert mutant.expected in mutant.verdicts
+        assert not mutant.verdicts & {Verdict.EXACT, Verdict.REJECTED, Verdict.SKIPPED}, mutant.bug
+
+
+def test_a_verdict_outside_the_class_set_is_wrong_class():
+    nibble = FACTORIES["mutant:nibble_swap"]
+    [result] = selftest.run_suite([nibble], runner=_fake(Verdict.DEGRADED))
+    assert not result.killed and len(result.wrong_class) == len(selftest.suite_sample(nibble))
+    lines, status = selftest.suite_summary([result])
+    assert status == 1 and "SURVIVED" in lines[0] and "wrong-class DEGRADED" in lines[0]
+    assert SUMMARY.match(lines[-1]).groups() == ("0", "1", str(len(result.wrong_class)))
+
+
+def test_a_wrong_class_verdict_fails_even_when_every_mutant_is_killed(monkeypatch):
+    mutant = FACTORIES["mutant:per_rank_amax"]
+    verdicts = {c: Verdict.RANK_DIVERGENCE for c in selftest.suite_sample(mutant)}
+    verdicts[selftest.suite_sample(mutant)[0]] = Verdict.ERROR
+
+    def run(case_id):
+        return _report(case_id, verdicts.get(case_id, Verdict.EXACT))
+
+    lines, status = selftest.suite_summary(selftest.run_suite([mutant], runner=run))
+    assert lines[-1] == "mutants killed: 1/1, wrong-class verdicts: 1" and status == 1
+
+
+def test_a_case_the_reference_fails_counts_neither_as_kill_nor_wrong_class():
+    mutant = FACTORIES["mutant:nibble_swap"]
+    [result] = selftest.run_suite([mutant], runner=_fake(Verdict.ERROR, Verdict.SILENT_MISMATCH))
+    assert not result.killed and not result.wrong_class
+
+
+def test_a_survived_mutant_makes_the_exit_status_1(monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "run", _fake(Verdict.EXACT))
+    assert selftest.main(["--suite", "--keep-pools", "nibble_swap"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "SURVIVED" in out[-2] and out[-1] == "mutants killed: 0/1, wrong-class verdicts: 0"
+
+
+def test_all_killed_exits_0(monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "run", _fake(Verdict.SILENT_MISMATCH))
+    assert selftest.main(["--suite", "--keep-pools", "nibble_swap", "stale_out"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mutation mode: 2 mutants, ")
+    assert out[-1] == "mutants killed: 2/2, wrong-class verdicts: 0"
+
+
+def test_unknown_option_is_a_usage_error():
+    with pytest.raises(SystemExit) as exc:
+        selftest.main(["--suite", "--no-such-option"])
+    assert exc.value.code == 2
+
+
+def test_two_real_mutants_are_killed(capsys):
+    """The real engine on the warm pools: nibble_swap (gather) and per_rank_amax (steps)."""
+    assert selftest.main(["--suite", "nibble_swap", "per_rank_amax"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert SUMMARY.match(out[-1]).groups() == ("2", "2", "0")
+    assert any(line.startswith("nibble_swap  bug 12  killed by mutant:nibble_swap:") for line in out)
+
+
+def test_hp_fallback_steps_are_degraded_not_an_adapter_error():
+    """The fallback leaves a plain bf16 shard; the optimizer step must update it as such, so the
+    steps scenario shows the bug (DEGRADED), not an AttributeError of the mutant's adapter."""
+    report = selftest.run("mutant:hp_fallback:nvfp4_2d:128x64:bf16:ws2:steps:s0")
+    assert report.verdict is Verdict.DEGRADED, report.render()
+
+
+def test_scale_padding_injects_its_bug_in_the_gather_not_at_construction():
+    import torch
+
+    from harness.impls import get_impl
+
+    weight = torch.randn(128, 64, dtype=torch.bfloat16)
+    built = get_impl("mutant:scale_padding").make_param("nvfp4_2d", weight)
+    expected = get_impl("reference").make_param("nvfp4_2d", weight)
+    assert built._fmt.name == "nvfp4_2d" and type(built._fmt) is type(expected._fmt)
+    assert {n: t.shape for n, t in built._te.items()} == {n: t.shape for n, t in expected._te.items()}
