@@ -30,7 +30,14 @@ def _run_pytest(args: Sequence[str]) -> int:
 def cmd_run(extra: list[str]) -> int:
     """The harness's main job: the case suite on whatever hardware is present."""
     suite = os.path.join(REPO_ROOT, "cases")
-    return _run_pytest([suite, "-q", "-p", "no:cacheprovider", "--qgather-summary", *extra])
+    rc = _run_pytest([suite, "-q", "-p", "no:cacheprovider", "--qgather-summary", *extra])
+    return 2 if rc == int(_pytest_usage_error()) else rc
+
+
+def _pytest_usage_error() -> int:
+    import pytest
+
+    return int(pytest.ExitCode.USAGE_ERROR)
 
 
 def cmd_bench(which: list[str]) -> int:
@@ -65,6 +72,12 @@ def cmd_case(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--case-timeout", type=float, default=None)
     args = parser.parse_args(argv)
+    from harness.pytest_plugin import options_problem
+
+    problem = options_problem(args.case_timeout, args.device, args.backend)
+    if problem:
+        print(f"qgather case: {problem}", file=sys.stderr)
+        return 2
     options = RunOptions(args.backend, args.device, args.case_timeout)
     failed = 0
     try:
