@@ -93,6 +93,136 @@ def cmd_case(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
+def suite_dir() -> str:
+    """Where the case modules live: cases/ of a checkout."""
+    return os.path.join(REPO_ROOT, "cases")
+
+
+def suite_sweeps() -> list[tuple[str, object, list[str] | None]]:
+    """(module name, SWEEP, IMPLS override) of every case module, imported without pytest."""
+    import importlib.util
+
+    out = []
+    directory = suite_dir()
+    for filename in sorted(os.listdir(directory)):
+        if not (filename.startswith("test_") and filename.endswith(".py")):
+            continue
+        name = f"qgather_suite_{filename[:-3]}"
+        spec = importlib.util.spec_from_file_location(name, os.path.join(directory, filename))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sweep = getattr(module, "SWEEP", None)
+        if sweep is not None:
+            out.append((filename[:-3], sweep, getattr(module, "IMPLS", None)))
+    return out
+
+
+def _csv(value: str | None, cast=str) -> list | None:
+    if not value:
+        return None
+    return [cast(v.strip()) for v in value.split(",") if v.strip()]
+
+
+def _impl_status(name: str) -> str:
+    """'available' or why the implementation cannot run here (probed on its first format)."""
+    import torch
+
+    from harness.cases import CaseSpec
+    from harness.impls import UnknownImplementationError, get_impl
+
+    try:
+        impl = get_impl(name)
+    except UnknownImplementationError as exc:
+        return f"unavailable: {exc}"
+    if not impl.formats:
+        return "no formats"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type not in impl.devices:
+        return f"unavailable here: runs on {', '.join(impl.devices)} only, and this host has no GPU"
+    probe = CaseSpec(name, impl.formats[0], (64, 64), "bf16", 2, impl.scenarios[0], 0)
+    reason = impl.skip_reason(probe, device)
+    return f"unavailable here: {reason}" if reason else "available"
+
+
+def cmd_list(argv: list[str]) -> int:
+    """What the harness knows: implementations, formats, scenarios, mutants, or the case ids a selection runs."""
+    parser = argparse.ArgumentParser(prog="qgather list", description=cmd_list.__doc__)
+    parser.add_argument("what", nargs="?", default="all",
+                        choices=("all", "impls", "formats", "scenarios", "mutants"))
+    parser.add_argument("--cases", action="store_true", help="print the case ids the selection below would run")
+    parser.add_argument("--impl", action="append", default=None)
+    parser.add_argument("--formats", default=None)
+    parser.add_argument("--world-sizes", default=None)
+    parser.add_argument("--scenarios", default=None)
+    args = parser.parse_args(argv)
+    if args.cases:
+        return _list_cases(args)
+    sections = ("impls", "formats", "scenarios", "mutants") if args.what == "all" else (args.what,)
+    for section in sections:
+        print(f"{section}:")
+        for line in _LISTERS[section]():
+            print(f"  {line}")
+    return 0
+
+
+def _list_impls() -> list[str]:
+    from harness.impls import available
+
+    return [f"{name:<32} {_impl_status(name)}" for name in available() if not name.startswith("mutant:")]
+
+
+def _list_formats() -> list[str]:
+    from harness.formats import FORMATS
+
+    return [f"{name:<20} row block {fmt.row_block}" for name, fmt in FORMATS.items()]
+
+
+def _list_scenarios() -> list[str]:
+    from harness.cases import SCENARIOS
+
+    return list(SCENARIOS)
+
+
+def _list_mutants() -> list[str]:
+    from harness.impls.mutants import MUTANTS
+
+    return [f"{m.name:<36} bug class {m.bug_class}  expected {m.expected.value}" for m in MUTANTS]
+
+
+_LISTERS = {"impls": _list_impls, "formats": _list_formats, "scenarios": _list_scenarios, "mutants": _list_mutants}
+
+
+def _list_cases(args: argparse.Namespace) -> int:
+    from harness.cases import SCENARIOS
+    from harness.formats import FORMATS
+
+    impls = [n for item in (args.impl or ["reference"]) for n in _csv(item)]
+    formats, scenarios = _csv(args.formats), _csv(args.scenarios)
+    for fmt in formats or []:
+        if fmt not in FORMATS:
+            return _usage("list", f"--formats: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    for scenario in scenarios or []:
+        if scenario not in SCENARIOS:
+            return _usage("list", f"--scenarios: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    try:
+        sizes = _csv(args.world_sizes, int)
+    except ValueError:
+        return _usage("list", "--world-sizes takes comma-separated integers, e.g. 2,4,8")
+    count = 0
+    for _module, sweep, fixed in suite_sweeps():
+        for case in sweep.cases(fixed or impls, formats=formats, world_sizes=sizes, scenarios=scenarios):
+            print(case.id)
+            count += 1
+    if count == 0:
+        return _usage("list", "the selection has no cases")
+    return 0
+
+
+def _usage(command: str, message: str) -> int:
+    print(f"qgather {command}: {message}", file=sys.stderr)
+    return 2
+
+
 def cmd_gpu_check(argv: list[str]) -> int:
     """What the GPU job will use: devices, backends, optional libraries. Exit 1 without a GPU."""
     import torch
@@ -131,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the case suite (extra arguments go to pytest)", add_help=False)
     sub.add_parser("case", help="run cases by id and print their reports", add_help=False)
+    sub.add_parser("list", help="list implementations, formats, scenarios, mutants; --cases: a selection's case ids",
+                   add_help=False)
     sub.add_parser("gpu-check", help="list the GPUs, backends and optional libraries the GPU job uses")
     bench = sub.add_parser("bench", help="run benchmarks (formats, runtime); default: all")
     bench.add_argument("which", nargs="*")
@@ -151,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_run(rest)
     if command == "case":
         return cmd_case(rest)
+    if command == "list":
+        return cmd_list(rest)
     if command == "gpu-check":
         return cmd_gpu_check(rest)
     if command == "selftest":
