@@ -223,6 +223,111 @@ def _usage(command: str, message: str) -> int:
     return 2
 
 
+def cmd_repro(argv: list[str]) -> int:
+    """Run one case and print its full report, the environment, and the command that reproduces it."""
+    from harness.cases import CaseSpec, CaseSpecError
+    from harness.engine import CaseInputError, RunOptions, run_case
+    from harness.impls import UnknownImplementationError
+    from harness.pytest_plugin import options_problem
+
+    parser = argparse.ArgumentParser(prog="qgather repro", description=cmd_repro.__doc__)
+    parser.add_argument("case_id", metavar="CASE_ID")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--case-timeout", type=float, default=None)
+    args = parser.parse_args(argv)
+    problem = options_problem(args.case_timeout, args.device, args.backend)
+    if problem:
+        return _usage("repro", problem)
+    options = RunOptions(args.backend, args.device, args.case_timeout)
+    try:
+        spec = CaseSpec.parse(args.case_id)
+        report = run_case(spec, options)
+    except (CaseSpecError, CaseInputError, UnknownImplementationError) as exc:
+        return _usage("repro", str(exc))
+    finally:
+        _shutdown_pools()
+    print(report.render())
+    print()
+    for line in environment_lines(options, spec.world_size):
+        print(line)
+    print(f"reproduce: {repro_command(spec.id, args)}")
+    return 0 if report.passed else 1
+
+
+def environment_lines(options, world_size: int) -> list[str]:
+    """python, torch, TransformerEngine, torchao versions, the GPU (or none) and the backend used."""
+    import platform
+
+    import torch
+
+    lines = [f"python: {platform.python_version()} ({sys.executable})", f"torch: {torch.__version__}"]
+    for label, module in (("transformer_engine", "transformer_engine"), ("torchao", "torchao")):
+        lines.append(f"{label}: {_module_version(module)}")
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        lines.append(f"gpu: {torch.cuda.device_count()} x {', '.join(names)}")
+    else:
+        lines.append("gpu: no GPU")
+    lines.append(f"device: {options.device_type()}; backend: {options.backend_for(world_size)}")
+    return lines
+
+
+def _module_version(module: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in (module, module.replace("_", "-")):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def repro_command(case_id: str, args: argparse.Namespace) -> str:
+    """A command that reruns the case from a fresh shell in any directory."""
+    import shlex
+
+    paths = [_import_root("harness")]
+    impl = case_id.rsplit(":", 6)[0]
+    module_name, sep, _ = impl.partition(":")
+    if sep and module_name not in ("mutant", "torchao", "te"):
+        paths.append(_import_root(module_name))
+    paths = list(dict.fromkeys(p for p in paths if p))
+    words = [sys.executable, "-m", "harness", "case", case_id]
+    if args.backend != "auto":
+        words += ["--backend", args.backend]
+    if args.device != "auto":
+        words += ["--device", args.device]
+    if args.case_timeout is not None:
+        words += ["--case-timeout", repr(args.case_timeout)]
+    command = " ".join(shlex.quote(w) for w in words)
+    if paths:
+        command = f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} {command}"
+    return command
+
+
+def _import_root(module_name: str) -> str | None:
+    """The sys.path directory `module_name` is imported from, when a fresh shell could not import it."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    origin = os.path.abspath(getattr(module, "__file__", "") or "")
+    probe = f"import importlib.util; s = importlib.util.find_spec({module_name!r}); print(s and s.origin)"
+    try:
+        found = subprocess.run([sys.executable, "-c", probe], env=env, cwd="/", capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        found = ""
+    if found and os.path.realpath(found) == os.path.realpath(origin):
+        return None  # a fresh shell imports this very module
+    depth = module_name.count(".") + (2 if os.path.basename(origin) == "__init__.py" else 1)
+    for _ in range(depth):
+        origin = os.path.dirname(origin)
+    return origin
+
+
 def cmd_gpu_check(argv: list[str]) -> int:
     """What the GPU job will use: devices, backends, optional libraries. Exit 1 without a GPU."""
     import torch
@@ -263,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("case", help="run cases by id and print their reports", add_help=False)
     sub.add_parser("list", help="list implementations, formats, scenarios, mutants; --cases: a selection's case ids",
                    add_help=False)
+    sub.add_parser("repro", help="run one case; print its report, the environment and the command to rerun it",
+                   add_help=False)
     sub.add_parser("gpu-check", help="list the GPUs, backends and optional libraries the GPU job uses")
     bench = sub.add_parser("bench", help="run benchmarks (formats, runtime); default: all")
     bench.add_argument("which", nargs="*")
@@ -285,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_case(rest)
     if command == "list":
         return cmd_list(rest)
+    if command == "repro":
+        return cmd_repro(rest)
     if command == "gpu-check":
         return cmd_gpu_check(rest)
     if command == "selftest":
