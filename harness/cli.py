@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,43 @@ BENCHES = {
 }
 
 
+class _TorchaoLibraryFilter(logging.Filter):
+    """torchao warns once per optional kernel library it cannot load (CUDA builds on a CPU host):
+    keep the first as one summary line, drop the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Failed to load "):
+            return True
+        self.dropped += 1
+        if self.dropped == 1:
+            record.msg = "torchao: optional kernel libraries not loadable here (e.g. CUDA-only builds); warnings hidden"
+            record.args = ()
+            return True
+        return False
+
+
+def quiet_torchao() -> None:
+    """Filter torchao's library-loading warnings to one line (idempotent)."""
+    logger = logging.getLogger("torchao")
+    if not any(isinstance(f, _TorchaoLibraryFilter) for f in logger.filters):
+        logger.addFilter(_TorchaoLibraryFilter())
+    pytree = logging.getLogger("torch.utils._pytree")
+    if not any(isinstance(f, _EnumConstantFilter) for f in pytree.filters):
+        pytree.addFilter(_EnumConstantFilter())
+
+
+class _EnumConstantFilter(logging.Filter):
+    """torch deprecates register_constant() on Enums, which torchao still calls at import: noise here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "register_constant() on Enum subclasses" not in record.getMessage()
+
+
+
 def _run_pytest(args: Sequence[str]) -> int:
     import pytest
 
@@ -30,8 +68,33 @@ def _run_pytest(args: Sequence[str]) -> int:
 def cmd_run(extra: list[str]) -> int:
     """The harness's main job: the case suite on whatever hardware is present."""
     suite = os.path.join(REPO_ROOT, "cases")
-    rc = _run_pytest([suite, "-q", "-p", "no:cacheprovider", "--qgather-summary", *extra])
+    if "-h" in extra or "--help" in extra:
+        return _run_help(suite)
+    # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
+    quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
+    rc = _run_pytest([suite, *quiet, "-p", "no:cacheprovider", "--qgather-summary", *extra])
     return 2 if rc == int(_pytest_usage_error()) else rc
+
+
+def _run_help(suite: str) -> int:
+    """qgather's own options first, then where pytest's are."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        _run_pytest([suite, "--help", "-p", "no:cacheprovider"])
+    lines = buffer.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("quantized all-gather harness")), None)
+    print("usage: qgather run [qgather options] [pytest options]\n")
+    print("Runs the case suite under pytest. qgather options:")
+    if start is not None:
+        for line in lines[start + 1:]:
+            if line and not line.startswith(" "):
+                break
+            print(line)
+    print("\nEvery other argument goes to pytest: see `python -m pytest --help` (e.g. -q, -x, -k EXPR, -n N).")
+    return 0
 
 
 def _pytest_usage_error() -> int:
@@ -381,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_torchao()
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

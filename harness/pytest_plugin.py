@@ -20,6 +20,11 @@ from harness.verdicts import CaseReport, Verdict
 _REPORT_KEY = "qgather_report"
 
 
+from harness.cli import quiet_torchao  # noqa: E402 - filter before torchao is first imported
+
+quiet_torchao()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("qgather", "quantized all-gather harness")
     group.addoption("--impl", action="append", default=None,
