@@ -70,10 +70,33 @@ def cmd_run(extra: list[str]) -> int:
     suite = os.path.join(REPO_ROOT, "cases")
     if "-h" in extra or "--help" in extra:
         return _run_help(suite)
+    problem = _world_sizes_problem(extra)
+    if problem:
+        return _usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
     quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
     rc = _run_pytest([suite, *quiet, "-p", "no:cacheprovider", "--qgather-summary", *extra])
     return 2 if rc == int(_pytest_usage_error()) else rc
+
+
+def _option_value(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _world_sizes_problem(args: list[str]) -> str | None:
+    """--world-sizes that no sweep of the suite has (checked here too: under xdist pytest cannot say so)."""
+    try:
+        sizes = set(_csv(_option_value(args, "--world-sizes"), int) or [])
+    except ValueError:
+        return None  # pytest's option check reports it
+    if not sizes or any(sizes & set(sweep.world_sizes) for _m, sweep, _i in suite_sweeps()):
+        return None
+    return f"--world-sizes {','.join(map(str, sorted(sizes)))}: no case in the selected suite has that world size"
 
 
 def _run_help(suite: str) -> int:
