@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,43 @@ BENCHES = {
 }
 
 
+class _TorchaoLibraryFilter(logging.Filter):
+    """torchao warns once per optional kernel library it cannot load (CUDA builds on a CPU host):
+    keep the first as one summary line, drop the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Failed to load "):
+            return True
+        self.dropped += 1
+        if self.dropped == 1:
+            record.msg = "torchao: optional kernel libraries not loadable here (e.g. CUDA-only builds); warnings hidden"
+            record.args = ()
+            return True
+        return False
+
+
+def quiet_torchao() -> None:
+    """Filter torchao's library-loading warnings to one line (idempotent)."""
+    logger = logging.getLogger("torchao")
+    if not any(isinstance(f, _TorchaoLibraryFilter) for f in logger.filters):
+        logger.addFilter(_TorchaoLibraryFilter())
+    pytree = logging.getLogger("torch.utils._pytree")
+    if not any(isinstance(f, _EnumConstantFilter) for f in pytree.filters):
+        pytree.addFilter(_EnumConstantFilter())
+
+
+class _EnumConstantFilter(logging.Filter):
+    """torch deprecates register_constant() on Enums, which torchao still calls at import: noise here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "register_constant() on Enum subclasses" not in record.getMessage()
+
+
+
 def _run_pytest(args: Sequence[str]) -> int:
     import pytest
 
@@ -30,7 +68,62 @@ def _run_pytest(args: Sequence[str]) -> int:
 def cmd_run(extra: list[str]) -> int:
     """The harness's main job: the case suite on whatever hardware is present."""
     suite = os.path.join(REPO_ROOT, "cases")
-    return _run_pytest([suite, "-q", "-p", "no:cacheprovider", "--qgather-summary", *extra])
+    if "-h" in extra or "--help" in extra:
+        return _run_help(suite)
+    problem = _world_sizes_problem(extra)
+    if problem:
+        return _usage("run", problem)
+    # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
+    quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
+    rc = _run_pytest([suite, *quiet, "-p", "no:cacheprovider", "--qgather-summary", *extra])
+    return 2 if rc == int(_pytest_usage_error()) else rc
+
+
+def _option_value(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _world_sizes_problem(args: list[str]) -> str | None:
+    """--world-sizes that no sweep of the suite has (checked here too: under xdist pytest cannot say so)."""
+    try:
+        sizes = set(_csv(_option_value(args, "--world-sizes"), int) or [])
+    except ValueError:
+        return None  # pytest's option check reports it
+    if not sizes or any(sizes & set(sweep.world_sizes) for _m, sweep, _i in suite_sweeps()):
+        return None
+    return f"--world-sizes {','.join(map(str, sorted(sizes)))}: no case in the selected suite has that world size"
+
+
+def _run_help(suite: str) -> int:
+    """qgather's own options first, then where pytest's are."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        _run_pytest([suite, "--help", "-p", "no:cacheprovider"])
+    lines = buffer.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("quantized all-gather harness")), None)
+    print("usage: qgather run [qgather options] [pytest options]\n")
+    print("Runs the case suite under pytest. qgather options:")
+    if start is not None:
+        for line in lines[start + 1:]:
+            if line and not line.startswith(" "):
+                break
+            print(line)
+    print("\nEvery other argument goes to pytest: see `python -m pytest --help` (e.g. -q, -x, -k EXPR, -n N).")
+    return 0
+
+
+def _pytest_usage_error() -> int:
+    import pytest
+
+    return int(pytest.ExitCode.USAGE_ERROR)
 
 
 def cmd_bench(which: list[str]) -> int:
@@ -65,6 +158,12 @@ def cmd_case(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--case-timeout", type=float, default=None)
     args = parser.parse_args(argv)
+    from harness.pytest_plugin import options_problem
+
+    problem = options_problem(args.case_timeout, args.device, args.backend)
+    if problem:
+        print(f"qgather case: {problem}", file=sys.stderr)
+        return 2
     options = RunOptions(args.backend, args.device, args.case_timeout)
     failed = 0
     try:
@@ -78,6 +177,241 @@ def cmd_case(argv: list[str]) -> int:
     finally:
         _shutdown_pools()
     return 1 if failed else 0
+
+
+def suite_dir() -> str:
+    """Where the case modules live: cases/ of a checkout."""
+    return os.path.join(REPO_ROOT, "cases")
+
+
+def suite_sweeps() -> list[tuple[str, object, list[str] | None]]:
+    """(module name, SWEEP, IMPLS override) of every case module, imported without pytest."""
+    import importlib.util
+
+    out = []
+    directory = suite_dir()
+    for filename in sorted(os.listdir(directory)):
+        if not (filename.startswith("test_") and filename.endswith(".py")):
+            continue
+        name = f"qgather_suite_{filename[:-3]}"
+        spec = importlib.util.spec_from_file_location(name, os.path.join(directory, filename))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sweep = getattr(module, "SWEEP", None)
+        if sweep is not None:
+            out.append((filename[:-3], sweep, getattr(module, "IMPLS", None)))
+    return out
+
+
+def _csv(value: str | None, cast=str) -> list | None:
+    if not value:
+        return None
+    return [cast(v.strip()) for v in value.split(",") if v.strip()]
+
+
+def _impl_status(name: str) -> str:
+    """'available' or why the implementation cannot run here (probed on its first format)."""
+    import torch
+
+    from harness.cases import CaseSpec
+    from harness.impls import UnknownImplementationError, get_impl
+
+    try:
+        impl = get_impl(name)
+    except UnknownImplementationError as exc:
+        return f"unavailable: {exc}"
+    if not impl.formats:
+        return "no formats"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type not in impl.devices:
+        return f"unavailable here: runs on {', '.join(impl.devices)} only, and this host has no GPU"
+    probe = CaseSpec(name, impl.formats[0], (64, 64), "bf16", 2, impl.scenarios[0], 0)
+    reason = impl.skip_reason(probe, device)
+    return f"unavailable here: {reason}" if reason else "available"
+
+
+def cmd_list(argv: list[str]) -> int:
+    """What the harness knows: implementations, formats, scenarios, mutants, or the case ids a selection runs."""
+    parser = argparse.ArgumentParser(prog="qgather list", description=cmd_list.__doc__)
+    parser.add_argument("what", nargs="?", default="all",
+                        choices=("all", "impls", "formats", "scenarios", "mutants"))
+    parser.add_argument("--cases", action="store_true", help="print the case ids the selection below would run")
+    parser.add_argument("--impl", action="append", default=None)
+    parser.add_argument("--formats", default=None)
+    parser.add_argument("--world-sizes", default=None)
+    parser.add_argument("--scenarios", default=None)
+    args = parser.parse_args(argv)
+    if args.cases:
+        return _list_cases(args)
+    sections = ("impls", "formats", "scenarios", "mutants") if args.what == "all" else (args.what,)
+    for section in sections:
+        print(f"{section}:")
+        for line in _LISTERS[section]():
+            print(f"  {line}")
+    return 0
+
+
+def _list_impls() -> list[str]:
+    from harness.impls import available
+
+    return [f"{name:<32} {_impl_status(name)}" for name in available() if not name.startswith("mutant:")]
+
+
+def _list_formats() -> list[str]:
+    from harness.formats import FORMATS
+
+    return [f"{name:<20} row block {fmt.row_block}" for name, fmt in FORMATS.items()]
+
+
+def _list_scenarios() -> list[str]:
+    from harness.cases import SCENARIOS
+
+    return list(SCENARIOS)
+
+
+def _list_mutants() -> list[str]:
+    from harness.impls.mutants import MUTANTS
+
+    return [f"{m.name:<36} bug class {m.bug_class}  expected {m.expected.value}" for m in MUTANTS]
+
+
+_LISTERS = {"impls": _list_impls, "formats": _list_formats, "scenarios": _list_scenarios, "mutants": _list_mutants}
+
+
+def _list_cases(args: argparse.Namespace) -> int:
+    from harness.cases import SCENARIOS
+    from harness.formats import FORMATS
+
+    impls = [n for item in (args.impl or ["reference"]) for n in _csv(item)]
+    formats, scenarios = _csv(args.formats), _csv(args.scenarios)
+    for fmt in formats or []:
+        if fmt not in FORMATS:
+            return _usage("list", f"--formats: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    for scenario in scenarios or []:
+        if scenario not in SCENARIOS:
+            return _usage("list", f"--scenarios: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    try:
+        sizes = _csv(args.world_sizes, int)
+    except ValueError:
+        return _usage("list", "--world-sizes takes comma-separated integers, e.g. 2,4,8")
+    count = 0
+    for _module, sweep, fixed in suite_sweeps():
+        for case in sweep.cases(fixed or impls, formats=formats, world_sizes=sizes, scenarios=scenarios):
+            print(case.id)
+            count += 1
+    if count == 0:
+        return _usage("list", "the selection has no cases")
+    return 0
+
+
+def _usage(command: str, message: str) -> int:
+    print(f"qgather {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_repro(argv: list[str]) -> int:
+    """Run one case and print its full report, the environment, and the command that reproduces it."""
+    from harness.cases import CaseSpec, CaseSpecError
+    from harness.engine import CaseInputError, RunOptions, run_case
+    from harness.impls import UnknownImplementationError
+    from harness.pytest_plugin import options_problem
+
+    parser = argparse.ArgumentParser(prog="qgather repro", description=cmd_repro.__doc__)
+    parser.add_argument("case_id", metavar="CASE_ID")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--case-timeout", type=float, default=None)
+    args = parser.parse_args(argv)
+    problem = options_problem(args.case_timeout, args.device, args.backend)
+    if problem:
+        return _usage("repro", problem)
+    options = RunOptions(args.backend, args.device, args.case_timeout)
+    try:
+        spec = CaseSpec.parse(args.case_id)
+        report = run_case(spec, options)
+    except (CaseSpecError, CaseInputError, UnknownImplementationError) as exc:
+        return _usage("repro", str(exc))
+    finally:
+        _shutdown_pools()
+    print(report.render())
+    print()
+    for line in environment_lines(options, spec.world_size):
+        print(line)
+    print(f"reproduce: {repro_command(spec.id, args)}")
+    return 0 if report.passed else 1
+
+
+def environment_lines(options, world_size: int) -> list[str]:
+    """python, torch, TransformerEngine, torchao versions, the GPU (or none) and the backend used."""
+    import platform
+
+    import torch
+
+    lines = [f"python: {platform.python_version()} ({sys.executable})", f"torch: {torch.__version__}"]
+    for label, module in (("transformer_engine", "transformer_engine"), ("torchao", "torchao")):
+        lines.append(f"{label}: {_module_version(module)}")
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        lines.append(f"gpu: {torch.cuda.device_count()} x {', '.join(names)}")
+    else:
+        lines.append("gpu: no GPU")
+    lines.append(f"device: {options.device_type()}; backend: {options.backend_for(world_size)}")
+    return lines
+
+
+def _module_version(module: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in (module, module.replace("_", "-")):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def repro_command(case_id: str, args: argparse.Namespace) -> str:
+    """A command that reruns the case from a fresh shell in any directory."""
+    import shlex
+
+    paths = [_import_root("harness")]
+    impl = case_id.rsplit(":", 6)[0]
+    module_name, sep, _ = impl.partition(":")
+    if sep and module_name not in ("mutant", "torchao", "te"):
+        paths.append(_import_root(module_name))
+    paths = list(dict.fromkeys(p for p in paths if p))
+    words = [sys.executable, "-m", "harness", "case", case_id]
+    if args.backend != "auto":
+        words += ["--backend", args.backend]
+    if args.device != "auto":
+        words += ["--device", args.device]
+    if args.case_timeout is not None:
+        words += ["--case-timeout", repr(args.case_timeout)]
+    command = " ".join(shlex.quote(w) for w in words)
+    if paths:
+        command = f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} {command}"
+    return command
+
+
+def _import_root(module_name: str) -> str | None:
+    """The sys.path directory `module_name` is imported from, when a fresh shell could not import it."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    origin = os.path.abspath(getattr(module, "__file__", "") or "")
+    probe = f"import importlib.util; s = importlib.util.find_spec({module_name!r}); print(s and s.origin)"
+    try:
+        found = subprocess.run([sys.executable, "-c", probe], env=env, cwd="/", capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        found = ""
+    if found and os.path.realpath(found) == os.path.realpath(origin):
+        return None  # a fresh shell imports this very module
+    depth = module_name.count(".") + (2 if os.path.basename(origin) == "__init__.py" else 1)
+    for _ in range(depth):
+        origin = os.path.dirname(origin)
+    return origin
 
 
 def cmd_gpu_check(argv: list[str]) -> int:
@@ -118,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the case suite (extra arguments go to pytest)", add_help=False)
     sub.add_parser("case", help="run cases by id and print their reports", add_help=False)
+    sub.add_parser("list", help="list implementations, formats, scenarios, mutants; --cases: a selection's case ids",
+                   add_help=False)
+    sub.add_parser("repro", help="run one case; print its report, the environment and the command to rerun it",
+                   add_help=False)
     sub.add_parser("gpu-check", help="list the GPUs, backends and optional libraries the GPU job uses")
     bench = sub.add_parser("bench", help="run benchmarks (formats, runtime); default: all")
     bench.add_argument("which", nargs="*")
@@ -129,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_torchao()
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -138,6 +477,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_run(rest)
     if command == "case":
         return cmd_case(rest)
+    if command == "list":
+        return cmd_list(rest)
+    if command == "repro":
+        return cmd_repro(rest)
     if command == "gpu-check":
         return cmd_gpu_check(rest)
     if command == "selftest":

@@ -131,6 +131,44 @@ def write(producer: str, out_dir: str = GOLDEN_DIR) -> list[str]:
     return notes
 
 
+class ManifestError(ValueError):
+    """golden/manifest.json is missing, unreadable or has no entries."""
+
+
+def read_manifest(out_dir: str = GOLDEN_DIR) -> dict:
+    """The manifest to check: a missing, invalid or empty one is an error, not a green check of nothing."""
+    path = os.path.join(out_dir, MANIFEST)
+    try:
+        with open(path) as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no manifest (write one with `qgather golden`)") from None
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{path}: not valid JSON ({exc})") from None
+    entries = manifest.get("entries") if isinstance(manifest, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ManifestError(f"{path}: no entries to check")
+    return manifest
+
+
+def check_entry_safely(entry, out_dir: str = GOLDEN_DIR) -> list[str]:
+    """check_entry, with a malformed entry or unreadable file reported as one problem line."""
+    name = entry.get("file", "<entry without 'file'>") if isinstance(entry, dict) else repr(entry)[:60]
+    try:
+        if not isinstance(entry, dict):
+            raise ValueError("entry is not an object")
+        missing = [k for k in ("file", "format", "sha256") if k not in entry]
+        if missing:
+            return [f"{name}: manifest entry lacks {', '.join(missing)}"]
+        if entry["format"] not in FORMATS:
+            return [f"{name}: unknown format {entry['format']!r}"]
+        if not os.path.exists(os.path.join(out_dir, entry["file"])):
+            return [f"{name}: file missing"]
+        return check_entry(entry, out_dir)
+    except Exception as exc:  # noqa: BLE001 - a truncated file, a wrong key: report it and go on
+        return [f"{name}: cannot check ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"]
+
+
 def load_manifest(out_dir: str = GOLDEN_DIR) -> dict:
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
@@ -177,10 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qgather golden", description=__doc__.split("\n\n")[0])
     parser.add_argument("--producer", choices=("reference", "te"), default="reference")
     parser.add_argument("--check", action="store_true", help="verify the stored corpus instead of writing")
+    parser.add_argument("--dir", default=GOLDEN_DIR, help="the corpus directory (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.check:
-        manifest = load_manifest()
-        problems = [p for e in manifest["entries"] for p in check_entry(e)]
+        try:
+            manifest = read_manifest(args.dir)
+        except ManifestError as exc:
+            print(f"qgather golden --check: {exc}", file=sys.stderr)
+            return 1
+        problems = [p for e in manifest["entries"] for p in check_entry_safely(e, args.dir)]
         for p in problems:
             print(p)
         print(f"golden: {len(manifest['entries'])} entries, {len(problems)} problems")
@@ -188,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.producer == "te" and not torch.cuda.is_available():
         print("qgather golden --producer te: needs a CUDA GPU with TransformerEngine", file=sys.stderr)
         return 2
-    notes = write(args.producer)
+    notes = write(args.producer, args.dir)
     for note in notes:
         print(note)
-    size = corpus_bytes()
+    size = corpus_bytes(args.dir)
     print(f"golden: wrote {args.producer} entries; corpus {size / 1e6:.2f} MB (limit {MAX_CORPUS_BYTES / 1e6:.0f} MB)")
     return 0 if size <= MAX_CORPUS_BYTES else 1

@@ -20,6 +20,11 @@ from harness.verdicts import CaseReport, Verdict
 _REPORT_KEY = "qgather_report"
 
 
+from harness.cli import quiet_torchao  # noqa: E402 - filter before torchao is first imported
+
+quiet_torchao()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("qgather", "quantized all-gather harness")
     group.addoption("--impl", action="append", default=None,
@@ -66,11 +71,44 @@ def _validate_options(config: pytest.Config) -> None:
         raise pytest.UsageError("--world-sizes takes comma-separated integers, e.g. 2,4,8") from None
     if any(ws < 1 for ws in sizes):
         raise pytest.UsageError(f"--world-sizes: a world size must be >= 1, got {sizes}")
+    problem = options_problem(config.getoption("--case-timeout"), config.getoption("--device"),
+                              config.getoption("--backend"))
+    if problem:
+        raise pytest.UsageError(problem)
     for name in _impls(config):
         try:
             get_impl(name)
         except UnknownImplementationError as exc:
             raise pytest.UsageError(f"--impl: {exc}") from None
+
+
+def options_problem(case_timeout: float | None, device: str, backend: str) -> str | None:
+    """Why these run options cannot work on this host, checked before anything runs (None: fine)."""
+    import math
+
+    if case_timeout is not None and not (math.isfinite(case_timeout) and case_timeout > 0):
+        return f"--case-timeout must be a finite number of seconds > 0, got {case_timeout}"
+    if device == "cuda" or backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            asked = "--device cuda" if device == "cuda" else "--backend nccl"
+            return f"{asked}: no CUDA GPU on this host (torch.cuda.is_available() is False)"
+    return None
+
+
+_SWEEP_CASES = "qgather_sweep_cases"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A --world-sizes selection that no sweep has would otherwise pass green with nothing run."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a worker cannot stop the session cleanly; `qgather run` checks before pytest starts
+    sizes = _csv(session.config.getoption("--world-sizes"), int)
+    counts = getattr(session.config, _SWEEP_CASES, None)
+    if sizes and counts is not None and sum(counts) == 0:
+        raise pytest.UsageError(f"--world-sizes {','.join(map(str, sizes))}: no case in the selected suite has "
+                                "that world size")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -87,6 +125,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         world_sizes=_csv(config.getoption("--world-sizes"), int),
         scenarios=_csv(config.getoption("--scenarios")),
     )
+    setattr(config, _SWEEP_CASES, [*getattr(config, _SWEEP_CASES, []), len(cases)])
     marks = [getattr(pytest.mark, m) for m in sweep.marks]
     params = [pytest.param(c, id=c.id, marks=marks) for c in cases]
     metafunc.parametrize("case", params)

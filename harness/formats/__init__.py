@@ -37,6 +37,27 @@ FORMATS: dict[str, Format] = {
 }
 
 
+def _load_entry_point_formats() -> None:
+    """Formats from other packages (`qgather.formats` entry points: name = "pkg.mod:FormatClass"),
+    registered at import so that every option check and listing sees them."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="qgather.formats"):
+        try:
+            obj = ep.load()
+            fmt = obj() if isinstance(obj, type) else obj
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the harness down
+            import sys
+
+            print(f"qgather: format entry point {ep.name!r} failed to load ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
+            continue
+        FORMATS.setdefault(fmt.name, fmt)
+
+
+_load_entry_point_formats()
+
+
 def get_format(name: str) -> Format:
     """FORMATS[name], with a FormatError that lists the known names for an unknown one."""
     try:

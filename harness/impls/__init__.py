@@ -50,17 +50,41 @@ def _load_object(target: str) -> Implementation:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise UnknownImplementationError(f"--impl {target!r}: cannot load it ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - a broken adapter module (SyntaxError, error at import)
+        raise UnknownImplementationError(
+            f"--impl {target!r}: importing {module_name!r} failed ({type(exc).__name__}: {_first_line(exc)})"
+        ) from None
     return _instantiate(target, obj)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else "no message"
 
 
 def _instantiate(name: str, obj) -> Implementation:
     is_adapter_class = isinstance(obj, type) and issubclass(obj, Implementation)
-    impl = obj() if is_adapter_class else obj
+    try:
+        impl = obj() if is_adapter_class else obj
+    except Exception as exc:  # noqa: BLE001 - the adapter's own constructor failed
+        raise UnknownImplementationError(
+            f"implementation {name!r}: constructing {obj.__name__} failed ({type(exc).__name__}: {_first_line(exc)})"
+        ) from None
     if not isinstance(impl, Implementation):
         raise UnknownImplementationError(
             f"implementation {name!r} is a {type(impl).__name__}, not a harness.impls.base.Implementation"
         )
     return impl
+
+
+def _load_entry_point(name: str, load: Factory):
+    try:
+        return load()
+    except Exception as exc:  # noqa: BLE001 - a broken plugin package
+        raise UnknownImplementationError(
+            f"implementation {name!r} (qgather.impls entry point) failed to load ({type(exc).__name__}: "
+            f"{_first_line(exc)})"
+        ) from None
 
 
 def available() -> list[str]:
@@ -78,9 +102,9 @@ def get_impl(name: str) -> Implementation:
         return _CACHE[name]
     builtin, plugins = _builtin(), _from_entry_points()
     if name in builtin:
-        impl = _instantiate(name, builtin[name]())
+        impl = _instantiate(name, builtin[name])
     elif name in plugins:
-        impl = _instantiate(name, plugins[name]())
+        impl = _instantiate(name, _load_entry_point(name, plugins[name]))
     elif ":" in name and name.partition(":")[0] not in _BUILTIN_PREFIXES:
         impl = _load_object(name)
     else:

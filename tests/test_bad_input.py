@@ -1,0 +1,152 @@
+"""Bad input gets one clear stderr line and a non-zero exit, never a traceback or a green run of nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(REPO, "golden")
+CASE = "reference:nvfp4_2d:64x64:bf16:ws2:gather:s0"
+
+
+def qgather(*args: str, cwd: str | None = None, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, pythonpath) if p)
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, env=env, timeout=300)
+
+
+def assert_one_line(result: subprocess.CompletedProcess, rc: int, *words: str) -> None:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == rc, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stderr + result.stdout
+    assert len(lines) == 1, result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture
+def adapters(tmp_path):
+    (tmp_path / "bad_syntax.py").write_text("def broken(:\n")
+    (tmp_path / "bad_import.py").write_text("raise RuntimeError('adapter exploded at import')\n")
+    (tmp_path / "bad_ctor.py").write_text(
+        "from harness.impls.reference import ReferenceImplementation\n"
+        "class Adapter(ReferenceImplementation):\n"
+        "    def __init__(self):\n"
+        "        raise ValueError('constructor exploded')\n")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("target,why", [
+    ("bad_syntax:Adapter", "SyntaxError"),
+    ("bad_import:Adapter", "adapter exploded at import"),
+    ("bad_ctor:Adapter", "constructor exploded"),
+])
+@pytest.mark.parametrize("command", ["run", "case"])
+def test_broken_adapter(adapters, target, why, command):
+    if command == "run":
+        result = qgather("run", "--impl", target, "-q", "--formats", "nvfp4_2d", pythonpath=adapters)
+    else:
+        result = qgather("case", CASE.replace("reference", target, 1), pythonpath=adapters)
+    assert_one_line(result, 2, target, why)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+@pytest.mark.parametrize("command", ["run", "case", "virtual"])
+def test_bad_case_timeout(command, value):
+    if command == "run":
+        result = qgather("run", f"--case-timeout={value}", "-q")
+    elif command == "case":
+        result = qgather("case", CASE, f"--case-timeout={value}")
+    else:
+        result = qgather("case", "reference:nvfp4_2d:64x64:bf16:ws8:virtual:s0", f"--case-timeout={value}")
+    assert_one_line(result, 2, "--case-timeout")
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+def test_world_sizes_without_cases(workers):
+    result = qgather("run", "--world-sizes", "5", "-q", "--formats", "nvfp4_2d", *workers)
+    assert_one_line(result, 2, "--world-sizes 5")
+
+
+def test_world_sizes_without_cases_under_plain_pytest():
+    env = {**os.environ, "PYTHONPATH": REPO}
+    result = subprocess.run([sys.executable, "-m", "pytest", "cases", "-q", "-p", "no:cacheprovider",
+                             "--world-sizes", "5"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert result.returncode == 4, result.stdout[-2000:]
+    assert "--world-sizes 5: no case" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a host without a GPU")
+@pytest.mark.parametrize("option", [["--device", "cuda"], ["--backend", "nccl"]])
+@pytest.mark.parametrize("command", ["run", "case"])
+def test_gpu_asked_without_gpu(command, option):
+    args = ["run", *option, "-q"] if command == "run" else ["case", CASE, *option]
+    assert_one_line(qgather(*args), 2, option[0], "no CUDA GPU")
+
+
+def test_selftest_usage_error_exits_2():
+    assert qgather("selftest", "--no-such-option").returncode == 2
+
+
+# The golden check: every bad entry reported, the rest still checked, exit 1.
+
+def _corpus(tmp_path) -> str:
+    target = str(tmp_path / "golden")
+    shutil.copytree(GOLDEN, target)
+    return target
+
+
+def _manifest(corpus: str) -> dict:
+    with open(os.path.join(corpus, "manifest.json")) as fh:
+        return json.load(fh)
+
+
+def _write(corpus: str, manifest: dict) -> None:
+    with open(os.path.join(corpus, "manifest.json"), "w") as fh:
+        json.dump(manifest, fh)
+
+
+def test_golden_bad_entries_each_reported(tmp_path):
+    corpus = _corpus(tmp_path)
+    manifest = _manifest(corpus)
+    entries = manifest["entries"]
+    del entries[0]["sha256"]
+    entries[1]["format"] = "fp3_nonsense"
+    os.remove(os.path.join(corpus, entries[2]["file"]))
+    path = os.path.join(corpus, entries[3]["file"])
+    with open(path, "rb") as fh:
+        data = fh.read()
+    with open(path, "wb") as fh:
+        fh.write(data[: len(data) // 2])
+    manifest["entries"] = entries[:5]
+    _write(corpus, manifest)
+    result = qgather("golden", "--check", "--dir", corpus)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    out = result.stdout
+    assert "lacks sha256" in out and "unknown format 'fp3_nonsense'" in out and "file missing" in out
+    assert f"{entries[3]['file']}: cannot check" in out
+    assert "golden: 5 entries, 4 problems" in out
+
+
+@pytest.mark.parametrize("content,why", [
+    (None, "no manifest"),
+    ('{"entries": [', "not valid JSON"),
+    ('{"entries": []}', "no entries"),
+])
+def test_golden_bad_manifest(tmp_path, content, why):
+    corpus = _corpus(tmp_path)
+    path = os.path.join(corpus, "manifest.json")
+    if content is None:
+        os.remove(path)
+    else:
+        with open(path, "w") as fh:
+            fh.write(content)
+    assert_one_line(qgather("golden", "--check", "--dir", corpus), 1, "manifest.json", why)

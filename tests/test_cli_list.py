@@ -1,0 +1,51 @@
+"""`qgather list`: what the harness knows, and the case ids a selection would run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def qgather(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def test_list_all_sections():
+    result = qgather("list")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for section in ("impls:", "formats:", "scenarios:", "mutants:"):
+        assert section in out
+    assert "nvfp4_2d             row block 16" in out
+    assert "mutant:per_rank_amax" in out and "bug class 6  expected RANK_DIVERGENCE" in out
+    te = next(line for line in out.splitlines() if line.strip().startswith("te "))
+    assert "available" in te
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "unavailable here" in te and "no GPU" in te
+
+
+def test_list_cases_matches_pytest_collection():
+    selection = ["--formats", "nvfp4_2d", "--world-sizes", "8", "--scenarios", "gather,virtual"]
+    result = qgather("list", "--cases", *selection)
+    assert result.returncode == 0, result.stderr
+    listed = sorted(result.stdout.split())
+    assert listed and all(":ws8:" in c and ":nvfp4_2d:" in c for c in listed)
+    collect = subprocess.run(
+        [sys.executable, "-m", "pytest", "cases", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    params = [line.split("[", 1)[1].rstrip("]") for line in collect.stdout.splitlines() if "[" in line]
+    collected = sorted(p for p in params if p.count(":") == 6)  # case ids, not other tests' parameters
+    assert listed == collected
+
+
+def test_list_cases_empty_selection_is_a_usage_error():
+    result = qgather("list", "--cases", "--world-sizes", "5")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "qgather list: the selection has no cases"

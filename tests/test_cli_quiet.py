@@ -1,0 +1,54 @@
+"""Quiet by default: library noise filtered to one line, pytest's final line kept, qgather's help first."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": REPO}
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+
+
+def test_torchao_library_warnings_are_one_line_at_most():
+    pytest_torchao = __import__("pytest").importorskip("torchao")
+    del pytest_torchao
+    result = run("-c", "import harness.pytest_plugin, torchao")
+    noisy = [line for line in result.stderr.splitlines() if line.strip()]
+    assert not [line for line in noisy if "Failed to load" in line or "register_constant" in line], noisy
+    assert len(noisy) <= 1, noisy
+
+
+def test_filter_keeps_one_summary_line():
+    import logging
+
+    from harness.cli import _TorchaoLibraryFilter
+
+    f = _TorchaoLibraryFilter()
+    records = [logging.LogRecord("torchao", logging.WARNING, "x", 1, f"Failed to load lib{i}.so: nope", (), None)
+               for i in range(5)]
+    kept = [r for r in records if f.filter(r)]
+    assert len(kept) == 1 and kept[0].getMessage().startswith("torchao: optional kernel libraries")
+    other = logging.LogRecord("torchao", logging.WARNING, "x", 1, "something else", (), None)
+    assert f.filter(other)
+
+
+def test_run_quiet_keeps_final_line():
+    result = run("-m", "harness", "run", "-q", "--formats", "nvfp4_2d", "--world-sizes", "1",
+                 "--scenarios", "gather", "-k", "alignment")
+    assert result.returncode == 0, result.stdout[-2000:]
+    last = [line for line in result.stdout.splitlines() if line.strip()][-1]
+    assert " passed" in last and " in " in last, last
+
+
+def test_run_help_shows_qgather_options_first():
+    result = run("-m", "harness", "run", "--help")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("usage: qgather run")
+    assert any(line.strip().startswith("--world-sizes") for line in lines[:12])
+    assert "python -m pytest --help" in lines[-1]
