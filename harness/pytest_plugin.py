@@ -100,9 +100,15 @@ def options_problem(case_timeout: float | None, device: str, backend: str) -> st
 _SWEEP_CASES = "qgather_sweep_cases"
 
 
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    # Asked of the config, not the environment: a subprocess started by a test inherits
+    # PYTEST_XDIST_WORKER from the worker that runs the test, but it is a session of its own.
+    return hasattr(config, "workerinput")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A --world-sizes selection that no sweep has would otherwise pass green with nothing run."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if _is_xdist_worker(session.config):
         return  # a worker cannot stop the session cleanly; `qgather run` checks before pytest starts
     sizes = _csv(session.config.getoption("--world-sizes"), int)
     counts = getattr(session.config, _SWEEP_CASES, None)
@@ -193,7 +199,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     shutdown_pools()
     path = session.config.getoption("--qgather-json")
-    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if path and not _is_xdist_worker(session.config):
         with open(path, "w") as fh:
             json.dump(_RECORDS, fh, indent=1)
 
