@@ -8,7 +8,6 @@ Test modules under cases/ declare `SWEEP = harness.suite.Sweep(...)` and one tes
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 
 import pytest
