@@ -42,11 +42,13 @@ def _agent_env(tmp_path) -> dict[str, str]:
 
 
 def _start_agent(port: int, run_id: str, log_path, tmp_path) -> subprocess.Popen:
+    # --redirects 3: each rank's stdout and stderr go to files of their own under --log-dir, so two
+    # ranks of one agent never interleave their lines in one log.
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id,
-        "--max-restarts", "0",
+        "--max-restarts", "0", "--log-dir", str(log_path.with_suffix(".ranks")), "--redirects", "3",
         "-m", "pytest", "tests/_runtime_external_case.py", "-q", "-s", "-p", "no:cacheprovider",
     ]
     with open(log_path, "w") as log:
@@ -84,8 +86,12 @@ def test_two_torchrun_agents_share_one_world(tmp_path):
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
     agents = [_start_agent(port, run_id, log, tmp_path) for log in logs]
     codes = _wait_all(agents, AGENT_TIMEOUT_S)
-    output = "\n".join(log.read_text(errors="replace") for log in logs)
+    rank_logs = sorted(tmp_path.glob("agent*.ranks/**/stdout.log"))
+    per_rank = [log.read_text(errors="replace") for log in rank_logs]
+    output = "\n".join([*(log.read_text(errors="replace") for log in logs), *per_rank,
+                        *(log.read_text(errors="replace") for log in tmp_path.glob("agent*.ranks/**/stderr.log"))])
     assert codes == [0, 0], f"agents exited {codes}:\n{output[-6000:]}"
+    assert len(per_rank) == 4, f"one stdout log per rank, found {[str(p) for p in rank_logs]}"
 
     results = [json.loads(found) for found in re.findall(RESULT_TAG + r"(\{.*\})", output)]
     assert len(results) == 1, f"exactly the reporting rank prints the result:\n{output[-6000:]}"
@@ -98,4 +104,5 @@ def test_two_torchrun_agents_share_one_world(tmp_path):
         "reject": "rank 3 raised ValueError: 136 columns are not a multiple of 16",
         "after_error": "ok",
     }
-    assert len(re.findall(r"\b2 passed\b", output)) == 4, "pytest passed on every one of the 4 ranks"
+    passed = [len(re.findall(r"\b2 passed\b", text)) for text in per_rank]
+    assert passed == [1, 1, 1, 1], f"pytest passed once on every one of the 4 ranks, counted {passed}"
