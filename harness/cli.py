@@ -145,26 +145,39 @@ def cmd_module(module_name: str, extra: list[str]) -> int:
     return int(module.main(extra) or 0)
 
 
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options that say where a case runs (shared by `case` and `repro`)."""
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--case-timeout", type=float, default=None)
+
+
+def _run_options(command: str, args: argparse.Namespace):
+    """The checked RunOptions, or None after printing the one-line reason to stderr."""
+    from harness.engine import RunOptions
+    from harness.pytest_plugin import options_problem
+
+    problem = options_problem(args.case_timeout, args.device, args.backend)
+    if problem:
+        _usage(command, problem)
+        return None
+    return RunOptions(args.backend, args.device, args.case_timeout)
+
+
 def cmd_case(argv: list[str]) -> int:
     """Run single cases by id and print their reports: the one-command reproduction."""
     from harness.cases import CaseSpec, CaseSpecError
-    from harness.engine import CaseInputError, RunOptions, run_case
+    from harness.engine import CaseInputError, run_case
     from harness.impls import UnknownImplementationError
 
     parser = argparse.ArgumentParser(prog="qgather case", description=cmd_case.__doc__)
     parser.add_argument("case_ids", nargs="+", metavar="CASE_ID",
                         help="e.g. reference:nvfp4_2d:136x64:bf16:ws8:gather:s0")
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--case-timeout", type=float, default=None)
+    _add_run_options(parser)
     args = parser.parse_args(argv)
-    from harness.pytest_plugin import options_problem
-
-    problem = options_problem(args.case_timeout, args.device, args.backend)
-    if problem:
-        print(f"qgather case: {problem}", file=sys.stderr)
+    options = _run_options("case", args)
+    if options is None:
         return 2
-    options = RunOptions(args.backend, args.device, args.case_timeout)
     failed = 0
     try:
         for case_id in args.case_ids:
@@ -312,20 +325,16 @@ def _usage(command: str, message: str) -> int:
 def cmd_repro(argv: list[str]) -> int:
     """Run one case and print its full report, the environment, and the command that reproduces it."""
     from harness.cases import CaseSpec, CaseSpecError
-    from harness.engine import CaseInputError, RunOptions, run_case
+    from harness.engine import CaseInputError, run_case
     from harness.impls import UnknownImplementationError
-    from harness.pytest_plugin import options_problem
 
     parser = argparse.ArgumentParser(prog="qgather repro", description=cmd_repro.__doc__)
     parser.add_argument("case_id", metavar="CASE_ID")
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--case-timeout", type=float, default=None)
+    _add_run_options(parser)
     args = parser.parse_args(argv)
-    problem = options_problem(args.case_timeout, args.device, args.backend)
-    if problem:
-        return _usage("repro", problem)
-    options = RunOptions(args.backend, args.device, args.case_timeout)
+    options = _run_options("repro", args)
+    if options is None:
+        return 2
     try:
         spec = CaseSpec.parse(args.case_id)
         report = run_case(spec, options)
