@@ -80,7 +80,7 @@ def _producer_reference(fmt: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _producer_te(fmt: str, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    from harness.te_quantizers import te_quantize
+    from harness.impls.te.quantizers import te_quantize
 
     return te_quantize(fmt, x.cuda())
 

@@ -144,8 +144,10 @@ def run_on_rank(ctx, case_id: str) -> dict:
         result["stages"], result["wire"] = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards)
         return result
 
-    module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
-    fully_shard(module, mesh=ctx.mesh)
+    module = impl.make_sharded_module(ctx, spec, master)
+    if module is None:
+        module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
+        fully_shard(module, mesh=ctx.mesh)
     param_types = (type(_local_shard(module)),)
     stages = []
     with impl.gather_context(ctx.group), record_wire(param_types) as wire:

@@ -89,7 +89,7 @@ class CaseReport:
 # missing attribute, a bad key or index), not that it refused a shape: never a rejection, even when
 # every rank raises the same one.
 INTERNAL_ERRORS = frozenset({"AttributeError", "TypeError", "NameError", "UnboundLocalError", "KeyError",
-                             "IndexError", "ZeroDivisionError", "RecursionError"})
+                             "IndexError", "ZeroDivisionError", "RecursionError", "HarnessFault"})
 
 
 def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int) -> tuple[Verdict, str, list[str]]:

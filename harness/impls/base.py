@@ -15,13 +15,21 @@ import torch
 from harness.cases import CaseSpec
 
 
+class HarnessFault(RuntimeError):
+    """An error in the harness's own glue around an implementation (an adapter's emulation or
+    bookkeeping): never counted as the implementation rejecting a shape."""
+
+
 class Implementation:
     """Base class for adapters. Subclasses set the class attributes and override the methods.
 
     The harness calls, on every rank:
       1. `skip_reason(spec, device)`: None to run, else a one-line reason to skip the case.
-      2. `make_param(fmt, weight)`: the quantized parameter of the FULL weight (every rank builds
-         the same one from the same seed); `fully_shard` then shards it through the subclass's ops.
+      2. either `make_sharded_module(ctx, spec, master)`: the module already sharded the way the
+         library's users shard it (e.g. TE: built on meta, `fully_shard`, `reset_parameters`), or,
+         when that returns None, `make_param(fmt, weight)`: the quantized parameter of the FULL
+         weight (every rank builds the same one from the same seed), which the harness wraps in a
+         linear layer and shards with `fully_shard` through the subclass's ops.
       3. after an unshard, `read_buffers(param)`: the gathered buffers under the format's
          TransformerEngine names (see harness.formats), compared bit for bit with the golden.
       4. for the `steps` / `reshard` scenarios, `requantize_shard(local, master_rows, group)`:
@@ -47,6 +55,15 @@ class Implementation:
 
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor) -> torch.nn.Module | None:
+        """A module holding this rank's shard of the case's weight as `.weight`, already passed
+        through `fully_shard(module, mesh=ctx.mesh)` and initialized the library's way. For
+        libraries with deferred or sharded initialization. `ctx` has rank, world_size, device,
+        group and mesh; `master` is the full float32 master weight (cast it to spec.torch_dtype);
+        this rank's rows are `harness.cases.shard_layout(spec).dim0_range(ctx.rank)`.
+        None (the default): the harness builds and shards the module (make_module / make_param)."""
+        return None
 
     def make_module(self, fmt: str, weight: torch.Tensor) -> torch.nn.Module | None:
         """A module holding the quantized weight as `.weight`, for libraries whose quantized

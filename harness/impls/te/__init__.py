@@ -1,0 +1,15 @@
+"""TransformerEngine adapters.
+
+  te                 TE's supported FSDP2 route: modules on meta under quantized_model_init,
+                     fully_shard, reset_parameters (route.py)
+  te:prequantized    the full weight quantized with TE before fully_shard shards it: what happens
+                     to a user who quantizes before sharding (prequantized.py)
+
+Nothing here imports transformer_engine at import time: without it every te case is SKIPPED with
+the import error as its reason.
+"""
+
+from harness.impls.te.prequantized import PrequantizedImplementation
+from harness.impls.te.route import TransformerEngineRoute
+
+FACTORIES = {"te": TransformerEngineRoute, "te:prequantized": PrequantizedImplementation}

@@ -1,0 +1,139 @@
+"""`te`: TransformerEngine the way its users run FSDP2 (TE 2.20.2's fsdp2 tests and its
+quantized_model_init example):
+
+  1. `te.Linear(..., device="meta", init_method=...)` built under
+     `te.quantized_model_init(enabled=True, recipe=R)`: plain high-precision meta parameters;
+  2. `fully_shard(module, mesh=...)`;
+  3. `module.reset_parameters()` under grad mode: each rank materializes its local shard, runs
+     `init_method` on it (here: writes exactly this rank's rows of the case's master weight),
+     quantizes it with the recipe's weight quantizer (current scaling and NVFP4 all-reduce the
+     amax over the shard group first) and installs it with `DTensor.from_local`.
+
+The gathers then go through TE's own `fsdp_pre_all_gather` / `fsdp_post_all_gather`, and the
+steps/reshard scenarios re-quantize the sharded parameter in place with `quantize_`, as TE's
+optimizers do with master weights.
+
+On GPUs without TE's NVFP4 kernels (below sm_100) the module's weight quantizer is replaced by a
+subclass of TE's NVFP4Quantizer that builds each shard's NVFP4Tensor from the harness's reference
+bits with the all-reduced amax; everything else (reset_parameters, hooks) is TE's code. The case
+report says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.cases import CaseSpec, shard_layout
+from harness.impls.base import HarnessFault, Implementation
+from harness.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
+from harness.impls.te.tensors import read_te_buffers
+
+NVFP4 = ("nvfp4_1d", "nvfp4_2d")
+
+#: format -> (recipe class name in transformer_engine.common.recipe, keyword arguments)
+RECIPES: dict[str, tuple[str, dict]] = {
+    "fp8_tensor": ("Float8CurrentScaling", {}),
+    "fp8_block": ("Float8BlockScaling", {}),
+    "mxfp8": ("MXFP8BlockScaling", {}),
+    "nvfp4_2d": ("NVFP4BlockScaling", {"disable_2d_quantization": False}),
+}
+
+#: formats TE's FSDP2 route does not offer, with TE's reason
+NOT_ON_THIS_ROUTE = {
+    "fp8_tensor_e5m2": "TE's recipes quantize weights in E4M3 (\"Pure E5M2 training is not supported\")",
+    "fp8_block_1x128": "TE's Float8BlockwiseQTensor.fsdp_pre_all_gather supports 2-D block scaling only "
+                       "(Float8BlockScaling(w_block_scaling_dim=1) raises NotImplementedError)",
+    "nvfp4_1d": "TE's NVFP4Tensor.fsdp_pre_all_gather needs 2-D weight quantization when training uses the "
+                "columnwise copy (NVFP4BlockScaling(disable_2d_quantization=True) fails its assertion)",
+}
+
+
+def make_recipe(fmt: str):
+    from transformer_engine.common import recipe
+
+    name, kwargs = RECIPES[fmt]
+    return getattr(recipe, name)(**kwargs)
+
+
+class TransformerEngineRoute(Implementation):
+    name = "te"
+    formats = (*RECIPES, *NOT_ON_THIS_ROUTE)
+    scenarios = ("gather", "steps", "reshard")
+    devices = ("cuda",)
+
+    def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
+        reason = super().skip_reason(spec, device) or te_import_error()
+        if reason:
+            return reason
+        if spec.fmt in NOT_ON_THIS_ROUTE:
+            return f"te: {NOT_ON_THIS_ROUTE[spec.fmt]}"
+        if len(spec.shape) != 2:
+            return "te: te.Linear weights are 2-D; 3-D expert weights are not built on this route"
+        if spec.fmt == "mxfp8":
+            return mxfp8_unavailable_reason()
+        if spec.fmt in NVFP4 and spec.scenario != "gather" and not has_nvfp4_kernels():
+            return f"te: re-quantizing NVFP4 shards needs TE's sm_100 kernels (this GPU is {sm_name()})"
+        return None
+
+    def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor) -> torch.nn.Module:
+        import transformer_engine.pytorch as te
+        from torch.distributed.fsdp import fully_shard
+
+        rows = _this_ranks_rows(ctx, spec, master)
+        out_features, in_features = spec.shape
+        with te.quantized_model_init(enabled=True, recipe=make_recipe(spec.fmt)):
+            module = te.Linear(in_features, out_features, bias=False, params_dtype=spec.torch_dtype,
+                               device="meta", init_method=_writes(rows))
+        if spec.fmt in NVFP4 and not has_nvfp4_kernels():
+            _install_reference_bits_quantizer(module, spec.fmt)
+        fully_shard(module, mesh=ctx.mesh)
+        with torch.enable_grad():
+            module.reset_parameters()
+        return module
+
+    def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        from harness.impls.te.quantizers import te_quantize
+
+        return te_quantize(fmt, weight.cuda())
+
+    def read_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return read_te_buffers(param)
+
+    def requantize_shard(self, local: torch.Tensor, master_rows: torch.Tensor, group) -> None:
+        local.quantize_(master_rows.to(local.device))
+
+    def is_quantized(self, param: torch.Tensor) -> bool:
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+        return isinstance(param, QuantizedTensor)
+
+    def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, param.dequantize(dtype=x.dtype).transpose(-1, -2))
+
+
+def _this_ranks_rows(ctx, spec: CaseSpec, master: torch.Tensor) -> torch.Tensor:
+    start, end = shard_layout(spec).dim0_range(ctx.rank)
+    return master[start:end].to(device=ctx.device, dtype=spec.torch_dtype)
+
+
+def _writes(rows: torch.Tensor):
+    """TE's init_method for the weight: write this rank's rows of the master weight into the
+    local shard TE materialized (a shard of any other shape means FSDP2 split differently than
+    the harness's golden assumes)."""
+
+    def init_method(local: torch.Tensor) -> None:
+        if tuple(local.shape) != tuple(rows.shape):
+            raise HarnessFault(f"TE's reset_parameters handed init_method a local shard of shape "
+                               f"{tuple(local.shape)}; this rank's rows of the master weight are {tuple(rows.shape)}")
+        with torch.no_grad():
+            local.copy_(rows)
+
+    return init_method
+
+
+def _install_reference_bits_quantizer(module: torch.nn.Module, fmt: str) -> None:
+    from harness.impls.te.reference_bits import ReferenceBitsNVFP4Quantizer
+
+    index = module.param_init_meta["weight"].fp8_meta_index
+    original = module.quantizers["scaling_fwd"][index]
+    module.quantizers["scaling_fwd"][index] = ReferenceBitsNVFP4Quantizer.replacing(original, fmt)

@@ -1,0 +1,58 @@
+"""TE tensors seen through the harness's buffer names, and NVFP4Tensors built from reference bits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.formats import FORMATS
+
+ROWWISE_COLUMNWISE = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv",
+                      "amax_rowwise", "amax_columnwise")
+
+
+def read_te_buffers(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every buffer a TE quantized tensor holds, under the names of harness.formats; a held buffer
+    the format does not name (e.g. a stale transpose) is returned under its own name, so that the
+    comparison with the golden reports it."""
+    if hasattr(param, "_data") and not hasattr(param, "_rowwise_data"):
+        return _float8_buffers(param)
+    if getattr(param, "_columnwise_data", None) is None and hasattr(param, "_create_columnwise"):
+        # TE derives columnwise only when the backward asks; ask for it as the backward would.
+        param._create_columnwise()
+    out = {}
+    for name in ROWWISE_COLUMNWISE:
+        value = getattr(param, "_" + name, None)
+        if value is not None:
+            out[name] = value if value.dtype in (torch.uint8, torch.float32) else value.view(torch.uint8)
+    return out
+
+
+def _float8_buffers(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    m, k = math.prod(param.shape[:-1]), param.shape[-1]
+    data = param._data.view(torch.uint8).reshape(m, k)
+    out = {"data": data, "scale_inv": param._scale_inv.reshape(1).float()}
+    transpose = getattr(param, "_transpose", None)
+    valid = not getattr(param, "_transpose_invalid", True)
+    if transpose is not None and valid and not torch.equal(transpose.view(torch.uint8).reshape(k, m), data.t()):
+        out["transpose (differs from data.t())"] = transpose.view(torch.uint8).reshape(k, m)
+    return out
+
+
+def nvfp4_tensor_from_bits(fmt: str, weight: torch.Tensor, quantizer, amax: torch.Tensor | None = None):
+    """An NVFP4Tensor holding the harness's reference bits of `weight` (bit-exact with TE's
+    reference quantizer), for GPUs without TE's NVFP4 kernels. `amax`: the global amax to scale
+    with (the tensor's own amax when None)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Tensor
+
+    q = FORMATS[fmt].quantize(weight, amax=amax) if amax is not None else FORMATS[fmt].quantize(weight)
+    b = q.buffers
+    return NVFP4Tensor(
+        shape=tuple(weight.shape), dtype=weight.dtype, fp4_dtype=tex.DType.kFloat4E2M1,
+        rowwise_data=b["rowwise_data"], rowwise_scale_inv=b["rowwise_scale_inv"],
+        columnwise_data=b["columnwise_data"], columnwise_scale_inv=b["columnwise_scale_inv"],
+        amax_rowwise=b["amax_rowwise"], amax_columnwise=b["amax_columnwise"],
+        quantizer=quantizer, requires_grad=False, with_gemm_swizzled_scales=False,
+        device=b["rowwise_data"].device)
