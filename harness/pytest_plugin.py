@@ -8,6 +8,7 @@ Test modules under cases/ declare `SWEEP = harness.suite.Sweep(...)` and one tes
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -55,6 +56,8 @@ def _impls(config: pytest.Config) -> list[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     _validate_options(config)
+    global _JSON_PATH
+    _JSON_PATH = None if _is_xdist_worker(config) else config.getoption("--qgather-json")
 
 
 def _validate_options(config: pytest.Config) -> None:
@@ -185,10 +188,23 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for key, value in report.user_properties:
         if key == _REPORT_KEY:
             _RECORDS.append(value)
+            _write_json()
 
 
 # Verdict records of this process (under xdist, the controller's come from the workers' reports).
 _RECORDS: list[dict] = []
+_JSON_PATH: str | None = None
+
+
+def _write_json() -> None:
+    """Rewritten after every case, so that a run killed from outside (a CI or device time limit)
+    still leaves the verdicts of every case it finished."""
+    if not _JSON_PATH:
+        return
+    partial = _JSON_PATH + ".partial"
+    with open(partial, "w") as fh:
+        json.dump(_RECORDS, fh, indent=1)
+    os.replace(partial, _JSON_PATH)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -197,10 +213,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     except ImportError:
         return
     shutdown_pools()
-    path = session.config.getoption("--qgather-json")
-    if path and not _is_xdist_worker(session.config):
-        with open(path, "w") as fh:
-            json.dump(_RECORDS, fh, indent=1)
+    _write_json()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
