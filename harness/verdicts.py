@@ -8,6 +8,7 @@ REJECTED. Everything else fails, with a report that says why.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 
 from harness.cases import CaseSpec, shard_layout
@@ -92,21 +93,30 @@ INTERNAL_ERRORS = frozenset({"AttributeError", "TypeError", "NameError", "Unboun
                              "IndexError", "ZeroDivisionError", "RecursionError", "HarnessFault"})
 
 
+# Messages of Python's own faults that arrive as a ValueError (a hook unpacking fewer buffers than
+# it expects): an internal fault, not a constraint being named.
+INTERNAL_MESSAGES = re.compile(r"ValueError: (not enough|too many) values to unpack")
+
+
 def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int) -> tuple[Verdict, str, list[str]]:
     """Exceptions: the same one on every rank is a rejection, unless it is an internal fault
-    (INTERNAL_ERRORS); anything else is an ERROR."""
+    (INTERNAL_ERRORS, INTERNAL_MESSAGES); anything else is an ERROR. Ranks whose messages differ
+    only in numbers (each names its own shard size) raised the same rejection."""
     first_lines = {rank: _first_line(e) for rank, e in errors.items()}
     messages = set(first_lines.values())
-    internal = any(_type_name(e) in INTERNAL_ERRORS for e in errors.values())
-    if len(errors) == world_size and len(messages) == 1 and not internal:
-        return Verdict.REJECTED, messages.pop(), []
+    internal = any(_type_name(e) in INTERNAL_ERRORS for e in errors.values()) \
+        or any(INTERNAL_MESSAGES.match(m) for m in messages)
+    same_rejection = len({_without_numbers(m) for m in messages}) == 1
+    if len(errors) == world_size and same_rejection and not internal:
+        details = [f"rank {r}: {m}" for r, m in sorted(first_lines.items())] if len(messages) > 1 else []
+        return Verdict.REJECTED, first_lines[min(errors)], details
     rank = min(errors)
     waiting = sorted(set(range(world_size)) - set(errors))
     reason = f"rank {rank} raised {first_lines[rank]}"
     details = [f"rank {r}: {m}" for r, m in sorted(first_lines.items())]
     if waiting:
         details.append(f"ranks {_ranks(waiting)} did not raise (they would wait in the collective)")
-    elif internal and len(messages) == 1:
+    elif internal and same_rejection:
         details.append(f"every rank raised {_type_name(errors[rank])}: an internal fault of the "
                        "implementation, not a rejection naming a constraint")
     tb = getattr(errors[rank], "traceback", "") or getattr(errors[rank], "traceback_text", "")
@@ -114,6 +124,10 @@ def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int) 
         details.append(f"rank {rank} traceback (last lines):")
         details.extend("  " + line for line in tb.strip().splitlines()[-6:])
     return Verdict.ERROR, reason, details
+
+
+def _without_numbers(message: str) -> str:
+    return re.sub(r"\d+", "#", message)
 
 
 def _type_name(error: object) -> str:

@@ -90,3 +90,26 @@ def test_an_internal_fault_on_every_rank_is_an_error_not_a_rejection():
     errors = {r: RankError(r, "AttributeError", message, "") for r in (0, 1)}
     verdict, _, details = classify_errors(SPEC, errors, 2)
     assert verdict is Verdict.ERROR and any("internal fault" in d for d in details)
+
+
+def test_an_unpacking_fault_on_every_rank_is_an_error_not_a_rejection():
+    # Seen with TE's blockwise post-hook at world size 1, where FSDP2 hands it one output of two.
+    errors = {0: RankError(0, "ValueError", "not enough values to unpack (expected 2, got 1)", "")}
+    verdict, _, details = classify_errors(SPEC, errors, 1)
+    assert verdict is Verdict.ERROR and any("internal fault" in d for d in details)
+
+
+def test_every_rank_naming_its_own_shard_size_is_one_rejection():
+    errors = {r: RankError(r, "AssertionError", f"FSDP2 requires shard_M ({m}) to be a multiple of 16", "")
+              for r, m in ((0, 46), (1, 46), (2, 44))}
+    verdict, reason, details = classify_errors(SPEC, errors, 3)
+    assert verdict is Verdict.REJECTED and "shard_M (46)" in reason
+    assert "rank 2: AssertionError: FSDP2 requires shard_M (44) to be a multiple of 16" in details
+
+
+def test_ranks_raising_different_errors_are_an_error():
+    errors = {0: RankError(0, "AssertionError", "shard_M (46) is not a multiple of 16", ""),
+              1: RankError(1, "RuntimeError", "shard_M (46) is not a multiple of 16", "")}
+    assert classify_errors(SPEC, errors, 2)[0] is Verdict.ERROR
+    errors[1] = RankError(1, "AssertionError", "scale rows do not match", "")
+    assert classify_errors(SPEC, errors, 2)[0] is Verdict.ERROR
