@@ -214,9 +214,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     shutdown_pools()
     _write_json()
+    if not _is_xdist_worker(session.config) and session.config.getoption("--impl"):
+        _fail_if_an_implementation_ran_nothing(session)
+
+
+def _fail_if_an_implementation_ran_nothing(session: pytest.Session) -> None:
+    """A gate on an implementation whose every case was skipped (TE missing, no GPU) tested
+    nothing: red, with the reason, instead of green."""
+    skipped_only = {}
+    for record in _RECORDS:
+        impl = record["case"].rsplit(":", 6)[0]
+        skipped_only[impl] = skipped_only.get(impl, True) and record["verdict"] == Verdict.SKIPPED.value
+    empty = [impl for impl in _impls(session.config) if skipped_only.get(impl)]
+    if not empty:
+        return
+    reasons = {impl: next(r["reason"] for r in _RECORDS if r["case"].rsplit(":", 6)[0] == impl) for impl in empty}
+    session.config._qgather_ran_nothing = reasons  # read by the terminal summary
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for impl, reason in getattr(config, "_qgather_ran_nothing", {}).items():
+        terminalreporter.write_line(f"qgather: every {impl} case was skipped, so nothing of it was tested "
+                                    f"(first reason: {reason}); failing the run", red=True)
     if not _RECORDS or not config.getoption("--qgather-summary"):
         return
     write = terminalreporter.write_line
