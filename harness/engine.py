@@ -75,10 +75,17 @@ def _run_virtual(spec: CaseSpec) -> CaseReport:
 
     try:
         results = run_virtual(spec)
-    except Exception as exc:  # noqa: BLE001 - any exception is the implementation's verdict
+    except Exception as exc:  # noqa: BLE001 - raised before the virtual ranks split: same on every rank
         errors = dict.fromkeys(range(spec.world_size), exc)
-        return CaseReport(spec, *classify_errors(spec, errors, spec.world_size))
+        return CaseReport(spec, *classify_errors(spec, errors, spec.world_size, _rejections(spec)))
+    errors = {rank: r for rank, r in enumerate(results) if isinstance(r, BaseException)}
+    if errors:
+        return CaseReport(spec, *classify_errors(spec, errors, spec.world_size, _rejections(spec)))
     return CaseReport(spec, *classify_results(spec, results))
+
+
+def _rejections(spec: CaseSpec) -> frozenset[str]:
+    return get_impl(spec.impl).declared_rejections()
 
 
 def _run_on_pool(spec: CaseSpec, options: RunOptions) -> CaseReport:
@@ -99,7 +106,7 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions) -> CaseReport:
     if outcome.status == "ok":
         return CaseReport(spec, *classify_results(spec, outcome.results))
     if outcome.status == "error":
-        return CaseReport(spec, *classify_errors(spec, outcome.errors, spec.world_size))
+        return CaseReport(spec, *classify_errors(spec, outcome.errors, spec.world_size, _rejections(spec)))
     if outcome.status == "hang":
         return CaseReport(spec, Verdict.HANG, outcome.summary().splitlines()[0], _stack_lines(outcome.stacks))
     return CaseReport(spec, Verdict.CRASH, outcome.summary().splitlines()[0])

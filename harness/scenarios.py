@@ -18,7 +18,8 @@ from harness.cases import CaseSpec, ShardLayout, shard_layout
 from harness.compare import compare_buffers, compare_values, digest, locate
 from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
 from harness.impls import get_impl
-from harness.impls.base import Implementation
+from harness.impls.base import HarnessFault, Implementation
+from harness.phases import Phase, PhaseTracker
 from harness.wire import record_wire
 
 STEPS = 3
@@ -66,17 +67,34 @@ class QuantizedLinear(torch.nn.Module):
 
 @dataclass
 class Golden:
+    """What the gathered weight must equal. For an implementation with its own quantizer that is
+    its own single-device quantization of the full weight (sharding invariance: gathering the
+    shards gives q(W)); its agreement with the reference formats is judged apart
+    (`quantizer_diffs`, QUANTIZER_MISMATCH)."""
+
     q: QuantizedTensor | None
     error: str | None
     dequantized: torch.Tensor | None = None
+    source: str = "reference formats"
+    quantizer_diffs: list[str] | None = None  # own quantizer vs reference; None: no own quantizer
 
 
-def golden_for(fmt: Format, weight: torch.Tensor) -> Golden:
+def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = None) -> Golden:
     try:
-        q = fmt.quantize(weight)
+        ref = fmt.quantize(weight)
     except FormatError as exc:
         return Golden(None, str(exc))
-    return Golden(q, None, fmt.dequantize(q))
+    own = impl.own_quantization(fmt.name, weight) if impl is not None else None
+    if own is None:
+        return Golden(ref, None, fmt.dequantize(ref))
+    diffs = compare_buffers(own, ref)
+    lines = [d.line() for d in diffs]
+    if any(d.problem in ("missing", "shape", "dtype") for d in diffs):
+        # Its own quantization does not even have the format's layout: judge against the reference.
+        return Golden(ref, None, fmt.dequantize(ref), quantizer_diffs=lines)
+    buffers = {name: own[name].to(t.device) for name, t in ref.buffers.items()}
+    q = QuantizedTensor(fmt.name, ref.shape, buffers, ref.valid)
+    return Golden(q, None, fmt.dequantize(q), f"{impl.name}'s own quantizer", lines)
 
 
 # ------------------------------------------------------------------ inspection of a gathered weight
@@ -89,7 +107,8 @@ def inspect(
     shards: ShardLayout,
     label: str,
 ) -> dict:
-    """Compare one gathered (unsharded) weight with the golden; plain data only."""
+    """Compare one gathered (unsharded) weight with the golden; plain data only. An error of the
+    forward is recorded, not raised: the comparisons already made stay part of the verdict."""
     stage: dict = {"label": label, "quantized": impl.is_quantized(param)}
     if golden.q is None:
         stage["accepted_unholdable"] = golden.error
@@ -109,15 +128,21 @@ def inspect(
         stage["dequantized"] = compare_values(fmt.dequantize(gathered), golden.dequantized)
         if diffs:
             stage["where"] = locate(fmt, gathered, golden.q, shards)
-    stage["output"] = compare_values(impl.forward(param, x.to(param.dtype)), y_ref, impl.output_tolerance(fmt.name))
+    own = impl.own_dequantize(param)
+    if own is not None:
+        stage["own_dequantized"] = compare_values(own.reshape(golden.dequantized.shape), golden.dequantized)
+    _forward_checks(stage, impl, fmt, param, x, y_ref)
     return stage
 
 
-def _quantizer_check(impl: Implementation, spec: CaseSpec, weight: torch.Tensor, golden: Golden):
-    own = impl.own_quantization(spec.fmt, weight)
-    if own is None or golden.q is None:
-        return None
-    return [d.line() for d in compare_buffers(own, golden.q)]
+def _forward_checks(stage: dict, impl: Implementation, fmt: Format, param, x, y_ref) -> None:
+    try:
+        y = impl.forward(param, x.to(param.dtype))
+    except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
+        stage["forward_error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+        return
+    stage["output"] = compare_values(y, y_ref, impl.output_tolerance(fmt.name))
+    stage["output_digest"] = digest({"output": y}, {})
 
 
 # ------------------------------------------------------------------ FSDP2 scenarios (on the rank pool)
@@ -127,41 +152,50 @@ def _local_shard(module: torch.nn.Module) -> torch.Tensor:
 
 
 def run_on_rank(ctx, case_id: str) -> dict:
-    """Entry point on every rank of a pool: one case, end to end."""
+    """Entry point on every rank of a pool: one case, end to end. An exception leaving it carries
+    the phase it was raised in (harness.phases)."""
+    phases = PhaseTracker()
+    with phases.tagging():
+        return _run_on_rank(ctx, CaseSpec.parse(case_id), phases)
+
+
+def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    spec = CaseSpec.parse(case_id)
     impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
     device = ctx.device
     master = make_weight(spec).to(device)
     weight = master.to(spec.torch_dtype)
-    golden = golden_for(fmt, weight)
+    golden = golden_for(fmt, weight, impl)
     x = make_input(spec).to(device)
     shards = shard_layout(spec)
-    result: dict = {"rank": ctx.rank, "quantizer": _quantizer_check(impl, spec, weight, golden)}
+    result: dict = {"rank": ctx.rank, "quantizer": golden.quantizer_diffs or None}
 
     if spec.scenario == "hooks":
-        result["stages"], result["wire"] = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards)
+        result["stages"], result["wire"] = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards, phases)
         return result
 
     module = impl.make_sharded_module(ctx, spec, master)
     if module is None:
         module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
-        fully_shard(module, mesh=ctx.mesh)
+        with phases.at(Phase.SHARD):
+            fully_shard(module, mesh=ctx.mesh)
     param_types = (type(_local_shard(module)),)
     stages = []
-    with impl.gather_context(ctx.group), record_wire(param_types) as wire:
-        module.unshard()
-    stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1"))
+    with phases.at(Phase.SHARD), phases.following_hooks(param_types):
+        with impl.gather_context(ctx.group), record_wire(param_types) as wire:
+            module.unshard()
+    with phases.at(Phase.INSPECTION):
+        stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1"))
     module.reshard()
     if spec.scenario in ("steps", "reshard"):
-        stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, shards))
+        stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases))
     result["stages"] = stages
     result["wire"] = _wire_summary(wire, fmt, weight, shards, golden)
     return result
 
 
-def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards) -> list[dict]:
+def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases: PhaseTracker) -> list[dict]:
     """Optimizer steps on the sharded master rows, re-quantized on the shards, then the `out=`
     path of the next unshard; the golden takes the same steps on the full weight."""
     n_steps = STEPS if spec.scenario == "steps" else 1
@@ -177,14 +211,16 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards) -> lis
         shard_master.grad, full_param.grad = grad[start:end].clone(), grad.clone()
         opt_shard.step()
         opt_full.step()
-        with torch.no_grad():
+        with torch.no_grad(), phases.at(Phase.STEP):
             impl.requantize_shard(_local_shard(module), shard_master.detach().to(spec.torch_dtype), ctx.group)
             impl.after_step(module, ctx.group)
-            golden = golden_for(fmt, full_param.detach().to(spec.torch_dtype))
-        with impl.gather_context(ctx.group):
+            golden = golden_for(fmt, full_param.detach().to(spec.torch_dtype), impl)
+        param_types = (type(_local_shard(module)),)
+        with phases.at(Phase.STEP), phases.following_hooks(param_types), impl.gather_context(ctx.group):
             module.unshard()
         label = f"unshard {step + 1} (after step {step})"
-        stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label))
+        with phases.at(Phase.INSPECTION):
+            stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label))
         module.reshard()
     return stages
 
@@ -239,11 +275,20 @@ def shard_like_fsdp2(param: torch.Tensor, piece: torch.Tensor, shards: ShardLayo
     return padded.narrow(0, 0, length)
 
 
+class PaddedSizeRule(HarnessFault):
+    """FSDP2's rule for uneven shards, checked by the harness where it calls the hooks itself. It is
+    raised only on ranks with padding, as FSDP2 raises it; never an implementation's rejection."""
+
+
+class WouldDeadlock(HarnessFault):
+    """Virtual ranks that would hand the collective different sizes."""
+
+
 def check_padded_inputs(local: torch.Tensor, inputs, shards: ShardLayout, full_shape) -> None:
     """FSDP2's own rule for uneven shards, applied where the harness calls the hooks itself."""
     padded = torch.Size((shards.chunk, *full_shape[1:]))
     if local.size() != padded and any(t.size() != padded for t in inputs):
-        raise AssertionError(
+        raise PaddedSizeRule(
             f"When a parameter is unevenly sharded by FSDP (orig size={tuple(full_shape)}, FSDP world size="
             f"{shards.world_size}), fsdp_pre_all_gather must return all-gather inputs with the padded "
             f"sharded size {tuple(padded)} but got {[tuple(t.size()) for t in inputs]}"
@@ -260,16 +305,21 @@ def _pre_all_gather(local, mesh, full_shape):
     return local.fsdp_pre_all_gather(mesh, torch.Size(full_shape), stride, None, MixedPrecisionPolicy())
 
 
-def _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards):
+def _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards, phases: PhaseTracker):
     """The hooks around a direct all-gather of each input's bytes, without fully_shard."""
     param = impl.make_param(spec.fmt, weight)
-    local = shard_like_fsdp2(param, fsdp2_chunks(param, ctx.world_size)[ctx.rank], shards)
+    with phases.at(Phase.SHARD):
+        local = shard_like_fsdp2(param, fsdp2_chunks(param, ctx.world_size)[ctx.rank], shards)
     with record_wire((type(local),)) as wire:
-        inputs, metadata = _pre_all_gather(local, ctx.mesh, weight.shape)
-        check_padded_inputs(local, inputs, shards, weight.shape)
-        outputs = [_all_gather_bytes(t, ctx.world_size, ctx.group) for t in inputs]
-    unsharded, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, weight.dtype)
-    stage = inspect(impl, fmt, unsharded, golden, x, shards, "hooks")
+        with phases.at(Phase.PRE_HOOK):
+            inputs, metadata = _pre_all_gather(local, ctx.mesh, weight.shape)
+            check_padded_inputs(local, inputs, shards, weight.shape)
+        with phases.at(Phase.COLLECTIVE):
+            outputs = [_all_gather_bytes(t, ctx.world_size, ctx.group) for t in inputs]
+    with phases.at(Phase.POST_HOOK):
+        unsharded, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, weight.dtype)
+    with phases.at(Phase.INSPECTION):
+        stage = inspect(impl, fmt, unsharded, golden, x, shards, "hooks")
     return [stage], _wire_summary(wire, fmt, weight, shards, golden)
 
 
@@ -282,40 +332,74 @@ def _all_gather_bytes(t: torch.Tensor, world_size: int, group) -> torch.Tensor:
 
 
 def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
-    """One process emulates every rank of the world: FSDP2's chunking and padding, each rank's
-    pre-hook, concatenation in rank order, and the post-hook of every rank whose metadata differs.
-    Returns one result (or the exception it raised) per virtual rank."""
+    """One process emulates every rank of the world: FSDP2's chunking, each rank's own shard and
+    pre-hook (a rank may raise while the others would enter the collective), concatenation in rank
+    order, and the post-hook of every rank whose metadata differs. Returns one result (or the
+    exception it raised, tagged with its phase) per virtual rank; an exception raised before the
+    ranks split propagates."""
     impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
-    master = make_weight(spec)
-    weight = master.to(spec.torch_dtype)
-    golden = golden_for(fmt, weight)
-    x = make_input(spec)
+    weight = make_weight(spec).to(spec.torch_dtype)
+    golden = golden_for(fmt, weight, impl)
     shards = shard_layout(spec)
-    quantizer = _quantizer_check(impl, spec, weight, golden)
+    phases = PhaseTracker()
+    with phases.tagging():
+        param = impl.make_param(spec.fmt, weight)
+        with phases.at(Phase.SHARD):
+            pieces = fsdp2_chunks(param, spec.world_size)
+    locals_ = [_on_virtual_rank(Phase.SHARD, shard_like_fsdp2, param, piece, shards) for piece in pieces]
     mesh = VirtualMesh(spec.world_size)
-    param = impl.make_param(spec.fmt, weight)
-    locals_ = [shard_like_fsdp2(param, piece, shards) for piece in fsdp2_chunks(param, spec.world_size)]
-    with record_wire((type(locals_[0]),)) as wire:
-        pre = [_pre_all_gather(local, mesh, weight.shape) for local in locals_]
-    for local, (inputs, _) in zip(locals_, pre):
-        check_padded_inputs(local, inputs, shards, weight.shape)
-    shapes = {tuple((t.dtype, tuple(t.shape)) for t in inputs) for inputs, _ in pre}
-    if len(shapes) > 1:
-        raise RuntimeError(f"virtual ranks handed the all-gather inputs of different shapes: {sorted(shapes)}")
+    param_type = next((type(t) for t in locals_ if not isinstance(t, BaseException)), type(param))
+    with record_wire((param_type,)) as wire:
+        pre = [t if isinstance(t, BaseException) else
+               _on_virtual_rank(Phase.PRE_HOOK, _checked_pre_all_gather, t, mesh, weight.shape, shards)
+               for t in locals_]
+    if any(isinstance(p, BaseException) for p in pre):
+        return pre  # the other ranks would wait in the all-gather
+    shapes = [tuple((t.dtype, tuple(t.shape)) for t in inputs) for inputs, _ in pre]
+    if len(set(shapes)) > 1:
+        deadlock = WouldDeadlock("would deadlock: the virtual ranks hand the all-gather different sizes: "
+                                 + "; ".join(f"rank {r} {s}" for r, s in enumerate(shapes)))
+        deadlock.qgather_phase = Phase.COLLECTIVE.value
+        return [deadlock] * spec.world_size
     outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
     wire_summary = _wire_summary(wire, fmt, weight, shards, golden)
     wire_summary["collective_bytes"] = sum(t.numel() * t.element_size() for t in pre[0][0])
     wire_summary["hook_calls"] = 1
     wire_summary["collectives"] = int(spec.world_size > 1)  # the emulated one
+    x = make_input(spec)
     results: list[dict | BaseException] = []
-    seen: dict[str, dict] = {}
+    seen: dict[str, dict | BaseException] = {}
     for rank, (local, (_, metadata)) in enumerate(zip(locals_, pre)):
         key = repr(_metadata_key(metadata))
         if key not in seen:
-            unsharded, _ = local.fsdp_post_all_gather(outputs, metadata, weight.dtype)
-            seen[key] = inspect(impl, fmt, unsharded, golden, x, shards, "virtual gather")
-        results.append({"rank": rank, "quantizer": quantizer, "stages": [seen[key]], "wire": wire_summary})
+            seen[key] = _on_virtual_rank(Phase.POST_HOOK, _post_and_inspect, impl, fmt, local, outputs, metadata,
+                                         weight.dtype, golden, x, shards)
+        stage = seen[key]
+        results.append(stage if isinstance(stage, BaseException) else
+                       {"rank": rank, "quantizer": golden.quantizer_diffs or None, "stages": [stage],
+                        "wire": wire_summary})
     return results
+
+
+def _on_virtual_rank(phase: Phase, fn, *args):
+    """One virtual rank's step: its result, or the exception it raised (tagged with the phase)."""
+    phases = PhaseTracker()
+    try:
+        with phases.at(phase), phases.tagging():
+            return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - each virtual rank's own error is its result
+        return exc
+
+
+def _checked_pre_all_gather(local, mesh, full_shape, shards):
+    inputs, metadata = _pre_all_gather(local, mesh, full_shape)
+    check_padded_inputs(local, inputs, shards, full_shape)
+    return inputs, metadata
+
+
+def _post_and_inspect(impl, fmt, local, outputs, metadata, dtype, golden, x, shards) -> dict:
+    unsharded, _ = local.fsdp_post_all_gather(outputs, metadata, dtype)
+    return inspect(impl, fmt, unsharded, golden, x, shards, "virtual gather")
 
 
 def _metadata_key(metadata) -> object:

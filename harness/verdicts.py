@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from harness.cases import CaseSpec, shard_layout
 from harness.formats import FORMATS, FormatError
+from harness.phases import BEFORE_DATA_MOVED, phase_of
 
 
 class Verdict(str, enum.Enum):
@@ -98,32 +99,63 @@ INTERNAL_ERRORS = frozenset({"AttributeError", "TypeError", "NameError", "Unboun
 INTERNAL_MESSAGES = re.compile(r"ValueError: (not enough|too many) values to unpack")
 
 
-def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int) -> tuple[Verdict, str, list[str]]:
-    """Exceptions: the same one on every rank is a rejection, unless it is an internal fault
-    (INTERNAL_ERRORS, INTERNAL_MESSAGES); anything else is an ERROR. Ranks whose messages differ
-    only in numbers (each names its own shard size) raised the same rejection."""
+def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int,
+                    rejection_types: frozenset[str] = frozenset()) -> tuple[Verdict, str, list[str]]:
+    """Exceptions. REJECTED only when every rank raised, before any data moved, an error type the
+    implementation declares as its rejection (`rejection_types`, class names), with the same message
+    up to numbers (each rank may name its own shard size), and no internal fault (INTERNAL_ERRORS,
+    INTERNAL_MESSAGES). Anything else is an ERROR with each rank's own message."""
     first_lines = {rank: _first_line(e) for rank, e in errors.items()}
     messages = set(first_lines.values())
     internal = any(_type_name(e) in INTERNAL_ERRORS for e in errors.values()) \
         or any(INTERNAL_MESSAGES.match(m) for m in messages)
     same_rejection = len({_without_numbers(m) for m in messages}) == 1
-    if len(errors) == world_size and same_rejection and not internal:
+    everywhere = len(errors) == world_size
+    refusal = _refusal_problem(errors, rejection_types)
+    if everywhere and same_rejection and not internal and not refusal:
         details = [f"rank {r}: {m}" for r, m in sorted(first_lines.items())] if len(messages) > 1 else []
         return Verdict.REJECTED, first_lines[min(errors)], details
     rank = min(errors)
     waiting = sorted(set(range(world_size)) - set(errors))
     reason = f"rank {rank} raised {first_lines[rank]}"
+    phase = phase_of(errors[rank])
+    if phase:
+        reason += f" (in the {phase})"
     details = [f"rank {r}: {m}" for r, m in sorted(first_lines.items())]
     if waiting:
         details.append(f"ranks {_ranks(waiting)} did not raise (they would wait in the collective)")
     elif internal and same_rejection:
         details.append(f"every rank raised {_type_name(errors[rank])}: an internal fault of the "
                        "implementation, not a rejection naming a constraint")
+    elif same_rejection and refusal:
+        details.append(f"every rank raised the same error, but not a rejection: {refusal}")
     tb = getattr(errors[rank], "traceback", "") or getattr(errors[rank], "traceback_text", "")
     if tb:
         details.append(f"rank {rank} traceback (last lines):")
         details.extend("  " + line for line in tb.strip().splitlines()[-6:])
     return Verdict.ERROR, reason, details
+
+
+def _refusal_problem(errors: dict[int, object], rejection_types: frozenset[str]) -> str:
+    """Why these errors are not the implementation refusing a shape ("" when they are)."""
+    for error in errors.values():
+        if not rejection_types & set(_type_names(error)):
+            declared = ", ".join(sorted(rejection_types)) or "none"
+            return (f"{_type_name(error)} is not one of the implementation's declared rejection types "
+                    f"({declared}; Implementation.rejection_types)")
+        phase = phase_of(error)
+        if phase not in BEFORE_DATA_MOVED:
+            return f"raised in the {phase or 'unknown phase'}, not before any data moved"
+    return ""
+
+
+def _type_names(error: object) -> tuple[str, ...]:
+    names = getattr(error, "type_names", None)
+    if names:
+        return tuple(names)
+    if isinstance(error, BaseException):
+        return tuple(c.__name__ for c in type(error).__mro__)
+    return (_type_name(error),)
 
 
 def _without_numbers(message: str) -> str:
@@ -189,11 +221,41 @@ def _classify_stage(stages: list[dict], results: list[dict], details: list[str])
     stage = stages[0]
     if stage["buffer_diffs"] or not stage.get("dequantized", {}).get("equal", True):
         details.extend(_stage_details(stage, None))
+        details.extend(_forward_error_lines(stages, results))
         return Verdict.SILENT_MISMATCH, "; ".join(stage["buffer_diffs"]) or "dequantized values differ"
-    if not stage["output"]["equal"]:
-        details.append(f"layer output: {stage['output']['n_diff']} elements differ, "
-                       f"max |diff| {stage['output']['max_abs']:.3g}"
-                       + (f" (allowed: {stage['output']['tolerance']})" if "tolerance" in stage["output"] else ""))
+    own = [r["rank"] for r, s in zip(results, stages) if not s.get("own_dequantized", {}).get("equal", True)]
+    if own:
+        worst = next(s["own_dequantized"] for s in stages if not s.get("own_dequantized", {}).get("equal", True))
+        details.append(f"its own dequantize(): {worst['n_diff']} elements differ, max |diff| {worst['max_abs']:.3g}")
+        return Verdict.SILENT_MISMATCH, (f"the gathered buffers match, but its own dequantization of them "
+                                         f"differs from the golden's on ranks {_ranks(own)}")
+    return _classify_outputs(stages, results, details)
+
+
+def _forward_error_lines(stages: list[dict], results: list[dict]) -> list[str]:
+    return [f"rank {r['rank']}: the forward then raised {s['forward_error']}"
+            for r, s in zip(results, stages) if s.get("forward_error")]
+
+
+def _classify_outputs(stages: list[dict], results: list[dict], details: list[str]) -> tuple[Verdict, str]:
+    """The layer output of every rank: against the golden layer's and against each other."""
+    raised = [r["rank"] for r, s in zip(results, stages) if s.get("forward_error")]
+    if raised:
+        details.extend(_forward_error_lines(stages, results))
+        first = next(s["forward_error"] for s in stages if s.get("forward_error"))
+        return Verdict.ERROR, f"the forward raised on ranks {_ranks(raised)} ({first}) with the right weight"
+    outputs: dict[str, list[int]] = {}
+    for result, stage in zip(results, stages):
+        outputs.setdefault(stage.get("output_digest", ""), []).append(result["rank"])
+    if len(outputs) > 1:
+        details.append("ranks grouped by identical layer outputs: "
+                       + "; ".join(f"[{_ranks(r)}]" for r in outputs.values()))
+        return Verdict.RANK_DIVERGENCE, "ranks compute different layer outputs from the same gathered weight"
+    wrong = [(r["rank"], s["output"]) for r, s in zip(results, stages) if not s["output"]["equal"]]
+    if wrong:
+        out = wrong[0][1]
+        details.append(f"layer output: {out['n_diff']} elements differ, max |diff| {out['max_abs']:.3g}"
+                       + (f" (allowed: {out['tolerance']})" if "tolerance" in out else ""))
         return Verdict.SILENT_MISMATCH, "layer output differs from the golden layer's"
     return Verdict.EXACT, ""
 

@@ -40,12 +40,14 @@ def test_mutant_is_caught_with_its_verdict(mutant):
     assert result.caught and result.line().endswith("  caught")
 
 
-def test_without_the_trim_a_misaligned_1d_gather_is_still_refused():
+def test_without_the_trim_a_misaligned_1d_gather_fails_after_the_bytes_moved():
     """trim_to_fit is misaligned_shard plus the trim: without it, the mis-sized gather (16 columnwise
-    scale blocks for 9) fails the shape check on every rank, a rejection the policy accepts."""
+    scale blocks for 9) fails the shape check on every rank, but in the post-all-gather hook, after
+    the bytes moved: not a refusal, an ERROR (it used to pass as REJECTED)."""
     report = selftest.run("mutant:misaligned_shard:nvfp4_1d:136x64:bf16:ws8:gather:s0")
-    assert report.verdict is Verdict.REJECTED and report.passed, report.render()
+    assert report.verdict is Verdict.ERROR and not report.passed, report.render()
     assert "columnwise_data" in report.reason and "uint8(72, 64), expected torch.uint8(68, 64)" in report.reason
+    assert "post-all-gather hook" in report.reason
 
 
 def _report(case_id: str, verdict: Verdict) -> CaseReport:

@@ -66,9 +66,16 @@ def test_quantizer_disagreement_is_reported_after_an_exact_gather():
     assert verdict is Verdict.QUANTIZER_MISMATCH and details == ["scale_inv: 1 of 1 valid elements differ"]
 
 
+DECLARED = frozenset({"ShardAlignmentError"})
+
+
+def refusal(rank: int, message: str, phase: str = "shard", type_name: str = "ShardAlignmentError") -> RankError:
+    return RankError(rank, type_name, message, "", phase, (type_name, "ValueError", "Exception"))
+
+
 def test_same_error_everywhere_is_rejected_partial_is_error():
-    err = RankError(0, "ValueError", "shard of 17 rows is not a multiple of 16", "")
-    verdict, reason, _ = classify_errors(SPEC, {0: err, 1: RankError(1, "ValueError", err.message, "")}, 2)
+    message = "shard of 17 rows is not a multiple of 16"
+    verdict, reason, _ = classify_errors(SPEC, {0: refusal(0, message), 1: refusal(1, message)}, 2, DECLARED)
     assert verdict is Verdict.REJECTED and "multiple of 16" in reason
     verdict, reason, details = classify_errors(SPEC, {1: RankError(1, "AssertionError", "padded", "tb")}, 2)
     assert verdict is Verdict.ERROR and reason.startswith("rank 1 raised AssertionError")
@@ -100,16 +107,30 @@ def test_an_unpacking_fault_on_every_rank_is_an_error_not_a_rejection():
 
 
 def test_every_rank_naming_its_own_shard_size_is_one_rejection():
-    errors = {r: RankError(r, "AssertionError", f"FSDP2 requires shard_M ({m}) to be a multiple of 16", "")
-              for r, m in ((0, 46), (1, 46), (2, 44))}
-    verdict, reason, details = classify_errors(SPEC, errors, 3)
+    errors = {r: refusal(r, f"FSDP2 requires shard_M ({m}) to be a multiple of 16", "pre-all-gather hook",
+                         "AssertionError") for r, m in ((0, 46), (1, 46), (2, 44))}
+    verdict, reason, details = classify_errors(SPEC, errors, 3, frozenset({"AssertionError"}))
     assert verdict is Verdict.REJECTED and "shard_M (46)" in reason
     assert "rank 2: AssertionError: FSDP2 requires shard_M (44) to be a multiple of 16" in details
 
 
 def test_ranks_raising_different_errors_are_an_error():
-    errors = {0: RankError(0, "AssertionError", "shard_M (46) is not a multiple of 16", ""),
-              1: RankError(1, "RuntimeError", "shard_M (46) is not a multiple of 16", "")}
-    assert classify_errors(SPEC, errors, 2)[0] is Verdict.ERROR
-    errors[1] = RankError(1, "AssertionError", "scale rows do not match", "")
-    assert classify_errors(SPEC, errors, 2)[0] is Verdict.ERROR
+    declared = frozenset({"AssertionError", "RuntimeError"})
+    errors = {0: refusal(0, "shard_M (46) is not a multiple of 16", type_name="AssertionError"),
+              1: refusal(1, "shard_M (46) is not a multiple of 16", type_name="RuntimeError")}
+    assert classify_errors(SPEC, errors, 2, declared)[0] is Verdict.ERROR
+    errors[1] = refusal(1, "scale rows do not match", type_name="AssertionError")
+    assert classify_errors(SPEC, errors, 2, declared)[0] is Verdict.ERROR
+
+
+def test_only_a_declared_type_raised_before_data_moved_is_a_rejection():
+    message = "shard of 17 rows is not a multiple of 16"
+    both = {r: refusal(r, message) for r in (0, 1)}
+    assert classify_errors(SPEC, both, 2, DECLARED)[0] is Verdict.REJECTED
+    verdict, _, details = classify_errors(SPEC, both, 2, frozenset())  # nothing declared
+    assert verdict is Verdict.ERROR and any("declared rejection types" in d for d in details)
+    late = {r: refusal(r, message, phase="post-all-gather hook") for r in (0, 1)}
+    verdict, _, details = classify_errors(SPEC, late, 2, DECLARED)
+    assert verdict is Verdict.ERROR and any("not before any data moved" in d for d in details)
+    unknown = {r: refusal(r, message, phase="") for r in (0, 1)}
+    assert classify_errors(SPEC, unknown, 2, DECLARED)[0] is Verdict.ERROR

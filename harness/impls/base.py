@@ -43,6 +43,13 @@ class Implementation:
     devices: tuple[str, ...] = ("cpu", "cuda")
     #: backends whose all-gather this implementation can use as it is
     backends: tuple[str, ...] = ("gloo", "nccl")
+    #: exception types (classes or class names) with which it refuses a shape it cannot gather.
+    #: Raised on every rank before any data moved, they make a case REJECTED; any other error is
+    #: an ERROR. Undeclared (the default): no error is ever a rejection.
+    rejection_types: tuple[type[BaseException] | str, ...] = ()
+
+    def declared_rejections(self) -> frozenset[str]:
+        return frozenset(t if isinstance(t, str) else t.__name__ for t in self.rejection_types)
 
     def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
         if spec.fmt not in self.formats:
@@ -86,6 +93,11 @@ class Implementation:
     def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """The implementation's own single-device quantization of the full weight, if it has its
         own quantizer; None when it uses the harness's reference formats (nothing to cross-check)."""
+        return None
+
+    def own_dequantize(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The implementation's own dequantization of a gathered weight (compared with the golden's
+        dequantized values on every rank), or None when it has none of its own."""
         return None
 
     def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from harness.cases import ShardLayout
-from harness.formats import FORMATS, Format
+from harness.formats import FORMATS, Format, FormatError
 from harness.impls.base import Implementation
 
 aten = torch.ops.aten
@@ -406,6 +406,7 @@ class ReferenceImplementation(Implementation):
     name = "reference"
     formats = tuple(FORMATS)
     param_class: type[QuantizedParam] = QuantizedParam
+    rejection_types = (ShardAlignmentError, FormatError)
 
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         return self.param_class.from_weight(FORMATS[fmt], weight)

@@ -23,11 +23,14 @@ class RankError:
     type_name: str
     message: str
     traceback_text: str = ""
+    phase: str = ""  # where in the case it was raised (harness.phases), when the case tagged it
+    type_names: tuple[str, ...] = ()  # the exception's class and its bases, innermost first
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> RankError:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return cls(rank, type(exc).__name__, str(exc), text)
+        names = tuple(c.__name__ for c in type(exc).__mro__)
+        return cls(rank, type(exc).__name__, str(exc), text, getattr(exc, "qgather_phase", None) or "", names)
 
     def first_line(self, limit: int = 160) -> str:
         lines = self.message.strip().splitlines()

@@ -60,6 +60,9 @@ class TransformerEngineRoute(Implementation):
     formats = (*RECIPES, *NOT_ON_THIS_ROUTE)
     scenarios = ("gather", "steps", "reshard")
     devices = ("cuda",)
+    # TE refuses in its FSDP2 hooks with assertions that name the constraint (NVFP4's shard_M % 16)
+    # and NotImplementedError (1-D block scaling, GEMM-swizzled scales).
+    rejection_types = ("AssertionError", "NotImplementedError")
 
     def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
         reason = super().skip_reason(spec, device) or te_import_error()
@@ -106,6 +109,9 @@ class TransformerEngineRoute(Implementation):
         from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
         return isinstance(param, QuantizedTensor)
+
+    def own_dequantize(self, param: torch.Tensor) -> torch.Tensor:
+        return param.dequantize(dtype=torch.float32)
 
     def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, param.dequantize(dtype=x.dtype).transpose(-1, -2))

@@ -1,0 +1,88 @@
+"""Where in a case an error came from. Every exception that leaves a scenario carries the phase it
+was raised in (`exc.qgather_phase`), so that a verdict can tell a refusal before any data moved
+(a rejection, if the implementation declares the error type) from a failure after the gather.
+
+Inside FSDP2's unshard the phase follows the subclass's own hooks: the pre-all-gather hook, then the
+collective, then the post-all-gather hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+from collections.abc import Iterator
+
+
+class Phase(str, enum.Enum):
+    BUILD = "build/quantize"
+    SHARD = "shard"
+    PRE_HOOK = "pre-all-gather hook"
+    COLLECTIVE = "collective"
+    POST_HOOK = "post-all-gather hook"
+    INSPECTION = "inspection"
+    FORWARD = "forward"
+    STEP = "optimizer step"
+
+
+#: phases in which no byte of the weight has moved between ranks yet
+BEFORE_DATA_MOVED = frozenset({Phase.BUILD.value, Phase.SHARD.value, Phase.PRE_HOOK.value})
+
+
+class PhaseTracker:
+    """The phase this process is in; one tracker per scenario run."""
+
+    def __init__(self) -> None:
+        self.current = Phase.BUILD
+
+    @contextlib.contextmanager
+    def at(self, phase: Phase) -> Iterator[None]:
+        self.current = phase
+        yield
+
+    @contextlib.contextmanager
+    def tagging(self) -> Iterator[None]:
+        """Tag any exception leaving the block with the phase it was raised in."""
+        try:
+            yield
+        except BaseException as exc:
+            if getattr(exc, "qgather_phase", None) is None:
+                with contextlib.suppress(AttributeError):  # some built-in exceptions take no attributes
+                    exc.qgather_phase = self.current.value
+            raise
+
+    @contextlib.contextmanager
+    def following_hooks(self, param_types: tuple[type, ...]) -> Iterator[None]:
+        """While active, the subclass's FSDP2 hooks move the phase: pre-hook, collective, post-hook."""
+        patched: list[tuple[type, str, object]] = []
+        for cls in param_types:
+            for name, enter, leave in (("fsdp_pre_all_gather", Phase.PRE_HOOK, Phase.COLLECTIVE),
+                                       ("fsdp_post_all_gather", Phase.POST_HOOK, Phase.COLLECTIVE)):
+                original = getattr(cls, name, None)
+                if original is None:
+                    continue
+                patched.append((cls, name, cls.__dict__.get(name)))
+                setattr(cls, name, self._moving(original, enter, leave))
+        try:
+            yield
+        finally:
+            for cls, name, own in reversed(patched):
+                if own is None:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, own)
+
+    def _moving(self, hook, enter: Phase, leave: Phase):
+        @functools.wraps(hook)  # FSDP2 inspects the hook's signature
+        def wrapper(*args, **kwargs):
+            self.current = enter
+            result = hook(*args, **kwargs)
+            self.current = leave
+            return result
+
+        return wrapper
+
+
+def phase_of(error: object) -> str:
+    """The phase recorded on an exception or a RankError ("" when unknown)."""
+    return getattr(error, "phase", None) or getattr(error, "qgather_phase", None) or ""
