@@ -46,7 +46,7 @@ golden: $(SETUP)
 	$(PY) -m harness golden
 
 lint: $(SETUP)
-	$(PY) -m ruff check harness tests cases conftest.py
+	$(PY) -m ruff check harness tests cases conftest.py setup.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache reports
+	rm -rf $(VENV) *.egg-info build .pytest_cache .ruff_cache reports

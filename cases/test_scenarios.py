@@ -1,11 +1,5 @@
-"""Optimizer steps with re-quantization on the shards (amax agreement across shards of very
-different magnitudes), the in-place `out=` path of later unshards, and the hooks called around a
-direct collective."""
+"""Optimizer steps with re-quantization, the in-place `out=` path, the hooks alone.
 
-from harness.suite import Sweep
+Defined in harness.suite_cases.test_scenarios, so that an installed qgather carries it."""
 
-SWEEP = Sweep(scenarios=("steps", "reshard", "hooks"), dtypes=("bf16",), world_sizes=(1, 2, 3))
-
-
-def test_scenario(case, qgather):
-    qgather.check(case)
+from harness.suite_cases.test_scenarios import SWEEP, test_scenario  # noqa: F401 - pytest collects them here

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness.paths import checkout_root, suite_dir
 
 BENCHES = {
     "formats": "harness.formats.bench",
@@ -65,17 +65,32 @@ def _run_pytest(args: Sequence[str]) -> int:
     return int(pytest.main(list(args)))
 
 
+def _suite_pytest_args() -> list[str]:
+    """The suite and the options every pytest run of it gets, in a checkout or an install."""
+    suite = suite_dir()
+    # An install has no conftest.py to load the plugin, and its pytest11 entry point is off under
+    # PYTEST_DISABLE_PLUGIN_AUTOLOAD: name it (the name of both, so it is never registered twice).
+    # pytest marks an installed plugin's package for assertion rewriting, too late for harness,
+    # which this command has imported: nothing to warn about.
+    args = [suite, "-p", "harness.pytest_plugin", "-p", "no:cacheprovider",
+            "-W", "ignore:Module already imported so cannot be rewritten; harness:pytest.PytestAssertRewriteWarning"]
+    if checkout_root() is None:
+        # The packaged suite is its own root: node ids relative to it, no conftest.py or ini file
+        # of the directories above site-packages.
+        args += ["--rootdir", suite]
+    return args
+
+
 def cmd_run(extra: list[str]) -> int:
     """The harness's main job: the case suite on whatever hardware is present."""
-    suite = os.path.join(REPO_ROOT, "cases")
     if "-h" in extra or "--help" in extra:
-        return _run_help(suite)
+        return _run_help()
     problem = _world_sizes_problem(extra)
     if problem:
         return _usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
     quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
-    rc = _run_pytest([suite, *quiet, "-p", "no:cacheprovider", "--qgather-summary", *extra])
+    rc = _run_pytest([*_suite_pytest_args(), *quiet, "--qgather-summary", *extra])
     return 2 if rc == int(_pytest_usage_error()) else rc
 
 
@@ -99,14 +114,14 @@ def _world_sizes_problem(args: list[str]) -> str | None:
     return f"--world-sizes {','.join(map(str, sorted(sizes)))}: no case in the selected suite has that world size"
 
 
-def _run_help(suite: str) -> int:
+def _run_help() -> int:
     """qgather's own options first, then where pytest's are."""
     import contextlib
     import io
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        _run_pytest([suite, "--help", "-p", "no:cacheprovider"])
+        _run_pytest([*_suite_pytest_args(), "--help"])
     lines = buffer.getvalue().splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("quantized all-gather harness")), None)
     print("usage: qgather run [qgather options] [pytest options]\n")
@@ -190,11 +205,6 @@ def cmd_case(argv: list[str]) -> int:
     finally:
         _shutdown_pools()
     return 1 if failed else 0
-
-
-def suite_dir() -> str:
-    """Where the case modules live: cases/ of a checkout."""
-    return os.path.join(REPO_ROOT, "cases")
 
 
 def suite_sweeps() -> list[tuple[str, object, list[str] | None]]:

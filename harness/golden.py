@@ -8,6 +8,7 @@ producer, sha256 of every buffer). Producers:
     host), the independent evidence that the reference formats are right.
 `qgather golden --check` (and tests/test_golden.py) re-quantizes every stored input with the
 reference formats and requires every buffer to match bit for bit.
+An installed qgather reads the copy of golden/ that its build puts in the package (harness.paths).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from safetensors.torch import load_file, save_file
 from harness.cases import DTYPES
 from harness.compare import tensor_bytes
 from harness.formats import FORMATS
+from harness.paths import golden_dir
 
-GOLDEN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
+GOLDEN_DIR = golden_dir()
 MANIFEST = "manifest.json"
 MAX_CORPUS_BYTES = 5 * 1024 * 1024
 

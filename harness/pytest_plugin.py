@@ -1,8 +1,9 @@
 """qgather's pytest integration: options, the `case` parametrization, the `qgather` fixture that
 runs a case and records its verdict, and the verdict summary at the end of the session.
 
-Test modules under cases/ declare `SWEEP = harness.suite.Sweep(...)` and one test taking
-`case` and `qgather`; the command-line options narrow every sweep.
+Test modules under cases/ (harness/suite_cases/ of an install) declare
+`SWEEP = harness.suite.Sweep(...)` and one test taking `case` and `qgather`; the command-line
+options narrow every sweep.
 """
 
 from __future__ import annotations

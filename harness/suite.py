@@ -1,4 +1,5 @@
-"""The case sweeps that `cases/` runs: which shapes, world sizes and scenarios, per format.
+"""The case sweeps that the suite (cases/, harness/suite_cases/) runs: which shapes, world sizes
+and scenarios, per format.
 
 Shapes are derived from each format's row block b so that every format gets the same kinds of
 cases: aligned shards, shards that split a scale block (e.g. 136x64 at 8 ranks for NVFP4:

@@ -1,0 +1,117 @@
+"""`pip install .` (not editable) gives a qgather that runs the whole suite and checks the golden
+corpus from any directory: the wheel carries harness/suite_cases/ and golden/ (as
+harness/golden_data/), and an installed copy finds them there, with the same case ids as cases/."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SELECTION = ["--impl", "reference", "--formats", "fp8_tensor", "--world-sizes", "2"]
+
+# The wheel is built offline with this interpreter's setuptools (bdist_wheel is built in from 70.1).
+pytest.importorskip("setuptools", minversion="70.1", reason="building the wheel offline needs setuptools >= 70.1")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from a copy of the checkout (the build writes build/ and egg-info where it runs)."""
+    src = tmp_path_factory.mktemp("src")
+    ignore = shutil.ignore_patterns(".*", "__pycache__", "build", "dist", "*.egg-info", "reports")
+    shutil.copytree(REPO, src, ignore=ignore, dirs_exist_ok=True)
+    out = tmp_path_factory.mktemp("wheel")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
+         str(out), str(src)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (path,) = out.glob("qgather-*.whl")
+    return path
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target), str(wheel)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return target
+
+
+def _manifest_files() -> list[str]:
+    with open(REPO / "golden" / "manifest.json") as fh:
+        return [entry["file"] for entry in json.load(fh)["entries"]]
+
+
+def test_wheel_carries_every_module_the_suite_and_the_golden_corpus(wheel: Path):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "harness").rglob("*.py")}
+    assert sources - names == set(), "harness modules missing from the wheel"
+    suite = {p.name for p in (REPO / "cases").glob("test_*.py")}
+    assert suite and {f"harness/suite_cases/{n}" for n in suite} <= names, "the packaged suite lacks a case module"
+    golden = {p.relative_to(REPO / "golden").as_posix() for p in (REPO / "golden").rglob("*") if p.is_file()}
+    packaged = {n.removeprefix("harness/golden_data/") for n in names if n.startswith("harness/golden_data/")}
+    assert "manifest.json" in packaged and set(_manifest_files()) <= packaged
+    assert packaged == golden, "the wheel's golden corpus is not golden/"
+    with zipfile.ZipFile(wheel) as zf:
+        assert zf.read("harness/golden_data/manifest.json") == (REPO / "golden" / "manifest.json").read_bytes()
+        (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        text = zf.read(entry_points).decode()
+    assert "qgather = harness.cli:main" in text and "harness.pytest_plugin = harness.pytest_plugin" in text
+
+
+def _run(args: list[str], cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def _case_ids(pytest_output: str) -> list[str]:
+    params = [line.split("[", 1)[1].rstrip("]") for line in pytest_output.splitlines() if "::" in line and "[" in line]
+    return sorted(p for p in params if p.count(":") == 6)  # case ids, not other tests' parameters
+
+
+def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(
+        installed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from harness.cli import main, suite_dir
+
+    assert Path(suite_dir()) == REPO / "cases"
+    assert main(["list", "--cases", *SELECTION]) == 0  # this checkout's cases/
+    in_checkout = capsys.readouterr().out
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    probe = _run(["-c", "import harness, harness.paths as p; print(harness.__file__, p.suite_dir(), p.golden_dir())"],
+                 elsewhere, installed)
+    assert probe.returncode == 0, probe.stderr
+    module, suite, golden = probe.stdout.split()
+    assert all(Path(p).is_relative_to(installed) for p in (module, suite, golden)), probe.stdout
+
+    listed = _run(["-m", "harness", "list", "--cases", *SELECTION], elsewhere, installed)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split() and listed.stdout == in_checkout
+    assert all(":fp8_tensor:" in c and ":ws2:" in c for c in listed.stdout.split())
+
+    collected = _run(["-m", "harness", "run", *SELECTION, "--collect-only"], elsewhere, installed)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    assert _case_ids(collected.stdout) == sorted(listed.stdout.split())
+    assert "Warning" not in collected.stdout + collected.stderr, collected.stdout[-3000:]
+
+    pyargs = _run(["-m", "pytest", "--pyargs", "harness.suite_cases", "--collect-only", "-q", "-p", "no:cacheprovider",
+                   *SELECTION], elsewhere, installed)
+    assert pyargs.returncode == 0, pyargs.stdout[-3000:] + pyargs.stderr[-3000:]
+    assert _case_ids(pyargs.stdout) == sorted(listed.stdout.split())
+
+    checked = _run(["-m", "harness", "golden", "--check"], elsewhere, installed)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    assert checked.stdout.strip().splitlines()[-1] == f"golden: {len(_manifest_files())} entries, 0 problems"
+    assert list(elsewhere.iterdir()) == [], "the installed harness wrote into the working directory"
