@@ -161,7 +161,9 @@ def _run_options(command: str, args: argparse.Namespace):
     if problem:
         _usage(command, problem)
         return None
-    return RunOptions(args.backend, args.device, args.case_timeout)
+    # A hung case is re-run under TORCH_DISTRIBUTED_DEBUG=DETAIL; QGATHER_HANG_DETAIL=0 skips that.
+    detail = command in ("case", "repro") and os.environ.get("QGATHER_HANG_DETAIL", "1") != "0"
+    return RunOptions(args.backend, args.device, args.case_timeout, detail_on_hang=detail)
 
 
 def cmd_case(argv: list[str]) -> int:

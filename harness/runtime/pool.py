@@ -95,8 +95,9 @@ class _Replies:
 class RankPool:
     """`world_size` rank processes in one process group, spawned on first use and reused."""
 
-    def __init__(self, spec: PoolSpec) -> None:
+    def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None) -> None:
         self.spec = spec.validate()
+        self.extra_env = dict(env or {})  # on top of worker_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
         self.spawn_count = 0
         self._ranks: list[_Rank] = []
         self._tmpdir: str | None = None
@@ -185,7 +186,7 @@ class RankPool:
         _sweep_once()
         self._tmpdir = lifeline.make_pool_dir()
         threads = threads_per_rank(self.spec.world_size)
-        env = worker_env(self.spec, threads)
+        env = {**worker_env(self.spec, threads), **self.extra_env}
         cpus = rank_cpus(self.spec)
         runner_pid, runner_start = lifeline.runner_identity()
         life_r, self._lifeline = context.Pipe(duplex=False)

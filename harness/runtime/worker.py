@@ -117,6 +117,8 @@ def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | N
 def _prepare_process(config: WorkerConfig, lifeline: Connection | None) -> None:
     # A forkserver child inherits the forkserver's environment, not the parent's current one.
     os.environ.update(config.env)
+    # torch.distributed reads TORCH_DISTRIBUTED_DEBUG once, at import: in the forkserver, before this env.
+    dist.set_debug_level_from_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     drop_inherited_helper_fds()
     _die_with_parent()
