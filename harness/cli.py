@@ -176,7 +176,9 @@ def _run_options(command: str, args: argparse.Namespace):
     if problem:
         _usage(command, problem)
         return None
-    return RunOptions(args.backend, args.device, args.case_timeout)
+    # A hung case is re-run under TORCH_DISTRIBUTED_DEBUG=DETAIL; QGATHER_HANG_DETAIL=0 skips that.
+    detail = command in ("case", "repro") and os.environ.get("QGATHER_HANG_DETAIL", "1") != "0"
+    return RunOptions(args.backend, args.device, args.case_timeout, detail_on_hang=detail)
 
 
 def cmd_case(argv: list[str]) -> int:
@@ -463,6 +465,10 @@ def _shutdown_pools() -> None:
     shutdown_pools()
 
 
+_POOL_COMMANDS = {"run": lambda rest: cmd_run(rest), "case": lambda rest: cmd_case(rest),
+                  "repro": lambda rest: cmd_repro(rest)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qgather",
@@ -484,6 +490,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_cleanup_on_signals(command: str, run, rest: list[str]) -> int:
+    """SIGTERM and Ctrl-C unwind through the pools' own cleanup (their `finally`s stop every rank
+    and helper), then exit non-zero: 128 + the signal number, as a shell reports it.
+
+    SIGTERM is raised as KeyboardInterrupt, which an in-process pytest session (`qgather run`)
+    treats as the end of the session, where a SystemExit would only fail the running test.
+    """
+    import signal
+
+    received: list[int] = []
+
+    def terminate(signum, _frame):
+        received.append(signum)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        rc = run(rest)
+    except KeyboardInterrupt:
+        print(f"qgather {command}: interrupted", file=sys.stderr)
+        rc = 128 + (received[0] if received else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _shutdown_pools()
+    if received and rc == 0:
+        rc = 128 + received[0]
+    return rc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_torchao()
@@ -492,14 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "run":
-        return cmd_run(rest)
-    if command == "case":
-        return cmd_case(rest)
+    if command in _POOL_COMMANDS:
+        return _with_cleanup_on_signals(command, _POOL_COMMANDS[command], rest)
     if command == "list":
         return cmd_list(rest)
-    if command == "repro":
-        return cmd_repro(rest)
     if command == "gpu-check":
         return cmd_gpu_check(rest)
     if command == "selftest":

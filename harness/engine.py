@@ -3,6 +3,8 @@ and turns what came back into a verdict."""
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -14,7 +16,7 @@ from harness.impls import get_impl
 from harness.verdicts import CaseReport, Verdict, classify_errors, classify_results, expectation
 
 VIRTUAL_MAX_WORLD = 1024
-STACK_LINES = 12
+STACK_FRAMES = 6  # innermost frames shown per rank in a HANG report
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class RunOptions:
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
     case_timeout: float | None = None  # seconds; None: the runtime's default for the backend
+    # After a HANG, re-run the case once on a fresh pool with TORCH_DISTRIBUTED_DEBUG=DETAIL, whose
+    # collective fingerprint check names a mismatched collective. Costs a pool start and, when
+    # nothing mismatches, a second case timeout: on for `qgather case`/`repro`, off for the suite.
+    detail_on_hang: bool = False
 
     def device_type(self) -> str:
         if self.device != "auto":
@@ -108,13 +114,87 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions) -> CaseReport:
     if outcome.status == "error":
         return CaseReport(spec, *classify_errors(spec, outcome.errors, spec.world_size, _rejections(spec)))
     if outcome.status == "hang":
-        return CaseReport(spec, Verdict.HANG, outcome.summary().splitlines()[0], _stack_lines(outcome.stacks))
+        lines = _stack_lines(outcome.stacks)
+        if options.detail_on_hang:
+            lines += _detail_evidence(pool_spec, spec, kwargs)
+        return CaseReport(spec, Verdict.HANG, outcome.summary().splitlines()[0], lines)
     return CaseReport(spec, Verdict.CRASH, outcome.summary().splitlines()[0])
 
 
+DETAIL_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+DETAIL_LIMIT = 600  # characters kept of a rank's DETAIL error (the fingerprints of both collectives)
+
+
+def _detail_evidence(pool_spec, spec: CaseSpec, kwargs: dict) -> list[str]:
+    """Re-run a hung case once on a fresh pool under TORCH_DISTRIBUTED_DEBUG=DETAIL and say what it showed."""
+    from harness.runtime import RankPool
+    from harness.scenarios import run_on_rank
+
+    pool = RankPool(pool_spec, env=DETAIL_ENV)
+    try:
+        outcome = pool.run(run_on_rank, spec.id, **kwargs)
+    finally:
+        pool.shutdown()
+    head = "TORCH_DISTRIBUTED_DEBUG=DETAIL re-run:"
+    if outcome.status == "error":
+        own = [_own_collective(error.message) for _, error in sorted(outcome.errors.items())]
+        if all(own):
+            return [f"{head} mismatched collectives: {', '.join(own)}"]
+        messages: dict[str, list[int]] = {}
+        for rank, error in sorted(outcome.errors.items()):
+            messages.setdefault(" ".join(error.first_line(limit=DETAIL_LIMIT).split()), []).append(rank)
+        return [head] + [f"  rank(s) {','.join(map(str, ranks))}: {text}" for text, ranks in messages.items()]
+    if outcome.status == "hang":
+        return [f"{head} hung again; no collective mismatch detected ({outcome.summary()})"]
+    return [f"{head} {outcome.summary().splitlines()[0]}"]
+
+
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),?\s*"
+                          r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?")
+
+
+def _own_collective(message: str) -> str:
+    """'rank 1 in BARRIER (#2)' from a ProcessGroupWrapper mismatch error: what this rank itself ran."""
+    match = _FINGERPRINT.search(message)
+    if match is None:
+        return ""
+    rank, sequence, op, shape = match.groups()
+    return f"rank {rank} in {op} (#{sequence}{', shape ' + shape if shape else ''})"
+
+
 def _stack_lines(stacks: dict[int, str]) -> list[str]:
+    """Per rank: the case thread's STACK_FRAMES innermost frames, then the innermost frame of the
+    implementation under test when it is deeper than those (torch and runtime frames skipped)."""
+    from harness.runtime.outcome import case_frames, first_impl_frame
+
     lines = []
     for rank, text in sorted(stacks.items()):
-        lines.append(f"rank {rank} stack (innermost last):")
-        lines.extend("  " + line for line in text.strip().splitlines()[-STACK_LINES:])
+        frames = case_frames(text)
+        if not frames:
+            lines.append(f"rank {rank}: no Python stack")
+            continue
+        lines.append(f"rank {rank} stack (innermost first):")
+        lines.extend(f"  {_frame_text(frame)}" for frame in frames[:STACK_FRAMES])
+        impl = first_impl_frame(frames)
+        if impl is not None and impl not in frames[:STACK_FRAMES]:
+            lines.append(f"  ... implementation frame: {_frame_text(impl)}")
     return lines
+
+
+def _frame_text(frame: tuple[str, int, str]) -> str:
+    file, line, func = frame
+    return f"{func} ({_short_path(file)}:{line})"
+
+
+def _short_path(file: str) -> str:
+    """The path from its package root on (torch/distributed/...), not the whole site-packages path."""
+    file = file.replace("\\", "/")
+    here = os.getcwd().replace("\\", "/").rstrip("/") + "/"
+    if file.startswith(here):
+        return file[len(here):]
+    parts = file.split("/")
+    for anchor in ("site-packages", "dist-packages", "lib"):
+        if anchor in parts[:-1]:
+            index = len(parts) - 1 - parts[::-1].index(anchor)
+            return "/".join(parts[index + 1:])
+    return "/".join(parts[-3:])

@@ -313,3 +313,42 @@ def test_external_world_is_detected_from_the_environment(monkeypatch, env, world
 def test_external_world_size_is_fixed_by_the_launcher():
     with pytest.raises(PoolSpecError, match="external launcher: world size is fixed at 4 by torchrun"):
         ExternalPool(PoolSpec("gloo", 8, "cpu"), (0, 4))
+
+
+ADAPTER_DUMP = """Thread 0x00007f0000000003 (most recent call first):
+  File "/x/lib/python3.11/threading.py", line 320 in wait
+  File "/x/lib/python3.11/threading.py", line 622 in wait
+  File "/x/lib/python3.11/site-packages/my_adapter/handshake.py", line 40 in wait_for_peer
+  File "/x/lib/python3.11/site-packages/my_adapter/param.py", line 12 in make_param
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 4100 in barrier
+  File "/x/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/x/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", line 364 in foreach_all_gather
+  File "/x/torch/utils/_contextlib.py", line 124 in decorate_context
+  File "/x/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", line 300 in unshard
+  File "/x/torch/nn/modules/module.py", line 1700 in _call_impl
+  File "/x/lib/python3.11/site-packages/my_adapter/param.py", line 90 in forward_step
+  File "/work/main/harness/runtime/worker.py", line 170 in run_case
+  File "/work/main/harness/runtime/worker.py", line 150 in _serve
+  File "/x/lib/python3.11/multiprocessing/process.py", line 108 in run
+"""
+
+
+def test_hang_report_shows_innermost_frames_then_the_implementation_frame():
+    from harness.engine import STACK_FRAMES, _stack_lines
+
+    lines = _stack_lines({0: ADAPTER_DUMP})
+    assert lines[0] == "rank 0 stack (innermost first):"
+    assert lines[1] == "  barrier (torch/distributed/distributed_c10d.py:4100)"
+    assert len(lines) == 1 + STACK_FRAMES + 1
+    assert lines[-1] == "  ... implementation frame: forward_step (my_adapter/param.py:90)"
+    assert not any("multiprocessing" in line or "_serve" in line for line in lines)
+
+
+def test_where_blocked_names_adapter_code_before_library_frames():
+    spinning = HANG_DUMP.replace(
+        '  File "/x/torch/distributed/distributed_c10d.py", line 4100 in barrier\n'
+        '  File "/x/torch/distributed/c10d_logger.py", line 81 in wrapper\n',
+        '  File "/x/lib/python3.11/threading.py", line 331 in wait\n')
+    assert where_blocked(spinning) == "in skip_one (test_x.py:12)"

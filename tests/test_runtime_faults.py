@@ -148,7 +148,7 @@ def test_all_ranks_blocked_is_a_hang_with_every_stack(pool):
     assert out.unfinished == tuple(range(WORLD_SIZE))
     assert sorted(out.stacks) == list(range(WORLD_SIZE))
     assert all("in everyone_waits_for_an_event" in text for text in out.stacks.values())
-    assert "ranks 0,1,2,3 were in wait (threading.py:" in out.summary()
+    assert "ranks 0,1,2,3 were in everyone_waits_for_an_event (test_runtime_faults.py:" in out.summary()
     assert_recovers(pool)
 
 

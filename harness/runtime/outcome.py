@@ -87,21 +87,50 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+Frame = tuple[str, int, str]  # (file, line, function)
+_LIBRARY_PARTS = ("/torch/", "/multiprocessing/", "/harness/runtime/", "/threading.py", "/selectors.py",
+                  "/queue.py", "/concurrent/", "/asyncio/", "/subprocess.py", "/socket.py", "<frozen ")
+
+
+def case_frames(stack_text: str) -> list[Frame]:
+    """The frames (innermost first) of the thread running the case in a faulthandler dump: the one
+    with a `run_case` frame, else the first thread listed (faulthandler puts the current one first)."""
+    threads = _threads(stack_text)
+    for frames in threads:
+        if any(func == "run_case" for _, _, func in frames):
+            return frames
+    return threads[0] if threads else []
+
+
+def is_library_frame(frame: Frame) -> bool:
+    """torch, multiprocessing, threading and the like, and this runtime: not the code under test."""
+    file = frame[0].replace("\\", "/")
+    return any(part in file for part in _LIBRARY_PARTS)
+
+
+def first_impl_frame(frames: list[Frame]) -> Frame | None:
+    """The innermost frame of the implementation under test (or its case code), if any."""
+    return next((frame for frame in frames if not is_library_frame(frame)), None)
+
+
 def where_blocked(stack_text: str) -> str:
     """Name the call a rank is stuck in, from its faulthandler dump (all threads).
 
-    The interesting thread is the one running the case (it has a `run_case` frame); inside it,
-    the innermost torch.distributed frame says which collective it waits in.
+    Walking the case thread from its innermost frame: the first torch.distributed frame means it
+    waits in that collective; the first frame of the code under test (an adapter spinning or
+    waiting in its own code) is named instead when it comes first.
     """
-    for frames in _threads(stack_text):
-        if not any(func == "run_case" for _, _, func in frames):
-            continue
-        for file, _line, func in frames:  # innermost first
-            if "torch/distributed/" in file.replace("\\", "/"):
-                return f"waiting in a collective ({func})"
-        file, line, func = frames[0]
-        return f"in {func} ({file.rsplit('/', 1)[-1]}:{line})"
-    return "not running the case"
+    frames = [f for f in case_frames(stack_text)]
+    if not any(func == "run_case" for _, _, func in frames):
+        return "not running the case"
+    for frame in frames:  # innermost first
+        file, line, func = frame
+        if "torch/distributed/" in file.replace("\\", "/"):
+            return f"waiting in a collective ({func})"
+        if not is_library_frame(frame):
+            return f"in {func} ({file.rsplit('/', 1)[-1]}:{line})"
+    file, line, func = frames[0]
+    return f"in {func} ({file.rsplit('/', 1)[-1]}:{line})"
 
 
 def _threads(stack_text: str) -> list[list[tuple[str, int, str]]]:

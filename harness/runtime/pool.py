@@ -21,7 +21,6 @@ import os
 import pickle
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from harness.runtime import lifeline
 from harness.runtime.outcome import CaseOutcome, RankError
 from harness.runtime.spec import PoolSpec, rank_cpus, threads_per_rank, worker_env
 from harness.runtime.worker import PICKLE_PROTOCOL, WorkerConfig, worker_main
@@ -46,7 +46,7 @@ PG_TIMEOUT_S = 4 * 3600.0
 # Preloaded by the forkserver, so a (re)spawned rank starts without paying the torch import.
 FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch._dynamo",
-    "harness.runtime.worker",
+    "harness.runtime.worker", "harness.runtime.forkserver_hook",
 ]
 
 _owned_helpers: dict[str, int | None] = {}  # multiprocessing helpers this runtime started
@@ -95,11 +95,13 @@ class _Replies:
 class RankPool:
     """`world_size` rank processes in one process group, spawned on first use and reused."""
 
-    def __init__(self, spec: PoolSpec) -> None:
+    def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None) -> None:
         self.spec = spec.validate()
+        self.extra_env = dict(env or {})  # on top of worker_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
         self.spawn_count = 0
         self._ranks: list[_Rank] = []
         self._tmpdir: str | None = None
+        self._lifeline: Connection | None = None  # the write end; closing it ends the ranks
         self._checks = 0
 
     @property
@@ -181,23 +183,29 @@ class RankPool:
 
     def _spawn(self) -> None:
         context = _mp_context()
-        self._tmpdir = tempfile.mkdtemp(prefix="qgather-pool-")
+        _sweep_once()
+        self._tmpdir = lifeline.make_pool_dir()
         threads = threads_per_rank(self.spec.world_size)
-        env = worker_env(self.spec, threads)
+        env = {**worker_env(self.spec, threads), **self.extra_env}
         cpus = rank_cpus(self.spec)
-        for rank in range(self.spec.world_size):
-            config = WorkerConfig(
-                rank=rank, world_size=self.spec.world_size, backend=self.spec.backend,
-                device=self.spec.device, store_path=os.path.join(self._tmpdir, "store"),
-                stacks_path=self._stacks_path(rank), env=env, threads=threads, pg_timeout_s=PG_TIMEOUT_S,
-                cpus=cpus[rank],
-            )
-            parent_conn, child_conn = context.Pipe(duplex=True)
-            process = context.Process(target=worker_main, args=(config, child_conn),
-                                      name=f"qgather-rank{rank}", daemon=True)
-            process.start()
-            child_conn.close()
-            self._ranks.append(_Rank(rank, process, parent_conn))
+        runner_pid, runner_start = lifeline.runner_identity()
+        life_r, self._lifeline = context.Pipe(duplex=False)
+        try:
+            for rank in range(self.spec.world_size):
+                config = WorkerConfig(
+                    rank=rank, world_size=self.spec.world_size, backend=self.spec.backend,
+                    device=self.spec.device, store_path=os.path.join(self._tmpdir, "store"),
+                    stacks_path=self._stacks_path(rank), env=env, threads=threads, pg_timeout_s=PG_TIMEOUT_S,
+                    cpus=cpus[rank], runner_pid=runner_pid, runner_start=runner_start, pool_dir=self._tmpdir,
+                )
+                parent_conn, child_conn = context.Pipe(duplex=True)
+                process = context.Process(target=worker_main, args=(config, child_conn, life_r),
+                                          name=f"qgather-rank{rank}", daemon=True)
+                process.start()
+                child_conn.close()
+                self._ranks.append(_Rank(rank, process, parent_conn))
+        finally:
+            life_r.close()  # only the ranks keep a read end: the runner's death is their EOF
         self.spawn_count += 1
 
     def _stacks_path(self, rank: int) -> str:
@@ -325,9 +333,21 @@ class RankPool:
             except ValueError:  # still running after SIGKILL: leave it to multiprocessing's reaper
                 pass
         self._ranks = []
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+
+_swept: list[bool] = []
+
+
+def _sweep_once() -> None:
+    if not _swept:
+        _swept.append(True)
+        lifeline.sweep_orphaned_pool_dirs()
 
 
 def _pickle_case(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
@@ -448,11 +468,21 @@ def stop_helpers() -> None:
     Both exit as soon as their "alive" pipe closes, which is what their `_stop` does.
     """
     helpers = {"forkserver": forkserver._forkserver, "tracker": resource_tracker._resource_tracker}
+    _mark_clean_stop()
     for name, helper in helpers.items():
         pid = _owned_helpers.pop(name, None)
         stop = getattr(helper, "_stop", None)
         if pid is not None and pid == _helper_pid(name) and stop is not None:
             _bounded(stop, pid)
+
+
+def _mark_clean_stop() -> None:
+    """Tell our forkserver's exit hook that this is a clean stop: the runner removes its own dirs."""
+    address = getattr(forkserver._forkserver, "_forkserver_address", None)
+    if _owned_helpers.get("forkserver") is None or not isinstance(address, str) or address[:1] == "\0":
+        return
+    with contextlib.suppress(OSError):
+        open(os.path.join(os.path.dirname(address), lifeline.CLEAN_STOP_MARKER), "w").close()
 
 
 def _bounded(stop: Callable[[], None], pid: int) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.runtime.lifeline import drop_inherited_helper_fds, watch_runner
 from harness.runtime.outcome import RankError
 
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -66,6 +67,9 @@ class WorkerConfig:
     threads: int
     pg_timeout_s: float
     cpus: tuple[int, ...] = ()  # pin the rank to these CPUs (empty: leave it to the scheduler)
+    runner_pid: int = 0  # the process that owns the pool: this rank ends when it is gone
+    runner_start: int = 0  # its start time (clock ticks), so a reused pid is not mistaken for it
+    pool_dir: str = ""  # removed by this rank if the runner dies first
 
 
 @dataclass
@@ -95,9 +99,12 @@ class _RankState:
 _keep_alive: list[Any] = []  # faulthandler writes to this file from a signal handler
 
 
-def worker_main(config: WorkerConfig, conn: Connection) -> None:
-    """Entry point of a rank process: set up, join the process group, then serve cases."""
-    _prepare_process(config)
+def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | None = None) -> None:
+    """Entry point of a rank process: set up, join the process group, then serve cases.
+
+    `lifeline` is the read end of a pipe only the runner can write to: EOF means it died.
+    """
+    _prepare_process(config, lifeline)
     try:
         state = _join_group(config)
     except BaseException as exc:  # report, then exit: the parent treats it as a failed start
@@ -107,11 +114,16 @@ def worker_main(config: WorkerConfig, conn: Connection) -> None:
     _serve(state, conn)
 
 
-def _prepare_process(config: WorkerConfig) -> None:
+def _prepare_process(config: WorkerConfig, lifeline: Connection | None) -> None:
     # A forkserver child inherits the forkserver's environment, not the parent's current one.
     os.environ.update(config.env)
+    # torch.distributed reads TORCH_DISTRIBUTED_DEBUG once, at import: in the forkserver, before this env.
+    dist.set_debug_level_from_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    drop_inherited_helper_fds()
     _die_with_parent()
+    if config.runner_pid:
+        watch_runner(lifeline, config.runner_pid, config.runner_start, config.pool_dir)
     stacks = open(config.stacks_path, "w")
     _keep_alive.append(stacks)
     faulthandler.enable(file=stacks, all_threads=True)
@@ -123,10 +135,12 @@ def _prepare_process(config: WorkerConfig) -> None:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank if its parent dies, so no rank outlives a killed pytest.
+    """Ask Linux to SIGKILL this rank if its parent dies: a backstop to the runner watchdog that
+    works even while this rank holds the GIL in native code.
 
-    The parent is the forkserver (which exits with pytest), or, with spawn, the thread that
-    started the pool: under QGATHER_START_METHOD=spawn, start pools from a long-lived thread.
+    The parent is the forkserver (which exits when the runner dies, see lifeline.py), or, with
+    spawn, the thread that started the pool: under QGATHER_START_METHOD=spawn, start pools from a
+    long-lived thread.
     """
     if not sys.platform.startswith("linux"):
         return

@@ -1,0 +1,34 @@
+"""Preloaded by the forkserver only: when it exits because its runner died, remove the runner's
+temp dirs (its pool dirs, and multiprocessing's pymp-* dir that holds the forkserver socket).
+
+On a clean stop the runner leaves CLEAN_STOP_MARKER beside the socket first and removes its dirs
+itself, so this hook touches nothing then. Ranks are forked from the forkserver but leave through
+os._exit, so they never run this atexit handler.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+
+from harness.runtime.lifeline import CLEAN_STOP_MARKER, remove_pool_dirs_of
+
+_RUNNER_PID = os.getppid()
+
+
+def _cleanup() -> None:
+    from multiprocessing import forkserver
+
+    address = getattr(forkserver._forkserver, "_forkserver_address", None)
+    socket_dir = os.path.dirname(address) if isinstance(address, str) and address[:1] != "\0" else ""
+    if socket_dir and os.path.exists(os.path.join(socket_dir, CLEAN_STOP_MARKER)):
+        return
+    remove_pool_dirs_of(_RUNNER_PID)
+    if os.path.basename(socket_dir).startswith("pymp-"):
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+if sys.argv[:1] == ["-c"]:  # the forkserver runs as `python -c ...`; never arm this in a runner
+    atexit.register(_cleanup)

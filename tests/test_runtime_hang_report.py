@@ -1,0 +1,51 @@
+"""A HANG report points at where each rank is stuck: the adapter's own code when it spins there,
+the collective when it waits in one; a hung case re-run under TORCH_DISTRIBUTED_DEBUG=DETAIL adds
+which collectives mismatched. The hangs are real (tests/_hang_adapters.py), bounded by HANG_S."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.cases import CaseSpec
+from harness.engine import RunOptions, run_case
+from harness.runtime import shutdown_pools
+from harness.verdicts import Verdict
+
+HANG_S = 6.0
+SHAPE = "nvfp4_2d:128x64:bf16:ws2:gather:s0"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pools_after_module():
+    yield
+    shutdown_pools()
+
+
+def _hang_report(adapter: str, detail: bool) -> str:
+    spec = CaseSpec.parse(f"tests._hang_adapters:{adapter}:{SHAPE}")
+    report = run_case(spec, RunOptions("gloo", "cpu", HANG_S, detail_on_hang=detail))
+    assert report.verdict == Verdict.HANG, report.render()
+    return report.render()
+
+
+def test_hang_in_adapter_code_names_the_adapter_function():
+    text = _hang_report("HangsInAdapter", detail=False)
+    head = text.splitlines()[0]
+    assert "ranks 0,1 were in wait_for_a_peer_that_never_comes (_hang_adapters.py:" in head
+    assert "collective" not in head
+    rank0 = text.split("rank 0 stack (innermost first):\n", 1)[1].splitlines()
+    assert rank0[0].strip().startswith("wait (")  # innermost first: threading's wait, then the adapter
+    assert any(line.strip().startswith("wait_for_a_peer_that_never_comes (") for line in rank0[:3])
+    assert "TORCH_DISTRIBUTED_DEBUG" not in text
+
+
+def test_hang_in_a_collective_names_it_and_the_detail_rerun_names_the_mismatch():
+    text = _hang_report("SkipsACollective", detail=True)
+    head = text.splitlines()[0]
+    assert "rank 1 was waiting in a collective (barrier)" in head
+    assert "rank 0 was waiting in a collective (all_gather" in head
+    assert "  barrier (torch/distributed/distributed_c10d.py:" in text
+    evidence = [line for line in text.splitlines() if "TORCH_DISTRIBUTED_DEBUG=DETAIL re-run" in line]
+    assert len(evidence) == 1, text
+    assert "mismatched collectives:" in evidence[0] and "rank 1 in BARRIER" in evidence[0]
+    assert "rank 0 in _ALLGATHER_BASE" in evidence[0]
