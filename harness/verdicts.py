@@ -107,7 +107,7 @@ def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int,
     INTERNAL_MESSAGES). Anything else is an ERROR with each rank's own message."""
     first_lines = {rank: _first_line(e) for rank, e in errors.items()}
     messages = set(first_lines.values())
-    internal = any(_type_name(e) in INTERNAL_ERRORS for e in errors.values()) \
+    internal = any(INTERNAL_ERRORS & set(_type_names(e)) for e in errors.values()) \
         or any(INTERNAL_MESSAGES.match(m) for m in messages)
     same_rejection = len({_without_numbers(m) for m in messages}) == 1
     everywhere = len(errors) == world_size
@@ -139,7 +139,7 @@ def classify_errors(spec: CaseSpec, errors: dict[int, object], world_size: int,
 def _refusal_problem(errors: dict[int, object], rejection_types: frozenset[str]) -> str:
     """Why these errors are not the implementation refusing a shape ("" when they are)."""
     for error in errors.values():
-        if not rejection_types & set(_type_names(error)):
+        if not _declared(error, rejection_types):
             declared = ", ".join(sorted(rejection_types)) or "none"
             return (f"{_type_name(error)} is not one of the implementation's declared rejection types "
                     f"({declared}; Implementation.rejection_types)")
@@ -147,6 +147,16 @@ def _refusal_problem(errors: dict[int, object], rejection_types: frozenset[str])
         if phase not in BEFORE_DATA_MOVED:
             return f"raised in the {phase or 'unknown phase'}, not before any data moved"
     return ""
+
+
+def _declared(error: object, rejection_types: frozenset[str]) -> bool:
+    """Whether the error is one the implementation declares: "Type", or "Type: message prefix"."""
+    names, message = set(_type_names(error)), _first_line(error).split(": ", 1)[-1]
+    for entry in rejection_types:
+        name, _, prefix = entry.partition(": ")
+        if name in names and message.startswith(prefix):
+            return True
+    return False
 
 
 def _type_names(error: object) -> tuple[str, ...]:

@@ -134,3 +134,13 @@ def test_only_a_declared_type_raised_before_data_moved_is_a_rejection():
     assert verdict is Verdict.ERROR and any("not before any data moved" in d for d in details)
     unknown = {r: refusal(r, message, phase="") for r in (0, 1)}
     assert classify_errors(SPEC, unknown, 2, DECLARED)[0] is Verdict.ERROR
+
+
+def test_a_broad_type_is_a_rejection_only_with_its_declared_message():
+    declared = frozenset({"AssertionError: FSDP2 requires"})
+    ours = {r: refusal(r, "FSDP2 requires shard_M (46) to be a multiple of 16", "pre-all-gather hook",
+                       "AssertionError") for r in (0, 1)}
+    assert classify_errors(SPEC, ours, 2, declared)[0] is Verdict.REJECTED
+    fsdp2 = {r: refusal(r, "Invalid fsdp_pre_all_gather: (mesh, orig_size)", "shard", "AssertionError")
+             for r in (0, 1)}
+    assert classify_errors(SPEC, fsdp2, 2, declared)[0] is Verdict.ERROR

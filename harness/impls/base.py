@@ -43,9 +43,10 @@ class Implementation:
     devices: tuple[str, ...] = ("cpu", "cuda")
     #: backends whose all-gather this implementation can use as it is
     backends: tuple[str, ...] = ("gloo", "nccl")
-    #: exception types (classes or class names) with which it refuses a shape it cannot gather.
-    #: Raised on every rank before any data moved, they make a case REJECTED; any other error is
-    #: an ERROR. Undeclared (the default): no error is ever a rejection.
+    #: exception types with which it refuses a shape it cannot gather: classes, class names, or
+    #: "ClassName: message prefix" where a broad type (AssertionError) is a refusal only with that
+    #: message. Raised on every rank before any data moved, they make a case REJECTED; any other
+    #: error is an ERROR. Undeclared (the default): no error is ever a rejection.
     rejection_types: tuple[type[BaseException] | str, ...] = ()
 
     def declared_rejections(self) -> frozenset[str]:

@@ -29,12 +29,15 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from harness.runtime import lifeline
+from harness.runtime import lifeline, whereabouts
 from harness.runtime.outcome import CaseOutcome, RankError
 from harness.runtime.spec import PoolSpec, rank_cpus, threads_per_rank, worker_env
 from harness.runtime.worker import PICKLE_PROTOCOL, WorkerConfig, worker_main
 
-ERROR_GRACE_S = 0.4  # after a first failure, how long the other ranks get to report their own
+# After a first failure, how often the parent asks the other ranks where they are; a rank counts
+# as waiting for the failed one only when seen inside a collective twice in a row.
+WHERE_POLL_S = 0.1
+WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
 KILL_WAIT_S = 5.0
 HELPER_STOP_S = 5.0
@@ -57,6 +60,7 @@ class _Rank:
     rank: int
     process: Any  # multiprocessing.process.BaseProcess
     conn: Connection
+    where: Connection | None = None  # asks where the rank's case is (harness.runtime.whereabouts)
 
 
 @dataclass
@@ -69,6 +73,7 @@ class _Replies:
     exit_codes: dict[int, int] = field(default_factory=dict)
     pending: set[int] = field(default_factory=set)
     first_failure_at: float | None = None
+    waiting: dict[int, str] = field(default_factory=dict)  # rank -> the collective frame it waits in
 
     def __post_init__(self) -> None:
         self.results = [None] * self.world_size
@@ -79,9 +84,10 @@ class _Replies:
             self.first_failure_at = time.monotonic()
 
     def wait_until(self, deadline: float) -> float:
+        """Before any failure: the deadline. After one: the next look at where the others are."""
         if self.first_failure_at is None:
             return deadline
-        return min(deadline, self.first_failure_at + ERROR_GRACE_S)
+        return min(deadline, time.monotonic() + WHERE_POLL_S)
 
     @property
     def status(self) -> str:
@@ -199,11 +205,13 @@ class RankPool:
                     cpus=cpus[rank], runner_pid=runner_pid, runner_start=runner_start, pool_dir=self._tmpdir,
                 )
                 parent_conn, child_conn = context.Pipe(duplex=True)
-                process = context.Process(target=worker_main, args=(config, child_conn, life_r),
+                where_parent, where_child = context.Pipe(duplex=True)
+                process = context.Process(target=worker_main, args=(config, child_conn, life_r, where_child),
                                           name=f"qgather-rank{rank}", daemon=True)
                 process.start()
                 child_conn.close()
-                self._ranks.append(_Rank(rank, process, parent_conn))
+                where_child.close()
+                self._ranks.append(_Rank(rank, process, parent_conn, where_parent))
         finally:
             life_r.close()  # only the ranks keep a read end: the runner's death is their EOF
         self.spawn_count += 1
@@ -228,8 +236,10 @@ class RankPool:
             owners[r.conn] = r
             owners[r.process.sentinel] = r
         while replies.pending:
+            if replies.first_failure_at is not None and self._all_pending_wait_in_collectives(replies):
+                break
             remaining = replies.wait_until(deadline) - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or time.monotonic() >= deadline:
                 break
             waitables = [w for r in self._ranks if r.rank in replies.pending
                          for w in (r.conn, r.process.sentinel)]
@@ -242,6 +252,31 @@ class RankPool:
                 else:
                     self._bury(r, replies)
         return replies
+
+    def _all_pending_wait_in_collectives(self, replies: _Replies) -> bool:
+        """Evidence, not a timer: every rank that has not answered is inside a collective (seen
+        twice in a row), so it waits for a rank that already failed and will never return."""
+        seen_before = dict(replies.waiting)
+        for r in self._ranks:
+            if r.rank not in replies.pending:
+                continue
+            frame = whereabouts.in_collective(self._where(r))
+            if frame is None:
+                replies.waiting.pop(r.rank, None)
+            else:
+                replies.waiting[r.rank] = frame
+        return all(rank in replies.waiting and rank in seen_before for rank in replies.pending)
+
+    def _where(self, r: _Rank) -> list[str]:
+        if r.where is None:
+            return []
+        try:
+            r.where.send_bytes(b"?")
+            if not r.where.poll(WHERE_REPLY_S):
+                return []
+            return r.where.recv()
+        except (EOFError, OSError):
+            return []
 
     def _receive(self, r: _Rank, replies: _Replies) -> None:
         try:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.runtime import whereabouts
 from harness.runtime.lifeline import drop_inherited_helper_fds, watch_runner
 from harness.runtime.outcome import RankError
 
@@ -99,12 +100,16 @@ class _RankState:
 _keep_alive: list[Any] = []  # faulthandler writes to this file from a signal handler
 
 
-def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | None = None) -> None:
+def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | None = None,
+                where: Connection | None = None) -> None:
     """Entry point of a rank process: set up, join the process group, then serve cases.
 
     `lifeline` is the read end of a pipe only the runner can write to: EOF means it died.
+    `where` answers the parent's "where is your case now?" (harness.runtime.whereabouts).
     """
     _prepare_process(config, lifeline)
+    if where is not None:
+        whereabouts.serve(where)
     try:
         state = _join_group(config)
     except BaseException as exc:  # report, then exit: the parent treats it as a failed start

@@ -60,9 +60,9 @@ class TransformerEngineRoute(Implementation):
     formats = (*RECIPES, *NOT_ON_THIS_ROUTE)
     scenarios = ("gather", "steps", "reshard")
     devices = ("cuda",)
-    # TE refuses in its FSDP2 hooks with assertions that name the constraint (NVFP4's shard_M % 16)
-    # and NotImplementedError (1-D block scaling, GEMM-swizzled scales).
-    rejection_types = ("AssertionError", "NotImplementedError")
+    # TE refuses in its FSDP2 hooks with an assertion that names the constraint (NVFP4's shard_M % 16;
+    # FSDP2's own AssertionErrors are not TE refusing) and NotImplementedError (1-D block scaling).
+    rejection_types = ("AssertionError: FSDP2 requires", "NotImplementedError")
 
     def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
         reason = super().skip_reason(spec, device) or te_import_error()

@@ -1,0 +1,52 @@
+"""Where a rank's case is right now, asked over a side channel while the case runs.
+
+After one rank raised, the parent must tell a rank that is still working (it may raise the same
+rejection a moment later) from one waiting in a collective for the rank that raised (it never
+returns). A timer cannot: a loaded machine makes any grace period wrong. Each rank therefore runs
+a small thread that answers "where are you?" with the innermost frames of its main thread, and the
+parent counts a rank as waiting only when those frames are inside a collective.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+FRAMES = 12  # innermost frames sent back
+# Frames of these files mean: inside a torch.distributed collective (c10d, FSDP2's collectives).
+COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
+                    "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "torch/distributed/c10d_logger.py")
+
+
+def serve(conn: Connection) -> threading.Thread:
+    """Answer every request on `conn` with the main thread's innermost frames (a daemon thread)."""
+    main = threading.main_thread().ident
+
+    def loop() -> None:
+        while True:
+            try:
+                conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            frame = sys._current_frames().get(main)
+            frames = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-FRAMES:]] \
+                if frame is not None else []
+            try:
+                conn.send(frames)
+            except (OSError, ValueError):
+                return
+
+    thread = threading.Thread(target=loop, name="qgather-whereabouts", daemon=True)
+    thread.start()
+    return thread
+
+
+def in_collective(frames: list[str]) -> str | None:
+    """The collective frame a rank is waiting in (innermost first), or None."""
+    for frame in reversed(frames):
+        path = frame.replace("\\", "/")
+        if any(name in path for name in COLLECTIVE_FILES):
+            return frame.rsplit("/", 1)[-1]
+    return None

@@ -1,0 +1,104 @@
+"""Small external adapters built on the reference, one per example in issue 8's "Why": each one
+once got a verdict it had not earned. tests/test_why_examples.py holds the verdict each must get.
+Loaded as `--impl tests._why_adapters:<Name>`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness.formats import FORMATS
+from harness.impls.mutants import NibbleSwap
+from harness.impls.reference import QuantizedParam, ReferenceImplementation
+
+
+class WrongBytesThenRaisingForward(NibbleSwap):
+    """Gathers wrong bytes, then its forward raises the same error on every rank, as a GEMM with an
+    M % 16 rule would: the wrong bytes must still be judged."""
+
+    bug = name = ""  # an external adapter, not a zoo member
+
+    def forward(self, param, x):
+        raise RuntimeError("GEMM needs M % 16 == 0")
+
+
+class AlwaysRaisingMakeParam(ReferenceImplementation):
+    """make_param raises a RuntimeError on every rank, whatever the shape: not a rejection."""
+
+    def make_param(self, fmt, weight):
+        raise RuntimeError("could not build the parameter")
+
+
+class OutOfMemory(ReferenceImplementation):
+    """Every rank runs out of memory building the parameter: not a rejection either."""
+
+    def make_param(self, fmt, weight):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+class WrongOutputOnRank1(ReferenceImplementation):
+    """The gathered buffers are right on every rank, but rank 1's layer output is off by one."""
+
+    def forward(self, param, x):
+        y = super().forward(param, x)
+        return y + 1 if dist.is_initialized() and dist.get_rank() == 1 else y
+
+
+class ChecksOnlyItsOwnShardParam(QuantizedParam):
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        rows = self.shape[0]
+        if rows % self._fmt.row_block:
+            raise ValueError(f"this shard's {rows} rows are not a multiple of {self._fmt.row_block}")
+        return super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+
+    def _check_alignment(self, start_dim0: int, what: str) -> None:
+        pass  # shards anywhere; only the pre-hook looks, and only at its own shard
+
+
+class ChecksOnlyItsOwnShard(ReferenceImplementation):
+    """The pre-hook refuses a shard whose own row count is off the block, so with uneven shards some
+    ranks refuse while the others would enter the all-gather: a deadlock, never a rejection."""
+
+    param_class = ChecksOnlyItsOwnShardParam
+    rejection_types = ("ValueError",)
+
+
+class LateRejectionOnRank1(ReferenceImplementation):
+    """The reference's own rejection, reached 2 s later on rank 1 (a loaded machine)."""
+
+    def make_param(self, fmt, weight):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(2.0)  # the delay is the example itself, not a synchronization
+        return super().make_param(fmt, weight)
+
+
+class DriftingQuantizer(ReferenceImplementation):
+    """A self-consistent quantizer that scales with twice the amax: its gather is exactly its own
+    q(W), which differs from the reference format's."""
+
+    formats = ("fp8_tensor",)
+
+    def _quantize(self, fmt, weight):
+        return FORMATS[fmt].quantize(weight, amax=weight.detach().abs().amax().float() * 2)
+
+    def make_param(self, fmt, weight):
+        q = self._quantize(fmt, weight)
+        rows, glob = FORMATS[fmt].to_rows(q)
+        return QuantizedParam(FORMATS[fmt], rows, glob, tuple(weight.shape), weight.dtype, te=dict(q.buffers))
+
+    def own_quantization(self, fmt, weight):
+        return dict(self._quantize(fmt, weight).buffers)
+
+
+class TwoArgumentPreHookParam(QuantizedParam):
+    def fsdp_pre_all_gather(self, mesh, orig_size):  # neither signature FSDP2 calls
+        return super().fsdp_pre_all_gather(mesh, orig_size, None, None, None)
+
+
+class PreHookSignatureFSDP2Refuses(ReferenceImplementation):
+    """A pre-hook whose signature FSDP2 cannot call: every rank raises, and it is no rejection."""
+
+    param_class = TwoArgumentPreHookParam
