@@ -75,7 +75,9 @@ def cmd_run(extra: list[str]) -> int:
         return _usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
     quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
-    rc = _run_pytest([suite, *quiet, "-p", "no:cacheprovider", "--qgather-summary", *extra])
+    # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
+    reports = [] if _option_value(extra, "--report-dir") is not None else ["--report-dir", "reports"]
+    rc = _run_pytest([suite, *quiet, "-p", "no:cacheprovider", "--qgather-summary", *reports, *extra])
     return 2 if rc == int(_pytest_usage_error()) else rc
 
 
@@ -471,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("selftest", help="run the bug zoo and print how many mutants were caught",
                    add_help=False)
     sub.add_parser("golden", help="write (or --check) the golden corpus under golden/", add_help=False)
+    sub.add_parser("baseline", help="update the known-issues baseline from a run's verdicts.json", add_help=False)
     return parser
 
 
@@ -496,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_module("harness.selftest", rest)
     if command == "golden":
         return cmd_module("harness.golden", rest)
+    if command == "baseline":
+        return cmd_module("harness.baseline", rest)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args.which)
