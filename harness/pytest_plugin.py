@@ -291,7 +291,7 @@ def _write_reports(session: pytest.Session) -> None:
         "case_timeout": config.getoption("--case-timeout"),
         "baseline": config.getoption("--baseline"),
         "impls": _impls(config),
-        "command": shlex.join([_program(), *sys.argv[1:]]),
+        "command": " ".join([_program(), shlex.join(sys.argv[1:])]),
         "pytest_args": list(config.invocation_params.args),
         "exit_status": int(session.exitstatus),
     }

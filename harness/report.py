@@ -73,12 +73,18 @@ def case_record(report: CaseReport, options) -> dict:
         "format": spec.fmt,
         "world_size": spec.world_size,
         "shape_class": _safe_shape_class(spec),
-        "configuration": f"{spec.scenario} {options.device_type()}/{options.backend_for(spec.world_size)}",
+        "configuration": _configuration(spec, options),
         "repro": repro_command(spec.id, options.backend, options.device, options.case_timeout),
     }
     if not report.passed:
         record["report"] = report.render()
     return record
+
+
+def _configuration(spec: CaseSpec, options) -> str:
+    if spec.scenario == "virtual":  # one process emulates the world: no backend
+        return f"virtual {options.device_type()}"
+    return f"{spec.scenario} {options.device_type()}/{options.backend_for(spec.world_size)}"
 
 
 def _safe_shape_class(spec: CaseSpec) -> str:
@@ -189,6 +195,9 @@ def _qgather_version() -> str:
 # ------------------------------------------------------------------ Markdown
 def render_markdown(data: dict) -> str:
     lines = ["## qgather verdicts", "", _headline(data), ""]
+    tests = {k: n for k, n in data["pytest"].items() if n}
+    if tests != {k: n for k, n in data["outcomes"].items() if n}:  # tests that are not one case each
+        lines += ["pytest, all tests: " + ", ".join(f"{n} {k}" for k, n in tests.items()), ""]
     lines += _matrix_table(data["matrix"])
     lines += _failures_section(data["failures"])
     lines += _known_section(data["known_issues"])
@@ -206,7 +215,8 @@ def _headline(data: dict) -> str:
     parts = [f"{outcomes[o]} {o}" for o in OUTCOMES if outcomes[o] or o in ("passed", "failed")]
     where = f"device {session.get('device', 'auto')}, backend {session.get('backend', 'auto')}"
     baseline = f", baseline `{session['baseline']}`" if session.get("baseline") else ""
-    verdict = "**red**" if outcomes["failed"] or outcomes["xpassed"] else "**green**"
+    red = session.get("exit_status", 0) or outcomes["failed"] or outcomes["xpassed"]
+    verdict = "**red**" if red else "**green**"
     return f"{verdict}: {total} cases - {', '.join(parts)} ({where}{baseline})"
 
 
