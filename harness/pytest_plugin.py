@@ -340,8 +340,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     write(f"{'implementation':<28}" + "".join(f"{v:>18}" for v in verdicts))
     for impl, counts in sorted(by_impl.items()):
         write(f"{impl:<28}" + "".join(f"{counts[v]:>18}" for v in verdicts))
-    failed = [r for r in _RECORDS if not r["passed"]]
-    write(f"{len(_RECORDS)} cases, {len(_RECORDS) - len(failed)} as expected, {len(failed)} not")
+    known = [r for r in _RECORDS if r.get("outcome") == "xfailed"]
+    failed = [r for r in _RECORDS if not r["passed"] and r not in known]
+    write(f"{len(_RECORDS)} cases, {len(_RECORDS) - len(failed) - len(known)} as expected, {len(failed)} not"
+          + (f", {len(known)} known issues (--baseline)" if known else ""))
     for record in failed[:20]:
         write(f"  {record['verdict']:<16} {record['case']}  ({record['reason'][:100]})")
-        write(f"    reproduce: qgather case {record['case']}")
+        write(f"    reproduce: {record.get('repro') or 'qgather case ' + record['case']}")

@@ -119,7 +119,11 @@ def matrix(cases: list[dict]) -> list[dict]:
         if record.get("outcome"):
             row["outcomes"][record["outcome"]] += 1
     return [{**row, "verdicts": dict(row["verdicts"]), "outcomes": dict(row["outcomes"])}
-            for _key, row in sorted(rows.items(), key=lambda kv: tuple(map(str, kv[0])))]
+            for _key, row in sorted(rows.items(), key=lambda kv: tuple(map(_sort_key, kv[0])))]
+
+
+def _sort_key(value: object) -> tuple:
+    return (0, value, "") if isinstance(value, int) else (1, 0, str(value))
 
 
 def failures(cases: list[dict]) -> list[dict]:
@@ -223,14 +227,26 @@ def _headline(data: dict) -> str:
 def _matrix_table(rows: list[dict]) -> list[str]:
     if not rows:
         return ["No case ran."]
+    ran = [r for r in rows if set(r["verdicts"]) != {Verdict.SKIPPED.value}]
+    skipped = [r for r in rows if r not in ran]
+    lines = _table(ran) if ran else ["No case ran: every case was skipped."]
+    if skipped:
+        total = sum(r["verdicts"][Verdict.SKIPPED.value] for r in skipped)
+        lines += ["", f"<details><summary>Skipped only ({total} cases in {len(skipped)} rows)</summary>", "",
+                  *_table(skipped), "", "</details>"]
+    return lines
+
+
+def _table(rows: list[dict]) -> list[str]:
     present = [v.value for v in Verdict if any(r["verdicts"].get(v.value) for r in rows)]
-    head = ["implementation", "format", "ws", "shape class", "configuration", *present, "failed"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 5 + "---:|" * (len(present) + 1)]
+    outcomes = [o for o in ("failed", "xfailed") if o == "failed" or any(r["outcomes"].get(o) for r in rows)]
+    head = ["implementation", "format", "ws", "shape class", "configuration", *present, *outcomes]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---|---|" + "---:|" * (len(present) + len(outcomes))]
     for row in rows:
         counts = [str(row["verdicts"].get(v, "")) for v in present]
-        failed = str(row["outcomes"].get("failed", "") or "")
+        counts += [str(row["outcomes"].get(o, "") or "") for o in outcomes]
         cells = [_cell(row["impl"]), row["format"], str(row["world_size"]), row["shape_class"], row["configuration"]]
-        lines.append("| " + " | ".join([*cells, *counts, failed]) + " |")
+        lines.append("| " + " | ".join([*cells, *counts]) + " |")
     return lines
 
 
