@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from collections import Counter
 
 import pytest
@@ -206,11 +208,13 @@ class QgatherFixture:
 
 
 def _stale_message(config: pytest.Config, report: CaseReport, issue) -> str:
-    path = config.getoption("--baseline")
-    source = os.path.join(config.getoption("--report-dir") or "reports", "verdicts.json")
+    path, report_dir = config.getoption("--baseline"), config.getoption("--report-dir")
+    update = f"qgather baseline update --from {os.path.join(report_dir or 'reports', 'verdicts.json')} --file {path}"
+    if not report_dir:
+        update = f"rerun with --report-dir reports, then `{update}`"
     return (f"{report.spec.id}: {report.verdict.value}, which passes, but the baseline {path} lists it as a known "
-            f"issue ({issue.case}: {issue.reason}). Update the baseline: remove the entry, or run "
-            f"`qgather baseline update --from {source} --file {path}`")
+            f"issue ({issue.case}: {issue.reason}). Update the baseline: remove the entry, or "
+            + (update if not report_dir else f"run `{update}`"))
 
 
 @pytest.fixture
@@ -275,9 +279,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def _write_reports(session: pytest.Session) -> None:
-    import shlex
-    import sys
-
     from harness import report
 
     config = session.config
@@ -299,8 +300,6 @@ def _write_reports(session: pytest.Session) -> None:
 
 
 def _program() -> str:
-    import sys
-
     main = sys.argv[0] if sys.argv else "pytest"
     for package in ("pytest", "harness"):
         if main.endswith(os.path.join(package, "__main__.py")):
