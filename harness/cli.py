@@ -90,7 +90,9 @@ def cmd_run(extra: list[str]) -> int:
         return _usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
     quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
-    rc = _run_pytest([*_suite_pytest_args(), *quiet, "--qgather-summary", *extra])
+    # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
+    reports = [] if _option_value(extra, "--report-dir") is not None else ["--report-dir", "reports"]
+    rc = _run_pytest([*_suite_pytest_args(), *quiet, "--qgather-summary", *reports, *extra])
     return 2 if rc == int(_pytest_usage_error()) else rc
 
 
@@ -487,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("selftest", help="run the bug zoo and print how many mutants were caught",
                    add_help=False)
     sub.add_parser("golden", help="write (or --check) the golden corpus under golden/", add_help=False)
+    sub.add_parser("baseline", help="update the known-issues baseline from a run's verdicts.json", add_help=False)
     return parser
 
 
@@ -538,6 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_module("harness.selftest", rest)
     if command == "golden":
         return cmd_module("harness.golden", rest)
+    if command == "baseline":
+        return cmd_module("harness.baseline", rest)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args.which)

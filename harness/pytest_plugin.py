@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from collections import Counter
 
 import pytest
 
+from harness.baseline import match
 from harness.cases import CaseSpec
 from harness.engine import RunOptions, run_case
+from harness.report import case_record
 from harness.verdicts import CaseReport, Verdict
 
 _REPORT_KEY = "qgather_report"
@@ -42,6 +46,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds before a case is declared HANG (default: per backend)")
     group.addoption("--qgather-summary", action="store_true", help="print the verdict summary table")
     group.addoption("--qgather-json", default=None, help="write every case's verdict to this JSON file")
+    group.addoption("--report-dir", default=None, metavar="DIR",
+                    help="write verdicts.md (a CI job summary), verdicts.json and junit.xml to DIR")
+    group.addoption("--baseline", default=None, metavar="FILE",
+                    help="known-issues TOML: listed failing cases are strict xfails, listed passing cases fail")
 
 
 def _csv(value: str | None, cast=str):
@@ -55,10 +63,28 @@ def _impls(config: pytest.Config) -> list[str]:
     return [name for item in raw for name in _csv(item)]
 
 
+@pytest.hookimpl(tryfirst=True)  # before junitxml's, which reads config.option.xmlpath
 def pytest_configure(config: pytest.Config) -> None:
     _validate_options(config)
-    global _JSON_PATH
-    _JSON_PATH = None if _is_xdist_worker(config) else config.getoption("--qgather-json")
+    global _JSON_PATH, _CONTROLLER
+    _CONTROLLER = not _is_xdist_worker(config)
+    _JSON_PATH = config.getoption("--qgather-json") if _CONTROLLER else None
+    _BASELINE[:] = _load_baseline(config)
+    report_dir = config.getoption("--report-dir")
+    if report_dir and not config.option.xmlpath:
+        config.option.xmlpath = os.path.join(report_dir, "junit.xml")
+
+
+def _load_baseline(config: pytest.Config) -> list:
+    path = config.getoption("--baseline")
+    if not path:
+        return []
+    from harness.baseline import BaselineError, load
+
+    try:
+        return load(path)
+    except BaselineError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _validate_options(config: pytest.Config) -> None:
@@ -155,17 +181,41 @@ class QgatherFixture:
     def run(self, case: CaseSpec | str) -> CaseReport:
         spec = CaseSpec.parse(case) if isinstance(case, str) else case
         report = run_case(spec, self.options)
-        self.request.node.user_properties.append((_REPORT_KEY, _report_record(report)))
+        self._record = case_record(report, self.options)
+        # Separate properties so that a JUnit reader shows each (junit.xml <properties>).
+        self.request.node.user_properties.extend([
+            (_REPORT_KEY, self._record), ("verdict", report.verdict.value), ("repro", self._record["repro"]),
+            ("report", report.render()),
+        ])
         return report
 
     def check(self, case: CaseSpec | str) -> CaseReport:
-        """Run a case; skip on SKIPPED, fail with the mismatch report unless the policy accepts it."""
+        """Run a case; skip on SKIPPED, fail with the mismatch report unless the policy accepts it
+        (or, under --baseline, xfail a listed failure and fail a listed case that passes)."""
         report = self.run(case)
+        self._record["checked"] = True  # this test's outcome is this case's outcome
         if report.verdict is Verdict.SKIPPED:
             pytest.skip(report.reason)
+        issue = match(_BASELINE, report.spec.id)
+        if issue is not None:
+            self._record["known_issue"] = issue.as_dict()
+            if report.passed:
+                pytest.fail(_stale_message(self.request.config, report, issue), pytrace=False)
+            link = f" ({issue.link})" if issue.link else ""
+            pytest.xfail(f"known issue: {issue.reason}{link} - {report.verdict.value}: {report.reason}")
         if not report.passed:
             pytest.fail(report.render(), pytrace=False)
         return report
+
+
+def _stale_message(config: pytest.Config, report: CaseReport, issue) -> str:
+    path, report_dir = config.getoption("--baseline"), config.getoption("--report-dir")
+    update = f"qgather baseline update --from {os.path.join(report_dir or 'reports', 'verdicts.json')} --file {path}"
+    if not report_dir:
+        update = f"rerun with --report-dir reports, then `{update}`"
+    return (f"{report.spec.id}: {report.verdict.value}, which passes, but the baseline {path} lists it as a known "
+            f"issue ({issue.case}: {issue.reason}). Update the baseline: remove the entry, or "
+            + (update if not report_dir else f"run `{update}`"))
 
 
 @pytest.fixture
@@ -173,28 +223,34 @@ def qgather(request: pytest.FixtureRequest) -> QgatherFixture:
     return QgatherFixture(request)
 
 
-def _report_record(report: CaseReport) -> dict:
-    return {
-        "case": report.spec.id,
-        "verdict": report.verdict.value,
-        "passed": report.passed,
-        "reason": report.reason,
-        "seconds": round(report.duration_s, 3),
-    }
-
-
+@pytest.hookimpl(tryfirst=True)  # before junitxml's: the record is not a property for junit.xml
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    records = [value for key, value in report.user_properties if key == _REPORT_KEY]
+    if _CONTROLLER and records:
+        # Under xdist a worker's report carries the records to the controller: strip them there only.
+        report.user_properties = [(k, v) for k, v in report.user_properties if k != _REPORT_KEY]
     if report.when != "call" and not (report.when == "setup" and report.skipped):
         return
-    for key, value in report.user_properties:
-        if key == _REPORT_KEY:
-            _RECORDS.append(value)
-            _write_json()
+    outcome = _outcome(report)
+    for record in records:
+        if record.get("checked"):
+            record["outcome"] = outcome
+        _RECORDS.append(record)
+    if records:
+        _write_json()
+
+
+def _outcome(report: pytest.TestReport) -> str:
+    if hasattr(report, "wasxfail"):
+        return "xfailed" if report.skipped else "xpassed"
+    return report.outcome
 
 
 # Verdict records of this process (under xdist, the controller's come from the workers' reports).
 _RECORDS: list[dict] = []
 _JSON_PATH: str | None = None
+_CONTROLLER = True
+_BASELINE: list = []  # harness.baseline.KnownIssue entries of --baseline
 
 
 def _write_json() -> None:
@@ -215,8 +271,41 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     shutdown_pools()
     _write_json()
-    if not _is_xdist_worker(session.config) and session.config.getoption("--impl"):
+    if _is_xdist_worker(session.config):
+        return
+    if session.config.getoption("--impl"):
         _fail_if_an_implementation_ran_nothing(session)
+    if session.config.getoption("--report-dir"):
+        _write_reports(session)
+
+
+def _write_reports(session: pytest.Session) -> None:
+    from harness import report
+
+    config = session.config
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    stats = getattr(terminal, "stats", {}) if terminal else {}
+    counts = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") in ("call", "setup")])
+              for k in ("passed", "failed", "skipped", "xfailed", "xpassed", "error")}
+    session_info = {
+        "device": config.getoption("--device"),
+        "backend": config.getoption("--backend"),
+        "case_timeout": config.getoption("--case-timeout"),
+        "baseline": config.getoption("--baseline"),
+        "impls": _impls(config),
+        "command": " ".join([_program(), shlex.join(sys.argv[1:])]),
+        "pytest_args": list(config.invocation_params.args),
+        "exit_status": int(session.exitstatus),
+    }
+    report.write(config.getoption("--report-dir"), report.build(_RECORDS, session_info, counts))
+
+
+def _program() -> str:
+    main = sys.argv[0] if sys.argv else "pytest"
+    for package in ("pytest", "harness"):
+        if main.endswith(os.path.join(package, "__main__.py")):
+            return f"python -m {package}"
+    return os.path.basename(main)
 
 
 def _fail_if_an_implementation_ran_nothing(session: pytest.Session) -> None:
@@ -251,8 +340,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     write(f"{'implementation':<28}" + "".join(f"{v:>18}" for v in verdicts))
     for impl, counts in sorted(by_impl.items()):
         write(f"{impl:<28}" + "".join(f"{counts[v]:>18}" for v in verdicts))
-    failed = [r for r in _RECORDS if not r["passed"]]
-    write(f"{len(_RECORDS)} cases, {len(_RECORDS) - len(failed)} as expected, {len(failed)} not")
+    known = [r for r in _RECORDS if r.get("outcome") == "xfailed"]
+    failed = [r for r in _RECORDS if not r["passed"] and r not in known]
+    write(f"{len(_RECORDS)} cases, {len(_RECORDS) - len(failed) - len(known)} as expected, {len(failed)} not"
+          + (f", {len(known)} known issues (--baseline)" if known else ""))
     for record in failed[:20]:
         write(f"  {record['verdict']:<16} {record['case']}  ({record['reason'][:100]})")
-        write(f"    reproduce: qgather case {record['case']}")
+        write(f"    reproduce: {record.get('repro') or 'qgather case ' + record['case']}")
