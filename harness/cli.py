@@ -471,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("selftest", help="run the bug zoo and print how many mutants were caught",
                    add_help=False)
     sub.add_parser("golden", help="write (or --check) the golden corpus under golden/", add_help=False)
+    sub.add_parser("sweep", help="explore shapes x world sizes of one impl and format; shrink each failure group",
+                   add_help=False)
     return parser
 
 
@@ -496,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_module("harness.selftest", rest)
     if command == "golden":
         return cmd_module("harness.golden", rest)
+    if command == "sweep":
+        return cmd_module("harness.sweep", rest)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args.which)
