@@ -114,6 +114,7 @@ class Progress:
         self.phase, self.total, self.done = "", 0, 0
         self.counts: Counter[str] = Counter()
         self.started = self.last = 0.0
+        self.width = 0  # of the last \r line, to blank what a shorter one leaves behind
 
     def start(self, phase: str, total: int) -> None:
         self.phase, self.total, self.done = phase, total, 0
@@ -125,14 +126,23 @@ class Progress:
         self.counts[verdict] += 1
         now = time.monotonic()
         if self.tty:
-            self._write(f"\r{self._bar()} {self._status(now)}\x1b[K")
+            self._rewrite(f"{self._bar()} {self._status(now)}")
         elif self.done % self.every == 0 or now - self.last >= self.seconds:
             self._write(f"sweep: {self._status(now)}\n")
             self.last = now
 
     def finish(self, note: str = "") -> None:
         status = self._status(time.monotonic(), eta=False) + (f" ({note})" if note else "")
-        self._write(f"\r{self._bar()} {status}\x1b[K\n" if self.tty else f"sweep: {status}\n")
+        if self.tty:
+            self._rewrite(f"{self._bar()} {status}")
+            self._write("\n")
+            self.width = 0
+        else:
+            self._write(f"sweep: {status}\n")
+
+    def _rewrite(self, line: str) -> None:
+        self._write("\r" + line.ljust(self.width))
+        self.width = len(line)
 
     def _bar(self, width: int = 24) -> str:
         filled = width * self.done // self.total if self.total else width

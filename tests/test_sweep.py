@@ -155,7 +155,7 @@ def test_non_tty_progress_is_plain_lines():
         progress.update(verdict)
     progress.finish()
     text = out.getvalue()
-    assert "\r" not in text and "\x1b" not in text
+    assert "\r" not in text
     lines = text.splitlines()
     assert lines[0].startswith("sweep: virtual 3/7") and "EXACT 2, REJECTED 1" in lines[0]
     assert len(lines) == 3 and lines[-1].startswith("sweep: virtual 7/7") and "SILENT_MISMATCH 1" in lines[-1]
@@ -176,7 +176,9 @@ def test_tty_progress_is_a_bar_with_eta_and_counts():
     progress.update("ERROR")
     text = out.getvalue()
     assert text.startswith("\r[") and "steps 2/4" in text and "ETA" in text and "ERROR 1, EXACT 1" in text
-    assert "\n" not in text
+    assert "\n" not in text and "\x1b" not in text  # plain text: no terminal escapes
+    progress.finish()
+    assert out.getvalue().endswith("\n")
 
 
 def test_signature_masks_numbers_and_the_virtual_stage():
