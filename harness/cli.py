@@ -490,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("golden", help="write (or --check) the golden corpus under golden/", add_help=False)
     sub.add_parser("baseline", help="update the known-issues baseline from a run's verdicts.json", add_help=False)
+    sub.add_parser("sweep", help="explore shapes x world sizes of one impl and format; shrink each failure group",
+                   add_help=False)
     return parser
 
 
@@ -543,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_module("harness.golden", rest)
     if command == "baseline":
         return cmd_module("harness.baseline", rest)
+    if command == "sweep":
+        return cmd_module("harness.sweep", rest)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args.which)
