@@ -19,6 +19,7 @@ from harness.paths import checkout_root, suite_dir
 BENCHES = {
     "formats": "harness.formats.bench",
     "runtime": "harness.runtime.bench",
+    "gpu": "harness.case_bench",
 }
 
 

@@ -189,12 +189,15 @@ def _frame_text(frame: tuple[str, int, str]) -> str:
 def _short_path(file: str) -> str:
     """The path from its package root on (torch/distributed/...), not the whole site-packages path."""
     file = file.replace("\\", "/")
-    here = os.getcwd().replace("\\", "/").rstrip("/") + "/"
-    if file.startswith(here):
-        return file[len(here):]
     parts = file.split("/")
-    for anchor in ("site-packages", "dist-packages", "lib"):
+    for anchor in ("site-packages", "dist-packages"):  # first: a venv may live inside the checkout
         if anchor in parts[:-1]:
             index = len(parts) - 1 - parts[::-1].index(anchor)
             return "/".join(parts[index + 1:])
+    here = os.getcwd().replace("\\", "/").rstrip("/") + "/"
+    if file.startswith(here):
+        return file[len(here):]
+    if "lib" in parts[:-1]:
+        index = len(parts) - 1 - parts[::-1].index("lib")
+        return "/".join(parts[index + 1:])
     return "/".join(parts[-3:])

@@ -71,7 +71,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _JSON_PATH = config.getoption("--qgather-json") if _CONTROLLER else None
     _BASELINE[:] = _load_baseline(config)
     report_dir = config.getoption("--report-dir")
-    if report_dir and not config.option.xmlpath:
+    if report_dir and not config.option.xmlpath and not config.option.collectonly:
         config.option.xmlpath = os.path.join(report_dir, "junit.xml")
 
 
@@ -275,7 +275,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     if session.config.getoption("--impl"):
         _fail_if_an_implementation_ran_nothing(session)
-    if session.config.getoption("--report-dir"):
+    if session.config.getoption("--report-dir") and not session.config.option.collectonly:
         _write_reports(session)
 
 

@@ -96,8 +96,8 @@ def test_two_torchrun_agents_share_one_world(tmp_path):
     results = [json.loads(found) for found in re.findall(RESULT_TAG + r"(\{.*\})", output)]
     assert len(results) == 1, f"exactly the reporting rank prints the result:\n{output[-6000:]}"
     slow = results[0].pop("slow")
-    assert re.fullmatch(r"HANG after \d+\.\d s: ranks 0,1,2,3 were in wait \(threading\.py:\d+\)",
-                        slow), slow
+    assert re.fullmatch(r"HANG after \d+\.\d s: ranks 0,1,2,3 were in overruns_its_timeout "
+                        r"\(_runtime_external_case\.py:\d+\)", slow), slow
     assert results[0] == {
         "gather": [0, 1, 2, 3],
         "fsdp2": {"local_rows": 2, "matches": True},

@@ -35,8 +35,10 @@ from harness.runtime.spec import PoolSpec, rank_cpus, threads_per_rank, worker_e
 from harness.runtime.worker import PICKLE_PROTOCOL, WorkerConfig, worker_main
 
 # After a first failure, how often the parent asks the other ranks where they are; a rank counts
-# as waiting for the failed one only when seen inside a collective twice in a row.
+# as waiting for the failed one only when seen inside a collective of its case on every look for
+# WAIT_EVIDENCE_S (a loaded machine can keep a rank a moment in a collective it is leaving).
 WHERE_POLL_S = 0.1
+WAIT_EVIDENCE_S = 1.0
 WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
 KILL_WAIT_S = 5.0
@@ -73,7 +75,7 @@ class _Replies:
     exit_codes: dict[int, int] = field(default_factory=dict)
     pending: set[int] = field(default_factory=set)
     first_failure_at: float | None = None
-    waiting: dict[int, str] = field(default_factory=dict)  # rank -> the collective frame it waits in
+    waiting: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (collective frame, since)
 
     def __post_init__(self) -> None:
         self.results = [None] * self.world_size
@@ -254,18 +256,20 @@ class RankPool:
         return replies
 
     def _all_pending_wait_in_collectives(self, replies: _Replies) -> bool:
-        """Evidence, not a timer: every rank that has not answered is inside a collective (seen
-        twice in a row), so it waits for a rank that already failed and will never return."""
-        seen_before = dict(replies.waiting)
+        """Evidence, not a timer: every rank that has not answered has been inside a collective of
+        its case for WAIT_EVIDENCE_S without a break, so it waits for a rank that already failed
+        and will never return (a rank merely slow to leave a collective is seen outside it)."""
+        now = time.monotonic()
         for r in self._ranks:
             if r.rank not in replies.pending:
                 continue
             frame = whereabouts.in_collective(self._where(r))
             if frame is None:
                 replies.waiting.pop(r.rank, None)
-            else:
-                replies.waiting[r.rank] = frame
-        return all(rank in replies.waiting and rank in seen_before for rank in replies.pending)
+            elif r.rank not in replies.waiting:
+                replies.waiting[r.rank] = (frame, now)
+        return all(rank in replies.waiting and now - replies.waiting[rank][1] >= WAIT_EVIDENCE_S
+                   for rank in replies.pending)
 
     def _where(self, r: _Rank) -> list[str]:
         if r.where is None:

@@ -43,8 +43,14 @@ def serve(conn: Connection) -> threading.Thread:
     return thread
 
 
+# The rank's own barrier before each case: a rank still in it is late, not waiting for a failed one.
+OWN_BARRIER = "harness/runtime/worker.py"
+
+
 def in_collective(frames: list[str]) -> str | None:
-    """The collective frame a rank is waiting in (innermost first), or None."""
+    """The collective frame a rank's case is waiting in (innermost first), or None."""
+    if any(OWN_BARRIER in f.replace("\\", "/") and f.endswith(" barrier") for f in frames):
+        return None
     for frame in reversed(frames):
         path = frame.replace("\\", "/")
         if any(name in path for name in COLLECTIVE_FILES):

@@ -1,0 +1,124 @@
+"""`qgather bench gpu`: what one full case costs against the bare work it wraps, in the same run.
+
+    python -m harness.case_bench [--shape 8192x28672] [--formats nvfp4_2d,fp8_block] [--world-size 2]
+                                 [--device cuda] [--impl te|reference] [--reps 3]
+
+On each rank of a warm pool (NCCL on GPUs): the full case (golden, shard, gather, every comparison,
+harness.scenarios.run_on_rank) against the bare work (the reference quantization of the full
+weight plus one all-gather of as many bytes per rank as the case's collective moved), median of
+`--reps` after a warm-up. Prints per format the time ratio (goal <= 3) and the peak GPU memory per
+rank against the weight's bf16 size (goal <= 3x). The implementation defaults to `te` where
+TransformerEngine imports, else `reference`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from harness.cases import CaseSpec
+from harness.formats import FORMATS
+
+TIME_GOAL = 3.0
+MEMORY_GOAL = 3.0
+
+
+def measure_on_rank(ctx, case_id: str, reps: int) -> dict:
+    """Runs on every rank: the full case, then the bare work, each timed `reps` times."""
+    from harness.scenarios import make_weight, run_on_rank
+
+    spec = CaseSpec.parse(case_id)
+    cuda = ctx.device.type == "cuda"
+    result = run_on_rank(ctx, case_id)  # warm-up: kernels, allocator, communicators
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    full = [_timed(lambda: run_on_rank(ctx, case_id), cuda) for _ in range(reps)]
+    peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else 0
+    nbytes = max(int(result["wire"]["collective_bytes"]), 1)
+    weight = make_weight(spec).to(ctx.device).to(spec.torch_dtype)
+    fmt = FORMATS[spec.fmt]
+
+    def bare() -> None:
+        fmt.quantize(weight)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+        out = src.new_empty(nbytes * ctx.world_size)
+        dist.all_gather_into_tensor(out, src, group=ctx.group)
+
+    bare()
+    bare_s = [_timed(bare, cuda) for _ in range(reps)]
+    return {"full_s": statistics.median(full), "bare_s": statistics.median(bare_s), "peak_bytes": peak,
+            "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes,
+            "verdict_inputs": [s.get("buffer_diffs") for s in result["stages"]]}
+
+
+def _timed(fn, cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="qgather bench gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="8192x28672")
+    parser.add_argument("--formats", default="nvfp4_2d,fp8_block")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--impl", default=None)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    return parser.parse_args(argv)
+
+
+def _default_impl(device: str) -> str:
+    if device != "cuda":
+        return "reference"
+    from harness.impls.te.environment import te_import_error
+
+    return "reference" if te_import_error() else "te"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse([] if argv is None else argv)
+    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+        print(f"bench gpu: skipped: needs {args.world_size} CUDA GPUs, this host has {torch.cuda.device_count()} "
+              "(for a CPU dry run: --device cpu --shape 256x512)")
+        return 0
+    from harness.runtime import PoolSpec, get_pool, shutdown_pools
+
+    impl = args.impl or _default_impl(args.device)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    pool = get_pool(PoolSpec(backend=backend, world_size=args.world_size, device=args.device))
+    print(f"bench gpu: {impl}, {args.shape} bf16, {args.world_size} ranks over {backend} on {args.device}, "
+          f"median of {args.reps}")
+    worst = 0.0
+    try:
+        for fmt in args.formats.split(","):
+            case_id = f"{impl}:{fmt}:{args.shape}:bf16:ws{args.world_size}:gather:s0"
+            outcome = pool.run(measure_on_rank, case_id, args.reps, timeout=args.timeout)
+            if outcome.status != "ok":
+                print(f"  {fmt}: the case did not run: {outcome.summary()}")
+                return 1
+            worst = max(worst, _print_row(fmt, outcome.results, args.device))
+    finally:
+        shutdown_pools()
+    return 0 if worst <= TIME_GOAL else 1
+
+
+def _print_row(fmt: str, results: list[dict], device: str) -> float:
+    ratio = max(r["full_s"] / r["bare_s"] for r in results)
+    line = (f"  {fmt}: full case {max(r['full_s'] for r in results):.3f} s, bare quantize + all-gather "
+            f"{max(r['bare_s'] for r in results):.3f} s: ratio {ratio:.2f} (goal <= {TIME_GOAL:g})")
+    if device == "cuda":
+        memory = max(r["peak_bytes"] / r["weight_bf16_bytes"] for r in results)
+        line += f"; peak GPU memory per rank {memory:.2f}x the bf16 weight (goal <= {MEMORY_GOAL:g})"
+    print(line)
+    return ratio

@@ -1,0 +1,19 @@
+"""A rank counts as waiting for a failed one only inside a collective of its case."""
+
+from harness.runtime.whereabouts import in_collective
+
+C10D = "/x/torch/distributed/distributed_c10d.py:4000 all_reduce"
+
+
+def test_a_collective_of_the_case_is_waiting():
+    frames = ["/x/harness/runtime/worker.py:200 run_case", "/x/harness/scenarios.py:150 _run_on_rank", C10D]
+    assert in_collective(frames) == "distributed_c10d.py:4000 all_reduce"
+
+
+def test_the_ranks_own_barrier_before_the_case_is_not():
+    frames = ["/x/harness/runtime/worker.py:195 run_case", "/x/harness/runtime/worker.py:88 barrier", C10D]
+    assert in_collective(frames) is None
+
+
+def test_adapter_code_is_not():
+    assert in_collective(["/x/mylib/tensor.py:10 fsdp_pre_all_gather", "/usr/lib/threading.py:300 wait"]) is None
