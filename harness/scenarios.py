@@ -364,7 +364,7 @@ def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
     outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
     wire_summary = _wire_summary(wire, fmt, weight, shards, golden)
     wire_summary["collective_bytes"] = sum(t.numel() * t.element_size() for t in pre[0][0])
-    wire_summary["hook_calls"] = 1
+    wire_summary["hook_calls"] = int(pre[0][1] is not PLAIN)
     wire_summary["collectives"] = int(spec.world_size > 1)  # the emulated one
     x = make_input(spec)
     results: list[dict | BaseException] = []
@@ -391,14 +391,25 @@ def _on_virtual_rank(phase: Phase, fn, *args):
         return exc
 
 
+PLAIN = "plain tensor: no hooks"  # the metadata of a shard FSDP2 gathers as it is
+
+
 def _checked_pre_all_gather(local, mesh, full_shape, shards):
+    if not hasattr(local, "fsdp_pre_all_gather"):
+        # A shard that fell back to a plain tensor: FSDP2 gathers its padded values, no hooks run.
+        padded = local.new_zeros((shards.chunk, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        return (padded,), PLAIN
     inputs, metadata = _pre_all_gather(local, mesh, full_shape)
     check_padded_inputs(local, inputs, shards, full_shape)
     return inputs, metadata
 
 
 def _post_and_inspect(impl, fmt, local, outputs, metadata, dtype, golden, x, shards) -> dict:
-    unsharded, _ = local.fsdp_post_all_gather(outputs, metadata, dtype)
+    if metadata is PLAIN:
+        unsharded = outputs[0][: shards.dim0]
+    else:
+        unsharded, _ = local.fsdp_post_all_gather(outputs, metadata, dtype)
     return inspect(impl, fmt, unsharded, golden, x, shards, "virtual gather")
 
 

@@ -1,0 +1,38 @@
+"""The virtual scenario gives the real gather's verdict, not only for the reference (cases/ checks
+that) but for every zoo mutant's gather case and for the external adapters of tests/_why_adapters.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.cases import CaseSpec
+from harness.engine import RunOptions, run_case
+from harness.impls.mutants import MUTANTS
+from harness.runtime import shutdown_pools
+
+CPU = RunOptions("gloo", "cpu", 60.0)
+ZOO = [c for m in MUTANTS for c in m.catching_cases if CaseSpec.parse(c).scenario == "gather"]
+EXTERNAL = [f"tests._why_adapters:{case}" for case in (
+    "WrongBytesThenRaisingForward:nvfp4_2d:128x64:bf16:ws2:gather:s0",
+    "ChecksOnlyItsOwnShard:fp8_block:255x128:bf16:ws2:gather:s0",
+    "AlwaysRaisingMakeParam:nvfp4_2d:136x64:bf16:ws2:gather:s0",
+    "DriftingQuantizer:fp8_tensor:128x64:bf16:ws2:gather:s0",
+)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pools_after_module():
+    yield
+    shutdown_pools()
+
+
+@pytest.mark.parametrize("case_id", ZOO + EXTERNAL)
+def test_virtual_gives_the_real_verdict(case_id):
+    real = CaseSpec.parse(case_id)
+    virtual = CaseSpec(real.impl, real.fmt, real.shape, real.dtype, real.world_size, "virtual", real.seed)
+    a, b = run_case(real, CPU), run_case(virtual, CPU)
+    assert a.verdict is b.verdict, f"real:\n{a.render()}\nvirtual:\n{b.render()}"
+
+
+def test_the_zoo_has_gather_cases_to_agree_on():
+    assert len(ZOO) >= 8
