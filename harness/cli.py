@@ -9,55 +9,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from harness.paths import checkout_root, suite_dir
+from harness.quiet import quiet_torchao
 
 BENCHES = {
     "formats": "harness.formats.bench",
     "runtime": "harness.runtime.bench",
     "gpu": "harness.case_bench",
 }
-
-
-class _TorchaoLibraryFilter(logging.Filter):
-    """torchao warns once per optional kernel library it cannot load (CUDA builds on a CPU host):
-    keep the first as one summary line, drop the rest."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropped = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("Failed to load "):
-            return True
-        self.dropped += 1
-        if self.dropped == 1:
-            record.msg = "torchao: optional kernel libraries not loadable here (e.g. CUDA-only builds); warnings hidden"
-            record.args = ()
-            return True
-        return False
-
-
-def quiet_torchao() -> None:
-    """Filter torchao's library-loading warnings to one line (idempotent)."""
-    logger = logging.getLogger("torchao")
-    if not any(isinstance(f, _TorchaoLibraryFilter) for f in logger.filters):
-        logger.addFilter(_TorchaoLibraryFilter())
-    pytree = logging.getLogger("torch.utils._pytree")
-    if not any(isinstance(f, _EnumConstantFilter) for f in pytree.filters):
-        pytree.addFilter(_EnumConstantFilter())
-
-
-class _EnumConstantFilter(logging.Filter):
-    """torch deprecates register_constant() on Enums, which torchao still calls at import: noise here."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "register_constant() on Enum subclasses" not in record.getMessage()
-
 
 
 def _run_pytest(args: Sequence[str]) -> int:

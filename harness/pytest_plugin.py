@@ -25,7 +25,7 @@ from harness.verdicts import CaseReport, Verdict
 _REPORT_KEY = "qgather_report"
 
 
-from harness.cli import quiet_torchao  # noqa: E402 - filter before torchao is first imported
+from harness.quiet import quiet_torchao  # noqa: E402 - filter before torchao is first imported
 
 quiet_torchao()
 

@@ -52,3 +52,11 @@ def test_run_help_shows_qgather_options_first():
     assert lines[0].startswith("usage: qgather run")
     assert any(line.strip().startswith("--world-sizes") for line in lines[:12])
     assert "python -m pytest --help" in lines[-1]
+
+
+def test_rank_processes_add_no_torchao_warnings():
+    # torchao is imported in every rank that runs a torchao case; only the runner's summary line remains.
+    result = run("-m", "harness", "case", "torchao:fp8_tensor:64x64:bf16:ws2:gather:s0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if "torchao" in line.lower() or "Failed to load" in line]
+    assert len(lines) <= 1, "\n".join(lines[:10])

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.quiet import quiet_torchao
 from harness.runtime import whereabouts
 from harness.runtime.lifeline import drop_inherited_helper_fds, watch_runner
 from harness.runtime.outcome import RankError
@@ -125,6 +126,7 @@ def _prepare_process(config: WorkerConfig, lifeline: Connection | None) -> None:
     # torch.distributed reads TORCH_DISTRIBUTED_DEBUG once, at import: in the forkserver, before this env.
     dist.set_debug_level_from_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    quiet_torchao(summary=False)  # a rank that imports torchao would print its ~220 library warnings again
     drop_inherited_helper_fds()
     _die_with_parent()
     if config.runner_pid:
