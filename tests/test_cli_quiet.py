@@ -26,7 +26,7 @@ def test_torchao_library_warnings_are_one_line_at_most():
 def test_filter_keeps_one_summary_line():
     import logging
 
-    from harness.cli import _TorchaoLibraryFilter
+    from harness.quiet import _TorchaoLibraryFilter
 
     f = _TorchaoLibraryFilter()
     records = [logging.LogRecord("torchao", logging.WARNING, "x", 1, f"Failed to load lib{i}.so: nope", (), None)
