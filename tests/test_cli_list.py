@@ -49,3 +49,12 @@ def test_list_cases_empty_selection_is_a_usage_error():
     result = qgather("list", "--cases", "--world-sizes", "5")
     assert result.returncode == 2
     assert result.stderr.strip() == "qgather list: the selection has no cases"
+
+
+def test_a_closed_pipe_ends_the_listing_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "list", "--cases", "--impl", "reference"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()[-2000:]
