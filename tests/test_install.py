@@ -115,3 +115,17 @@ def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
     assert checked.stdout.strip().splitlines()[-1] == f"golden: {len(_manifest_files())} entries, 0 problems"
     assert list(elsewhere.iterdir()) == [], "the installed harness wrote into the working directory"
+
+
+def test_an_install_runs_cases_and_the_sweep_from_any_directory(installed: Path, tmp_path: Path):
+    """The commands a user reaches for after a failed training run, from an install, outside any checkout."""
+    case = _run(["-m", "harness", "case", "reference:nvfp4_2d:136x64:bf16:ws2:gather:s0", "--device", "cpu"],
+                tmp_path, installed)
+    assert case.returncode == 0 and ": REJECTED - ShardAlignmentError" in case.stdout, case.stdout + case.stderr
+    repro = _run(["-m", "harness", "repro", "reference:fp8_tensor:128x64:bf16:ws2:gather:s0", "--device", "cpu"],
+                 tmp_path, installed)
+    assert repro.returncode == 0 and "EXACT" in repro.stdout, repro.stdout + repro.stderr
+    sweep = _run(["-m", "harness", "sweep", "--impl", "mutant:nibble_swap", "--format", "nvfp4_2d",
+                  "--world-sizes", "1,2", "--max-rows", "34", "--budget-s", "60", "--device", "cpu"],
+                 tmp_path, installed)
+    assert sweep.returncode == 1 and "SILENT_MISMATCH" in sweep.stdout, sweep.stdout[-3000:] + sweep.stderr[-3000:]
