@@ -191,7 +191,7 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> dict:
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases))
     result["stages"] = stages
-    result["wire"] = _wire_summary(wire, fmt, weight, shards, golden)
+    result["wire"] = _wire_summary(wire, fmt, weight, shards, golden, impl)
     return result
 
 
@@ -225,12 +225,17 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases
     return stages
 
 
-def _wire_summary(wire, fmt: Format, weight: torch.Tensor, shards: ShardLayout, golden: Golden) -> dict:
+def _wire_summary(wire, fmt: Format, weight: torch.Tensor, shards: ShardLayout, golden: Golden,
+                  impl: Implementation) -> dict:
     summary = wire.as_dict()
     padded_rows = shards.chunk * shards.inner_rows
     summary["shard_numel"] = padded_rows * weight.shape[-1]
     summary["param_itemsize"] = weight.element_size()
-    summary["packed_bytes"] = packed_shard_bytes(fmt, golden, padded_rows)
+    packed = packed_shard_bytes(fmt, golden, padded_rows)
+    summary["packed_bytes"] = packed
+    if packed:
+        summary["wire_mode"], summary["allowed_bytes"] = impl.wire_allowance(fmt.name, tuple(weight.shape), shards,
+                                                                             packed)
     return summary
 
 
@@ -320,7 +325,7 @@ def _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards, phases: Phas
         unsharded, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, weight.dtype)
     with phases.at(Phase.INSPECTION):
         stage = inspect(impl, fmt, unsharded, golden, x, shards, "hooks")
-    return [stage], _wire_summary(wire, fmt, weight, shards, golden)
+    return [stage], _wire_summary(wire, fmt, weight, shards, golden, impl)
 
 
 def _all_gather_bytes(t: torch.Tensor, world_size: int, group) -> torch.Tensor:
@@ -362,7 +367,7 @@ def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
         deadlock.qgather_phase = Phase.COLLECTIVE.value
         return [deadlock] * spec.world_size
     outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
-    wire_summary = _wire_summary(wire, fmt, weight, shards, golden)
+    wire_summary = _wire_summary(wire, fmt, weight, shards, golden, impl)
     wire_summary["collective_bytes"] = sum(t.numel() * t.element_size() for t in pre[0][0])
     wire_summary["hook_calls"] = int(pre[0][1] is not PLAIN)
     wire_summary["collectives"] = int(spec.world_size > 1)  # the emulated one

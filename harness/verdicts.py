@@ -281,14 +281,21 @@ def _stage_details(stage: dict, rank: int | None) -> list[str]:
 
 
 def _wire_verdict(wire: dict | None) -> str:
-    """DEGRADED when the gather moved high-precision values instead of packed bytes."""
+    """DEGRADED when the gather moved more than the quantized shard: judged by the bytes measured at
+    the collective against the implementation's allowance for its wire mode, whatever dtype labels
+    the pre-hook put on them; a high-precision label is named beside it as evidence."""
     if not wire:
         return ""
-    # Judged by what the bytes are, not how many: MXFP8 gathers two FP8 copies (more bytes than a
-    # bf16 gather would), and FSDP2's padded-shape rule for uneven shards inflates packed wires.
     numel, itemsize = wire["shard_numel"], wire["param_itemsize"]
     if wire["hook_calls"] == 0 and wire["collective_bytes"] >= numel * min(itemsize, 2):
         return f"no pre-all-gather hook ran; {wire['collective_bytes']} bytes moved per rank for {numel} elements"
+    labels = (f"; the pre-hook handed {wire['high_precision_elements']} high-precision elements to the gather"
+              if wire["high_precision_elements"] else "")
+    allowed = wire.get("allowed_bytes")
+    if allowed and wire["collectives"] and wire["collective_bytes"] > allowed:
+        ratio = wire["collective_bytes"] / wire["packed_bytes"]
+        return (f"{wire['collective_bytes']} bytes moved per rank, {ratio:.2f}x the format's packed shard "
+                f"({wire['packed_bytes']} bytes), above the {allowed} its {wire['wire_mode']} wire may move{labels}")
     if wire["high_precision_elements"] * 2 >= numel > 0:
         return (f"the pre-hook handed {wire['high_precision_elements']} high-precision elements to the gather "
                 f"(shard has {numel})")

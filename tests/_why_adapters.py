@@ -102,3 +102,23 @@ class PreHookSignatureFSDP2Refuses(ReferenceImplementation):
     """A pre-hook whose signature FSDP2 cannot call: every rank raises, and it is no rejection."""
 
     param_class = TwoArgumentPreHookParam
+
+
+class Bf16BytesParam(QuantizedParam):
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        # The shard's values in bf16, handed over as uint8 bytes: a label check sees FP8-sized bytes.
+        values = self.dequantize().to(torch.bfloat16).contiguous()
+        return (values.view(torch.uint8),), tuple(orig_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (gathered,) = all_gather_outputs
+        full = gathered.view(torch.bfloat16).reshape(metadata)
+        param = type(self).from_weight(self._fmt, full)
+        return param, (gathered,)
+
+
+class GathersBf16Bytes(ReferenceImplementation):
+    """Gathers the shard as bf16 values disguised as bytes, then quantizes the gathered weight: the
+    buffers come out right, the wire carried twice an FP8 shard."""
+
+    param_class = Bf16BytesParam

@@ -83,3 +83,10 @@ def test_its_own_quantizer_is_the_golden_and_its_drift_a_quantizer_mismatch():
     report = run(f"{A}DriftingQuantizer:fp8_tensor:128x64:bf16:ws2:gather:s0")
     assert report.verdict is Verdict.QUANTIZER_MISMATCH, report.render()
     assert any("scale_inv" in d for d in report.details)
+
+
+def test_a_high_precision_wire_is_degraded_whatever_its_dtype_label():
+    # was EXACT: DEGRADED was read from the dtype labels (uint8 here), not from the bytes moved
+    report = run(f"{A}GathersBf16Bytes:fp8_tensor:128x64:bf16:ws2:gather:s0")
+    assert report.verdict is Verdict.DEGRADED, report.render()
+    assert "bytes moved per rank, 2.00x the format's packed shard" in report.reason

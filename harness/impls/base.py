@@ -9,10 +9,13 @@ golden reference) is the harness's job.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from harness.cases import CaseSpec
+
+PACKED_SLACK = 1.1
 
 
 class HarnessFault(RuntimeError):
@@ -95,6 +98,14 @@ class Implementation:
         """The implementation's own single-device quantization of the full weight, if it has its
         own quantizer; None when it uses the harness's reference formats (nothing to cross-check)."""
         return None
+
+    def wire_allowance(self, fmt: str, shape: tuple[int, ...], shards, packed_bytes: int) -> tuple[str, int]:
+        """How many bytes per rank its all-gather may move for a shard whose packed buffers take
+        `packed_bytes` (harness.scenarios.packed_shard_bytes), and the name of that wire mode. More
+        than that is DEGRADED: the gather moved something bigger than the quantized shard (e.g.
+        high-precision values, whatever dtype label they carry). Default: the packed size plus 10%
+        for per-buffer alignment."""
+        return "packed", math.ceil(packed_bytes * PACKED_SLACK)
 
     def own_dequantize(self, param: torch.Tensor) -> torch.Tensor | None:
         """The implementation's own dequantization of a gathered weight (compared with the golden's

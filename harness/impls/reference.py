@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map_only
 
 from harness.cases import ShardLayout
 from harness.formats import FORMATS, Format, FormatError
-from harness.impls.base import Implementation
+from harness.impls.base import PACKED_SLACK, Implementation
 
 aten = torch.ops.aten
 
@@ -407,6 +407,14 @@ class ReferenceImplementation(Implementation):
     formats = tuple(FORMATS)
     param_class: type[QuantizedParam] = QuantizedParam
     rejection_types = (ShardAlignmentError, FormatError)
+
+    def wire_allowance(self, fmt: str, shape: tuple[int, ...], shards: ShardLayout, packed_bytes: int):
+        if shards.world_size == 1 or shards.even:
+            return super().wire_allowance(fmt, shape, shards, packed_bytes)
+        # Uneven shards: FSDP2 wants every input at the padded shard's shape, so the packed bytes
+        # travel in byte planes of that shape (see fsdp_pre_all_gather): whole planes, not bytes.
+        plane = shards.chunk * math.prod(shape[1:])
+        return "byte planes", max(1, math.ceil(packed_bytes * PACKED_SLACK / plane)) * plane
 
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         return self.param_class.from_weight(FORMATS[fmt], weight)
