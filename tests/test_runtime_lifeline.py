@@ -64,6 +64,19 @@ def _alive(pids: dict[int, int | None]) -> list[int]:
     return [pid for pid, started in pids.items() if start_time(pid) is not None and start_time(pid) == started]
 
 
+def _describe(pids: list[int]) -> list[str]:
+    """Each survivor's pid and command line, so a failure says which helper outlived the runner."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                command = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"{pid}: {command[:160]}")
+        except OSError:
+            out.append(f"{pid}: (gone)")
+    return out
+
+
 def _ours(tmp) -> list[str]:
     """The runner's temp dirs: its pools', and multiprocessing's (the forkserver socket's)."""
     return [name for name in os.listdir(tmp) if name.startswith(("qgather-pool-", "pymp-"))]
@@ -92,7 +105,7 @@ def test_nothing_outlives_a_killed_runner(tmp_path, signum):
         runner.send_signal(signum)
         runner.wait(timeout=RUNNER_EXIT_S)
         assert runner.returncode != 0
-        assert _poll(lambda: not _alive(pids), SURVIVAL_S), f"still alive: {_alive(pids)}"
+        assert _poll(lambda: not _alive(pids), SURVIVAL_S), f"still alive: {_describe(_alive(pids))}"
         assert _poll(lambda: not _ours(tmp), SURVIVAL_S), f"left behind: {_ours(tmp)}"
     finally:
         if runner.poll() is None:
