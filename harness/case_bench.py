@@ -47,13 +47,17 @@ def measure_on_rank(ctx, case_id: str, reps: int) -> dict:
         fmt.quantize(weight)
         src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
         out = src.new_empty(nbytes * ctx.world_size)
-        dist.all_gather_into_tensor(out, src, group=ctx.group)
+        _all_gather(out, src, group=ctx.group)
 
     bare()
     bare_s = [_timed(bare, cuda) for _ in range(reps)]
     return {"full_s": statistics.median(full), "bare_s": statistics.median(bare_s), "peak_bytes": peak,
             "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes,
             "verdict_inputs": [s.get("buffer_diffs") for s in result["stages"]]}
+
+
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; torch 2.11 (the GPU hosts) lacks the latter.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _timed(fn, cuda: bool) -> float:
@@ -122,3 +126,9 @@ def _print_row(fmt: str, results: list[dict], device: str) -> float:
         line += f"; peak GPU memory per rank {memory:.2f}x the bf16 weight (goal <= {MEMORY_GOAL:g})"
     print(line)
     return ratio
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,25 @@
+"""`qgather bench gpu` measures a full case against the bare work it wraps; on a host without the GPUs
+it asks for it says so in one line and exits 0 (so `qgather bench` runs everywhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import case_bench
+
+
+def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
+    rc = case_bench.main(["--device", "cpu", "--shape", "128x64", "--impl", "reference", "--reps", "1",
+                          "--formats", "nvfp4_2d,fp8_tensor"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1), out  # 1: the goal missed, which tiny CPU shapes may do
+    for fmt in ("nvfp4_2d", "fp8_tensor"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"{fmt}:"))
+        assert "full case" in line and "ratio" in line
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host has the GPUs the benchmark needs")
+def test_without_the_gpus_it_skips_in_one_line(capsys):
+    assert case_bench.main([]) == 0
+    assert capsys.readouterr().out.strip().startswith("bench gpu: skipped: needs 2 CUDA GPUs")
