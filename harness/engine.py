@@ -114,11 +114,17 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions) -> CaseReport:
     if outcome.status == "error":
         return CaseReport(spec, *classify_errors(spec, outcome.errors, spec.world_size, _rejections(spec)))
     if outcome.status == "hang":
-        lines = _stack_lines(outcome.stacks)
+        lines = _note_lines(outcome.notes) + _stack_lines(outcome.stacks)
         if options.detail_on_hang:
             lines += _detail_evidence(pool_spec, spec, kwargs)
         return CaseReport(spec, Verdict.HANG, outcome.summary().splitlines()[0], lines)
-    return CaseReport(spec, Verdict.CRASH, outcome.summary().splitlines()[0])
+    return CaseReport(spec, Verdict.CRASH, outcome.summary().splitlines()[0], _note_lines(outcome.notes))
+
+
+def _note_lines(notes: dict[int, dict[str, str]]) -> list[str]:
+    """What each rank's case noted before it stopped answering (e.g. the sizes it handed the gather)."""
+    return [f"rank {rank}: " + "; ".join(f"{key}: {value}" for key, value in sorted(facts.items()))
+            for rank, facts in sorted(notes.items())]
 
 
 DETAIL_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from harness.runtime import whereabouts
+
 # FSDP2 calls all_gather_single on newer torch and all_gather_into_tensor on older ones; one may
 # call the other, so only the outermost call is counted.
 _GATHER_FUNCTIONS = ("all_gather_single", "all_gather_into_tensor")
@@ -56,6 +58,7 @@ def record_wire(param_types: tuple[type, ...] = ()) -> Iterator[WireLog]:
             if log._depth == 0:
                 log.collectives += 1
                 log.collective_bytes += input.numel() * input.element_size()
+                whereabouts.note("all-gather", f"{input.numel() * input.element_size()} bytes from this rank")
             log._depth += 1
             try:
                 return original(output, input, *args, **kwargs)
@@ -69,7 +72,9 @@ def record_wire(param_types: tuple[type, ...] = ()) -> Iterator[WireLog]:
         def pre_all_gather(self, *args, **kwargs):
             inputs, metadata = original(self, *args, **kwargs)
             log.hook_calls += 1
-            log.hook_outputs.extend((str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs)
+            outputs = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in inputs]
+            log.hook_outputs.extend(outputs)
+            whereabouts.note("pre-hook handed", ", ".join(f"{d}{list(s)}" for d, s in outputs))
             return inputs, metadata
 
         return pre_all_gather

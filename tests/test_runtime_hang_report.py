@@ -49,3 +49,11 @@ def test_hang_in_a_collective_names_it_and_the_detail_rerun_names_the_mismatch()
     assert len(evidence) == 1, text
     assert "mismatched collectives:" in evidence[0] and "rank 1 in BARRIER" in evidence[0]
     assert "rank 0 in _ALLGATHER_BASE" in evidence[0]
+
+
+def test_a_hang_report_says_what_each_waiting_rank_handed_the_gather():
+    # rank 0 got as far as FSDP2's all-gather: its pre-hook outputs and its bytes are the evidence
+    text = _hang_report("SkipsACollective", detail=False)
+    line = next(line for line in text.splitlines() if line.strip().startswith("rank 0: all-gather:"))
+    assert "bytes from this rank" in line and "pre-hook handed: uint8[" in line
+    assert not any(line.strip().startswith("rank 1: all-gather") for line in text.splitlines())

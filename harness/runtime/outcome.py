@@ -58,6 +58,7 @@ class CaseOutcome:
     case_id: str = ""
     unfinished: tuple[int, ...] = ()  # ranks that neither returned, raised nor died
     note: str = ""
+    notes: dict[int, dict[str, str]] = field(default_factory=dict)  # per rank: what its case noted (whereabouts)
 
     @property
     def world_size(self) -> int:

@@ -263,7 +263,7 @@ class RankPool:
         for r in self._ranks:
             if r.rank not in replies.pending:
                 continue
-            frame = whereabouts.in_collective(self._where(r))
+            frame = whereabouts.in_collective(self._where(r).get("frames", []))
             if frame is None:
                 replies.waiting.pop(r.rank, None)
             elif r.rank not in replies.waiting:
@@ -271,16 +271,17 @@ class RankPool:
         return all(rank in replies.waiting and now - replies.waiting[rank][1] >= WAIT_EVIDENCE_S
                    for rank in replies.pending)
 
-    def _where(self, r: _Rank) -> list[str]:
-        if r.where is None:
-            return []
+    def _where(self, r: _Rank) -> dict:
+        """{"frames": innermost frames of the rank's case, "notes": what the case noted}, or {}."""
+        if r.where is None or not r.process.is_alive():
+            return {}
         try:
             r.where.send_bytes(b"?")
             if not r.where.poll(WHERE_REPLY_S):
-                return []
+                return {}
             return r.where.recv()
         except (EOFError, OSError):
-            return []
+            return {}
 
     def _receive(self, r: _Rank, replies: _Replies) -> None:
         try:
@@ -334,6 +335,8 @@ class RankPool:
         )
         if outcome.status == "ok":
             return outcome
+        if replies.pending or replies.exit_codes:
+            outcome.notes = {r.rank: notes for r in self._ranks if (notes := self._where(r).get("notes"))}
         if replies.pending or replies.exit_codes or not self._healthy():
             outcome.stacks = self._abort()
         return outcome

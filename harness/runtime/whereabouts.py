@@ -20,8 +20,18 @@ COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/
                     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "torch/distributed/c10d_logger.py")
 
 
+#: Short facts the case leaves on its rank as it goes (e.g. what the pre-hook handed the all-gather),
+#: read by the parent when the rank never answers: the evidence a HANG report shows per rank.
+NOTES: dict[str, str] = {}
+
+
+def note(key: str, value: str) -> None:
+    NOTES[key] = value
+
+
 def serve(conn: Connection) -> threading.Thread:
-    """Answer every request on `conn` with the main thread's innermost frames (a daemon thread)."""
+    """Answer every request on `conn` with the main thread's innermost frames and the case's notes
+    (a daemon thread)."""
     main = threading.main_thread().ident
 
     def loop() -> None:
@@ -34,7 +44,7 @@ def serve(conn: Connection) -> threading.Thread:
             frames = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-FRAMES:]] \
                 if frame is not None else []
             try:
-                conn.send(frames)
+                conn.send({"frames": frames, "notes": dict(NOTES)})
             except (OSError, ValueError):
                 return
 

@@ -197,6 +197,7 @@ def _serve(state: _RankState, conn: Connection) -> None:
 def run_case(state: _RankState, case_id: str, seed: int, blob: bytes) -> bytes:
     """Barrier, seed, run the case function, and pickle its reply (this name is looked for in stacks)."""
     config = state.config
+    whereabouts.NOTES.clear()
     try:
         fn, args = pickle.loads(blob)
         state.barrier()
