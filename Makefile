@@ -6,7 +6,7 @@ VENV ?= .venv
 PY ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
-GPU_IMPLS ?= reference,torchao,te
+GPU_IMPLS ?= reference,torchao,te,te:delayed
 
 ifeq ($(PY),$(VENV)/bin/python)
 SETUP := $(STAMP)

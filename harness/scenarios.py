@@ -81,7 +81,7 @@ class Golden:
 
 def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = None) -> Golden:
     try:
-        ref = fmt.quantize(weight)
+        ref = impl.reference_quantize(fmt, weight) if impl is not None else fmt.quantize(weight)
     except FormatError as exc:
         return Golden(None, str(exc))
     own = impl.own_quantization(fmt.name, weight) if impl is not None else None

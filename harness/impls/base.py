@@ -94,6 +94,13 @@ class Implementation:
         """Called on every rank after all shards were re-quantized for a step (e.g. to precompute
         scales for the next all-gather, as torchao's precompute_float8_dynamic_scale_for_fsdp does)."""
 
+    def reference_quantize(self, fmt, weight: torch.Tensor):
+        """The reference format's quantization this implementation's recipe asks for (a
+        harness.formats.QuantizedTensor): by default the format's own semantics (current scaling,
+        global amax). A recipe with other semantics names them here, e.g. delayed scaling's
+        initial scale of 1 (`fmt.quantize(weight, amax=...)`)."""
+        return fmt.quantize(weight)
+
     def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """The implementation's own single-device quantization of the full weight, if it has its
         own quantizer; None when it uses the harness's reference formats (nothing to cross-check)."""

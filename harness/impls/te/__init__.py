@@ -2,6 +2,7 @@
 
   te                 TE's supported FSDP2 route: modules on meta under quantized_model_init,
                      fully_shard, reset_parameters (route.py)
+  te:delayed         the same route with DelayedScaling (fp8_tensor; initial scale 1)
   te:prequantized    the full weight quantized with TE before fully_shard shards it: what happens
                      to a user who quantizes before sharding (prequantized.py)
 
@@ -10,6 +11,7 @@ the import error as its reason.
 """
 
 from harness.impls.te.prequantized import PrequantizedImplementation
-from harness.impls.te.route import TransformerEngineRoute
+from harness.impls.te.route import DelayedScalingRoute, TransformerEngineRoute
 
-FACTORIES = {"te": TransformerEngineRoute, "te:prequantized": PrequantizedImplementation}
+FACTORIES = {"te": TransformerEngineRoute, "te:delayed": DelayedScalingRoute,
+             "te:prequantized": PrequantizedImplementation}

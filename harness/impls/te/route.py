@@ -48,15 +48,16 @@ NOT_ON_THIS_ROUTE = {
 }
 
 
-def make_recipe(fmt: str):
+def make_recipe(fmt: str, recipes: dict[str, tuple[str, dict]] = RECIPES):
     from transformer_engine.common import recipe
 
-    name, kwargs = RECIPES[fmt]
+    name, kwargs = recipes[fmt]
     return getattr(recipe, name)(**kwargs)
 
 
 class TransformerEngineRoute(Implementation):
     name = "te"
+    recipes = RECIPES
     formats = (*RECIPES, *NOT_ON_THIS_ROUTE)
     scenarios = ("gather", "steps", "reshard")
     devices = ("cuda",)
@@ -68,7 +69,7 @@ class TransformerEngineRoute(Implementation):
         reason = super().skip_reason(spec, device) or te_import_error()
         if reason:
             return reason
-        if spec.fmt in NOT_ON_THIS_ROUTE:
+        if spec.fmt in NOT_ON_THIS_ROUTE and spec.fmt not in self.recipes:
             return f"te: {NOT_ON_THIS_ROUTE[spec.fmt]}"
         if len(spec.shape) != 2:
             return "te: te.Linear weights are 2-D; 3-D expert weights are not built on this route"
@@ -84,7 +85,7 @@ class TransformerEngineRoute(Implementation):
 
         rows = _this_ranks_rows(ctx, spec, master)
         out_features, in_features = spec.shape
-        with te.quantized_model_init(enabled=True, recipe=make_recipe(spec.fmt)):
+        with te.quantized_model_init(enabled=True, recipe=make_recipe(spec.fmt, self.recipes)):
             module = te.Linear(in_features, out_features, bias=False, params_dtype=spec.torch_dtype,
                                device="meta", init_method=_writes(rows))
         if spec.fmt in NVFP4 and not has_nvfp4_kernels():
@@ -143,3 +144,28 @@ def _install_reference_bits_quantizer(module: torch.nn.Module, fmt: str) -> None
     index = module.param_init_meta["weight"].fp8_meta_index
     original = module.quantizers["scaling_fwd"][index]
     module.quantizers["scaling_fwd"][index] = ReferenceBitsNVFP4Quantizer.replacing(original, fmt)
+
+
+class DelayedScalingRoute(TransformerEngineRoute):
+    """`te:delayed`: the same route with DelayedScaling. At reset_parameters the weight quantizer's
+    scale is the fp8_meta's initial 1 (no amax history yet), and it stays so until a forward under
+    te.autocast updates it; the golden is the reference FP8 format at that scale."""
+
+    name = "te:delayed"
+    recipes = {"fp8_tensor": ("DelayedScaling", {})}
+    formats = ("fp8_tensor",)
+
+    def reference_quantize(self, fmt, weight: torch.Tensor):
+        from harness.formats.numerics import FP8_E4M3_MAX
+
+        # current scaling with amax = fp8_max is exactly scale 1 (scale = fp8_max / amax)
+        return fmt.quantize(weight, amax=torch.tensor(FP8_E4M3_MAX, device=weight.device))
+
+    def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor import Float8Quantizer
+
+        x = weight.cuda()
+        quantizer = Float8Quantizer(scale=torch.ones(1, device=x.device), amax=torch.zeros(1, device=x.device),
+                                    fp8_dtype=tex.DType.kFloat8E4M3)
+        return read_te_buffers(quantizer(x))
