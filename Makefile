@@ -7,6 +7,9 @@ PY ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 GPU_IMPLS ?= reference,torchao,te,te:delayed
+# Bounds each GPU case: a HANG (e.g. TE's blockwise uneven shards on NCCL) otherwise waits the
+# backend's default (120 s on NCCL), which alone can blow the job's 10-minute budget.
+GPU_CASE_TIMEOUT ?= 30
 
 ifeq ($(PY),$(VENV)/bin/python)
 SETUP := $(STAMP)
@@ -34,7 +37,8 @@ test: $(SETUP)
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
 test-multigpu: $(SETUP)
 	$(PY) -m harness gpu-check
-	$(PY) -m pytest cases tests/gpu --device cuda --impl $(GPU_IMPLS) -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
+	$(PY) -m pytest cases tests/gpu --device cuda --impl $(GPU_IMPLS) --case-timeout $(GPU_CASE_TIMEOUT) \
+	  -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
 
 selftest: $(SETUP)
 	$(PY) -m harness selftest

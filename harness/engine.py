@@ -104,7 +104,10 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions) -> CaseReport:
         pool_spec.validate()
     except PoolSpecError as exc:
         return CaseReport(spec, Verdict.SKIPPED, str(exc))
-    pool = get_pool(pool_spec)
+    try:
+        pool = get_pool(pool_spec)
+    except PoolSpecError as exc:  # under torchrun/SLURM: a world size the launched job does not have
+        return CaseReport(spec, Verdict.SKIPPED, str(exc))
     kwargs = {"case_id": spec.id, "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
