@@ -39,7 +39,7 @@ def measure_on_rank(ctx, case_id: str, reps: int) -> dict:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     full = [_timed(lambda: run_on_rank(ctx, case_id), cuda) for _ in range(reps)]
     peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else 0
-    nbytes = max(int(result["wire"]["collective_bytes"]), 1)
+    nbytes = max(int(result.wire.collective_bytes), 1)
     weight = make_weight(spec).to(ctx.device).to(spec.torch_dtype)
     fmt = FORMATS[spec.fmt]
 
@@ -53,7 +53,7 @@ def measure_on_rank(ctx, case_id: str, reps: int) -> dict:
     bare_s = [_timed(bare, cuda) for _ in range(reps)]
     return {"full_s": statistics.median(full), "bare_s": statistics.median(bare_s), "peak_bytes": peak,
             "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes,
-            "verdict_inputs": [s.get("buffer_diffs") for s in result["stages"]]}
+            "buffer_diffs": [s.buffer_diffs for s in result.stages]}
 
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single; torch 2.11 (the GPU hosts) lacks the latter.

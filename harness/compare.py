@@ -15,6 +15,7 @@ import torch
 
 from harness.cases import ShardLayout
 from harness.formats import Format, QuantizedTensor
+from harness.records import Comparison
 
 MAP_WIDTH = 64  # block rows per text-map line
 
@@ -80,21 +81,20 @@ def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> li
     return diffs
 
 
-def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> dict:
+def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> Comparison:
     """Bitwise equality plus the size of the largest difference, for the report. With `rel_tol`
     (for outputs computed by another kernel than the golden's), differences up to
     rel_tol * max|want| count as equal, and the tolerance is part of the result."""
     got, want = got.detach().float().cpu(), want.detach().float().cpu()
     if got.shape != want.shape:
-        return {"equal": False, "n_diff": -1, "max_abs": float("inf"), "detail": f"shape {tuple(got.shape)}"}
+        return Comparison(False, -1, float("inf"), detail=f"shape {tuple(got.shape)}")
     differ = _bits(got) != _bits(want)
     n_diff = int(differ.sum())
     max_abs = float((got - want).abs().nan_to_num(float("inf"))[differ].max()) if n_diff else 0.0
-    result = {"equal": n_diff == 0, "n_diff": n_diff, "max_abs": max_abs}
-    if rel_tol is not None:
-        bound = rel_tol * float(want.abs().max()) if want.numel() else 0.0
-        result.update(equal=max_abs <= bound, tolerance=f"|diff| <= {rel_tol:g} * max|golden| = {bound:.3g}")
-    return result
+    if rel_tol is None:
+        return Comparison(n_diff == 0, n_diff, max_abs)
+    bound = rel_tol * float(want.abs().max()) if want.numel() else 0.0
+    return Comparison(max_abs <= bound, n_diff, max_abs, f"|diff| <= {rel_tol:g} * max|golden| = {bound:.3g}")
 
 
 def locate(

@@ -1,8 +1,9 @@
 """Scenarios: what each rank does with the implementation's quantized weight, and what it checks.
 
 Every rank builds the same full weight from the case seed, quantizes the golden on its own
-device with the harness's reference formats, runs the scenario, and returns plain data (digests,
-differences, wire counts); the verdict is decided from all ranks' results in `harness.verdicts`.
+device with the harness's reference formats, runs the scenario, and returns typed records
+(harness.records: digests, differences, wire counts); the verdict is decided from all ranks'
+results in `harness.verdicts`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
 from harness.impls import get_impl
 from harness.impls.base import HarnessFault, Implementation
 from harness.phases import Phase, PhaseTracker
+from harness.records import RankResult, Stage, WireSummary
 from harness.wire import record_wire
 
 STEPS = 3
@@ -106,43 +108,43 @@ def inspect(
     x: torch.Tensor,
     shards: ShardLayout,
     label: str,
-) -> dict:
-    """Compare one gathered (unsharded) weight with the golden; plain data only. An error of the
-    forward is recorded, not raised: the comparisons already made stay part of the verdict."""
-    stage: dict = {"label": label, "quantized": impl.is_quantized(param)}
+) -> Stage:
+    """Compare one gathered (unsharded) weight with the golden. An error of the forward is
+    recorded, not raised: the comparisons already made stay part of the verdict."""
+    stage = Stage(label, quantized=impl.is_quantized(param))
     if golden.q is None:
-        stage["accepted_unholdable"] = golden.error
+        stage.accepted_unholdable = golden.error or "the format cannot hold this shape"
         return stage
     y_ref = torch.matmul(x.to(param.dtype), golden.dequantized.to(param.dtype).transpose(-1, -2))
-    if not stage["quantized"]:
+    if not stage.quantized:
         values = param.detach().float().reshape(golden.dequantized.shape)
-        stage["values"] = compare_values(values, golden.dequantized)
-        stage["digest"] = digest({"values": values}, {})
+        stage.values = compare_values(values, golden.dequantized)
+        stage.digest = digest({"values": values}, {})
         return stage
     got = impl.read_buffers(param)
     diffs = compare_buffers(got, golden.q)
-    stage["buffer_diffs"] = [d.line() for d in diffs]
-    stage["digest"] = digest(got, golden.q.valid)
+    stage.buffer_diffs = [d.line() for d in diffs]
+    stage.digest = digest(got, golden.q.valid)
     if not any(d.problem in ("missing", "shape", "dtype") for d in diffs):
         gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
-        stage["dequantized"] = compare_values(fmt.dequantize(gathered), golden.dequantized)
+        stage.dequantized = compare_values(fmt.dequantize(gathered), golden.dequantized)
         if diffs:
-            stage["where"] = locate(fmt, gathered, golden.q, shards)
+            stage.where = locate(fmt, gathered, golden.q, shards)
     own = impl.own_dequantize(param)
     if own is not None:
-        stage["own_dequantized"] = compare_values(own.reshape(golden.dequantized.shape), golden.dequantized)
+        stage.own_dequantized = compare_values(own.reshape(golden.dequantized.shape), golden.dequantized)
     _forward_checks(stage, impl, fmt, param, x, y_ref)
     return stage
 
 
-def _forward_checks(stage: dict, impl: Implementation, fmt: Format, param, x, y_ref) -> None:
+def _forward_checks(stage: Stage, impl: Implementation, fmt: Format, param, x, y_ref) -> None:
     try:
         y = impl.forward(param, x.to(param.dtype))
     except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
-        stage["forward_error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+        stage.forward_error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
         return
-    stage["output"] = compare_values(y, y_ref, impl.output_tolerance(fmt.name))
-    stage["output_digest"] = digest({"output": y}, {})
+    stage.output = compare_values(y, y_ref, impl.output_tolerance(fmt.name))
+    stage.output_digest = digest({"output": y}, {})
 
 
 # ------------------------------------------------------------------ FSDP2 scenarios (on the rank pool)
@@ -151,7 +153,7 @@ def _local_shard(module: torch.nn.Module) -> torch.Tensor:
     return weight._local_tensor if hasattr(weight, "_local_tensor") else weight
 
 
-def run_on_rank(ctx, case_id: str) -> dict:
+def run_on_rank(ctx, case_id: str) -> RankResult:
     """Entry point on every rank of a pool: one case, end to end. An exception leaving it carries
     the phase it was raised in (harness.phases)."""
     phases = PhaseTracker()
@@ -159,7 +161,7 @@ def run_on_rank(ctx, case_id: str) -> dict:
         return _run_on_rank(ctx, CaseSpec.parse(case_id), phases)
 
 
-def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> dict:
+def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
     from torch.distributed.fsdp import fully_shard
 
     impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
@@ -169,11 +171,11 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> dict:
     golden = golden_for(fmt, weight, impl)
     x = make_input(spec).to(device)
     shards = shard_layout(spec)
-    result: dict = {"rank": ctx.rank, "quantizer": golden.quantizer_diffs or None}
+    quantizer = golden.quantizer_diffs or None
 
     if spec.scenario == "hooks":
-        result["stages"], result["wire"] = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards, phases)
-        return result
+        stages, wire_summary = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards, phases)
+        return RankResult(ctx.rank, stages, wire_summary, quantizer)
 
     module = impl.make_sharded_module(ctx, spec, master)
     if module is None:
@@ -190,12 +192,10 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> dict:
     module.reshard()
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases))
-    result["stages"] = stages
-    result["wire"] = _wire_summary(wire, fmt, weight, shards, golden, impl)
-    return result
+    return RankResult(ctx.rank, stages, _wire_summary(wire, fmt, weight, shards, golden, impl), quantizer)
 
 
-def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases: PhaseTracker) -> list[dict]:
+def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases: PhaseTracker) -> list[Stage]:
     """Optimizer steps on the sharded master rows, re-quantized on the shards, then the `out=`
     path of the next unshard; the golden takes the same steps on the full weight."""
     n_steps = STEPS if spec.scenario == "steps" else 1
@@ -226,16 +226,16 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases
 
 
 def _wire_summary(wire, fmt: Format, weight: torch.Tensor, shards: ShardLayout, golden: Golden,
-                  impl: Implementation) -> dict:
-    summary = wire.as_dict()
+                  impl: Implementation) -> WireSummary:
     padded_rows = shards.chunk * shards.inner_rows
-    summary["shard_numel"] = padded_rows * weight.shape[-1]
-    summary["param_itemsize"] = weight.element_size()
-    packed = packed_shard_bytes(fmt, golden, padded_rows)
-    summary["packed_bytes"] = packed
-    if packed:
-        summary["wire_mode"], summary["allowed_bytes"] = impl.wire_allowance(fmt.name, tuple(weight.shape), shards,
-                                                                             packed)
+    summary = WireSummary(collective_bytes=wire.collective_bytes, collectives=wire.collectives,
+                          hook_calls=wire.hook_calls, hook_outputs=list(wire.hook_outputs),
+                          high_precision_elements=wire.high_precision_elements(),
+                          shard_numel=padded_rows * weight.shape[-1], param_itemsize=weight.element_size(),
+                          packed_bytes=packed_shard_bytes(fmt, golden, padded_rows))
+    if summary.packed_bytes:
+        summary.wire_mode, summary.allowed_bytes = impl.wire_allowance(fmt.name, tuple(weight.shape), shards,
+                                                                       summary.packed_bytes)
     return summary
 
 
@@ -336,7 +336,7 @@ def _all_gather_bytes(t: torch.Tensor, world_size: int, group) -> torch.Tensor:
     return out.view(t.dtype).reshape(t.shape[0] * world_size, *t.shape[1:])
 
 
-def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
+def run_virtual(spec: CaseSpec) -> list[RankResult | BaseException]:
     """One process emulates every rank of the world: FSDP2's chunking, each rank's own shard and
     pre-hook (a rank may raise while the others would enter the collective), concatenation in rank
     order, and the post-hook of every rank whose metadata differs. Returns one result (or the
@@ -368,12 +368,12 @@ def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
         return [deadlock] * spec.world_size
     outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
     wire_summary = _wire_summary(wire, fmt, weight, shards, golden, impl)
-    wire_summary["collective_bytes"] = sum(t.numel() * t.element_size() for t in pre[0][0])
-    wire_summary["hook_calls"] = int(pre[0][1] is not PLAIN)
-    wire_summary["collectives"] = int(spec.world_size > 1)  # the emulated one
+    wire_summary.collective_bytes = sum(t.numel() * t.element_size() for t in pre[0][0])
+    wire_summary.hook_calls = int(pre[0][1] is not PLAIN)
+    wire_summary.collectives = int(spec.world_size > 1)  # the emulated one
     x = make_input(spec)
-    results: list[dict | BaseException] = []
-    seen: dict[str, dict | BaseException] = {}
+    results: list[RankResult | BaseException] = []
+    seen: dict[str, Stage | BaseException] = {}
     for rank, (local, (_, metadata)) in enumerate(zip(locals_, pre)):
         key = repr(_metadata_key(metadata))
         if key not in seen:
@@ -381,8 +381,7 @@ def run_virtual(spec: CaseSpec) -> list[dict | BaseException]:
                                          weight.dtype, golden, x, shards)
         stage = seen[key]
         results.append(stage if isinstance(stage, BaseException) else
-                       {"rank": rank, "quantizer": golden.quantizer_diffs or None, "stages": [stage],
-                        "wire": wire_summary})
+                       RankResult(rank, [stage], wire_summary, golden.quantizer_diffs or None))
     return results
 
 
@@ -410,7 +409,7 @@ def _checked_pre_all_gather(local, mesh, full_shape, shards):
     return inputs, metadata
 
 
-def _post_and_inspect(impl, fmt, local, outputs, metadata, dtype, golden, x, shards) -> dict:
+def _post_and_inspect(impl, fmt, local, outputs, metadata, dtype, golden, x, shards) -> Stage:
     if metadata is PLAIN:
         unsharded = outputs[0][: shards.dim0]
     else:

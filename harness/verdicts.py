@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from harness.cases import CaseSpec, shard_layout
 from harness.formats import FORMATS, FormatError
 from harness.phases import BEFORE_DATA_MOVED, phase_of
+from harness.records import Comparison, RankResult, Stage, WireSummary
 
 
 class Verdict(str, enum.Enum):
@@ -188,124 +189,127 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(str(r) for r in ranks)
 
 
-def classify_results(spec: CaseSpec, results: list[dict]) -> tuple[Verdict, str, list[str]]:
+def classify_results(spec: CaseSpec, results: list[RankResult]) -> tuple[Verdict, str, list[str]]:
     """Every rank returned: compare them with each other and with the golden."""
     details: list[str] = []
-    n_stages = max(len(r["stages"]) for r in results)
+    n_stages = max(len(r.stages) for r in results)
     for index in range(n_stages):
-        stages = [r["stages"][index] for r in results if index < len(r["stages"])]
+        stages = [r.stages[index] for r in results if index < len(r.stages)]
         verdict, reason = _classify_stage(stages, results, details)
         if verdict is not Verdict.EXACT:
-            return verdict, f"{stages[0]['label']}: {reason}", details
-    wire = _wire_verdict(results[0].get("wire"))
+            return verdict, f"{stages[0].label}: {reason}", details
+    wire = _wire_verdict(results[0].wire)
     if wire:
         return Verdict.DEGRADED, wire, details
-    quantizer = results[0].get("quantizer")
-    if quantizer:
-        return Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference", quantizer
-    details = _wire_details(results[0].get("wire"))
-    tolerance = results[0]["stages"][0].get("output", {}).get("tolerance")
-    if tolerance:
-        details.append(f"layer output compared within {tolerance} (not bitwise: another GEMM kernel)")
+    if results[0].quantizer:
+        return Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference", results[0].quantizer
+    details = _wire_details(results[0].wire)
+    output = results[0].stages[0].output
+    if output is not None and output.tolerance:
+        details.append(f"layer output compared within {output.tolerance} (not bitwise: another GEMM kernel)")
     return Verdict.EXACT, "", details
 
 
-def _classify_stage(stages: list[dict], results: list[dict], details: list[str]) -> tuple[Verdict, str]:
-    if any(not s["quantized"] for s in stages):
-        ranks = [r["rank"] for r, s in zip(results, stages) if not s["quantized"]]
-        values = stages[0].get("values") or {}
-        details.append(f"values vs golden dequantized: {'equal' if values.get('equal') else 'differ'}")
+def _equal(comparison: Comparison | None) -> bool:
+    return comparison is None or comparison.equal
+
+
+def _classify_stage(stages: list[Stage], results: list[RankResult], details: list[str]) -> tuple[Verdict, str]:
+    if any(not s.quantized for s in stages):
+        ranks = [r.rank for r, s in zip(results, stages) if not s.quantized]
+        values = stages[0].values
+        details.append(f"values vs golden dequantized: {'equal' if values and values.equal else 'differ'}")
         return Verdict.DEGRADED, f"the gathered weight is a plain high-precision tensor on ranks {_ranks(ranks)}"
-    if stages[0].get("accepted_unholdable"):
-        return Verdict.SILENT_MISMATCH, (
-            f"accepted a shape the format cannot hold ({stages[0]['accepted_unholdable']})"
-        )
-    digests = {}
+    if stages[0].accepted_unholdable:
+        return Verdict.SILENT_MISMATCH, f"accepted a shape the format cannot hold ({stages[0].accepted_unholdable})"
+    digests: dict[str, list[int]] = {}
     for result, stage in zip(results, stages):
-        digests.setdefault(stage["digest"], []).append(result["rank"])
+        digests.setdefault(stage.digest, []).append(result.rank)
     if len(digests) > 1:
         details.append("ranks grouped by identical gathered buffers: "
                        + "; ".join(f"[{_ranks(r)}]" for r in digests.values()))
-        details.extend(_stage_details(stages[0], results[0]["rank"]))
+        details.extend(_stage_details(stages[0], results[0].rank))
         return Verdict.RANK_DIVERGENCE, f"ranks hold {len(digests)} different gathered results"
     stage = stages[0]
-    if stage["buffer_diffs"] or not stage.get("dequantized", {}).get("equal", True):
+    if stage.buffer_diffs or not _equal(stage.dequantized):
         details.extend(_stage_details(stage, None))
         details.extend(_forward_error_lines(stages, results))
-        return Verdict.SILENT_MISMATCH, "; ".join(stage["buffer_diffs"]) or "dequantized values differ"
-    own = [r["rank"] for r, s in zip(results, stages) if not s.get("own_dequantized", {}).get("equal", True)]
+        return Verdict.SILENT_MISMATCH, "; ".join(stage.buffer_diffs) or "dequantized values differ"
+    own = [r.rank for r, s in zip(results, stages) if not _equal(s.own_dequantized)]
     if own:
-        worst = next(s["own_dequantized"] for s in stages if not s.get("own_dequantized", {}).get("equal", True))
-        details.append(f"its own dequantize(): {worst['n_diff']} elements differ, max |diff| {worst['max_abs']:.3g}")
+        worst = next(s.own_dequantized for s in stages if not _equal(s.own_dequantized))
+        details.append(f"its own dequantize(): {worst.n_diff} elements differ, max |diff| {worst.max_abs:.3g}")
         return Verdict.SILENT_MISMATCH, (f"the gathered buffers match, but its own dequantization of them "
                                          f"differs from the golden's on ranks {_ranks(own)}")
     return _classify_outputs(stages, results, details)
 
 
-def _forward_error_lines(stages: list[dict], results: list[dict]) -> list[str]:
-    return [f"rank {r['rank']}: the forward then raised {s['forward_error']}"
-            for r, s in zip(results, stages) if s.get("forward_error")]
+def _forward_error_lines(stages: list[Stage], results: list[RankResult]) -> list[str]:
+    return [f"rank {r.rank}: the forward then raised {s.forward_error}"
+            for r, s in zip(results, stages) if s.forward_error]
 
 
-def _classify_outputs(stages: list[dict], results: list[dict], details: list[str]) -> tuple[Verdict, str]:
+def _classify_outputs(stages: list[Stage], results: list[RankResult], details: list[str]) -> tuple[Verdict, str]:
     """The layer output of every rank: against the golden layer's and against each other."""
-    raised = [r["rank"] for r, s in zip(results, stages) if s.get("forward_error")]
+    raised = [r.rank for r, s in zip(results, stages) if s.forward_error]
     if raised:
         details.extend(_forward_error_lines(stages, results))
-        first = next(s["forward_error"] for s in stages if s.get("forward_error"))
+        first = next(s.forward_error for s in stages if s.forward_error)
         return Verdict.ERROR, f"the forward raised on ranks {_ranks(raised)} ({first}) with the right weight"
     outputs: dict[str, list[int]] = {}
     for result, stage in zip(results, stages):
-        outputs.setdefault(stage.get("output_digest", ""), []).append(result["rank"])
+        outputs.setdefault(stage.output_digest, []).append(result.rank)
     if len(outputs) > 1:
         details.append("ranks grouped by identical layer outputs: "
                        + "; ".join(f"[{_ranks(r)}]" for r in outputs.values()))
         return Verdict.RANK_DIVERGENCE, "ranks compute different layer outputs from the same gathered weight"
-    wrong = [(r["rank"], s["output"]) for r, s in zip(results, stages) if not s["output"]["equal"]]
+    wrong = [s.output for s in stages if s.output is None or not s.output.equal]
     if wrong:
-        out = wrong[0][1]
-        details.append(f"layer output: {out['n_diff']} elements differ, max |diff| {out['max_abs']:.3g}"
-                       + (f" (allowed: {out['tolerance']})" if "tolerance" in out else ""))
+        out = wrong[0]
+        if out is None:
+            return Verdict.ERROR, "no layer output was computed"
+        details.append(f"layer output: {out.n_diff} elements differ, max |diff| {out.max_abs:.3g}"
+                       + (f" (allowed: {out.tolerance})" if out.tolerance else ""))
         return Verdict.SILENT_MISMATCH, "layer output differs from the golden layer's"
     return Verdict.EXACT, ""
 
 
-def _stage_details(stage: dict, rank: int | None) -> list[str]:
+def _stage_details(stage: Stage, rank: int | None) -> list[str]:
     prefix = f"rank {rank}: " if rank is not None else ""
-    lines = [prefix + d for d in stage.get("buffer_diffs", [])]
-    deq = stage.get("dequantized")
-    if deq and not deq["equal"]:
-        lines.append(f"{prefix}dequantized weight: {deq['n_diff']} elements differ, max |diff| {deq['max_abs']:.3g}")
-    lines.extend(stage.get("where", []))
+    lines = [prefix + d for d in stage.buffer_diffs]
+    deq = stage.dequantized
+    if deq is not None and not deq.equal:
+        lines.append(f"{prefix}dequantized weight: {deq.n_diff} elements differ, max |diff| {deq.max_abs:.3g}")
+    lines.extend(stage.where)
     return lines
 
 
-def _wire_verdict(wire: dict | None) -> str:
+def _wire_verdict(wire: WireSummary | None) -> str:
     """DEGRADED when the gather moved more than the quantized shard: judged by the bytes measured at
     the collective against the implementation's allowance for its wire mode, whatever dtype labels
     the pre-hook put on them; a high-precision label is named beside it as evidence."""
-    if not wire:
+    if wire is None:
         return ""
-    numel, itemsize = wire["shard_numel"], wire["param_itemsize"]
-    if wire["hook_calls"] == 0 and wire["collective_bytes"] >= numel * min(itemsize, 2):
-        return f"no pre-all-gather hook ran; {wire['collective_bytes']} bytes moved per rank for {numel} elements"
-    labels = (f"; the pre-hook handed {wire['high_precision_elements']} high-precision elements to the gather"
-              if wire["high_precision_elements"] else "")
-    allowed = wire.get("allowed_bytes")
-    if allowed and wire["collectives"] and wire["collective_bytes"] > allowed:
-        ratio = wire["collective_bytes"] / wire["packed_bytes"]
-        return (f"{wire['collective_bytes']} bytes moved per rank, {ratio:.2f}x the format's packed shard "
-                f"({wire['packed_bytes']} bytes), above the {allowed} its {wire['wire_mode']} wire may move{labels}")
-    if wire["high_precision_elements"] * 2 >= numel > 0:
-        return (f"the pre-hook handed {wire['high_precision_elements']} high-precision elements to the gather "
+    numel, itemsize = wire.shard_numel, wire.param_itemsize
+    if wire.hook_calls == 0 and wire.collective_bytes >= numel * min(itemsize, 2):
+        return f"no pre-all-gather hook ran; {wire.collective_bytes} bytes moved per rank for {numel} elements"
+    labels = (f"; the pre-hook handed {wire.high_precision_elements} high-precision elements to the gather"
+              if wire.high_precision_elements else "")
+    if wire.allowed_bytes and wire.collectives and wire.collective_bytes > wire.allowed_bytes:
+        ratio = wire.collective_bytes / wire.packed_bytes
+        return (f"{wire.collective_bytes} bytes moved per rank, {ratio:.2f}x the format's packed shard "
+                f"({wire.packed_bytes} bytes), above the {wire.allowed_bytes} its {wire.wire_mode} wire may move"
+                f"{labels}")
+    if wire.high_precision_elements * 2 >= numel > 0:
+        return (f"the pre-hook handed {wire.high_precision_elements} high-precision elements to the gather "
                 f"(shard has {numel})")
     return ""
 
 
-def _wire_details(wire: dict | None) -> list[str]:
-    if not wire or not wire.get("packed_bytes"):
+def _wire_details(wire: WireSummary | None) -> list[str]:
+    if wire is None or not wire.packed_bytes:
         return []
-    if wire["collectives"] == 0:
+    if wire.collectives == 0:
         return ["wire: no collective ran (world size 1)"]
-    ratio = wire["collective_bytes"] / wire["packed_bytes"]
-    return [f"wire: {wire['collective_bytes']} bytes per rank ({ratio:.2f}x the packed shard size)"]
+    ratio = wire.collective_bytes / wire.packed_bytes
+    return [f"wire: {wire.collective_bytes} bytes per rank ({ratio:.2f}x the packed shard size)"]

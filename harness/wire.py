@@ -36,15 +36,6 @@ class WireLog:
                 total += int(torch.Size(shape).numel())
         return total
 
-    def as_dict(self) -> dict:
-        return {
-            "collective_bytes": self.collective_bytes,
-            "collectives": self.collectives,
-            "hook_calls": self.hook_calls,
-            "hook_outputs": list(self.hook_outputs),
-            "high_precision_elements": self.high_precision_elements(),
-        }
-
 
 @contextlib.contextmanager
 def record_wire(param_types: tuple[type, ...] = ()) -> Iterator[WireLog]:

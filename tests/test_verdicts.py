@@ -1,6 +1,7 @@
 """Classification rules on synthetic rank results (the end-to-end paths are in test_engine.py)."""
 
 from harness.cases import CaseSpec
+from harness.records import Comparison, RankResult, Stage, WireSummary
 from harness.runtime import RankError
 from harness.verdicts import Verdict, classify_errors, classify_results, expectation
 
@@ -8,20 +9,18 @@ SPEC = CaseSpec("reference", "nvfp4_2d", (128, 64), "bf16", 2, "gather")
 
 
 def stage(digest="d0", diffs=(), output_equal=True, quantized=True):
-    return {"label": "unshard 1", "quantized": quantized, "digest": digest, "buffer_diffs": list(diffs),
-            "dequantized": {"equal": not diffs, "n_diff": len(diffs), "max_abs": 0.0},
-            "output": {"equal": output_equal, "n_diff": 0 if output_equal else 3, "max_abs": 0.5}}
+    return Stage("unshard 1", quantized, digest, list(diffs), dequantized=Comparison(not diffs, len(diffs)),
+                 output=Comparison(output_equal, 0 if output_equal else 3, 0.5), output_digest="y0")
 
 
 def wire(**kw):
     base = {"collective_bytes": 4608, "collectives": 1, "hook_calls": 1, "hook_outputs": [],
             "high_precision_elements": 0, "shard_numel": 4096, "param_itemsize": 2, "packed_bytes": 4608}
-    return {**base, **kw}
+    return WireSummary(**{**base, **kw})
 
 
 def results(*stages_per_rank, **wire_kw):
-    return [{"rank": r, "quantizer": None, "stages": [s], "wire": wire(**wire_kw)}
-            for r, s in enumerate(stages_per_rank)]
+    return [RankResult(r, [s], wire(**wire_kw)) for r, s in enumerate(stages_per_rank)]
 
 
 def test_identical_exact_ranks_are_exact():
@@ -53,7 +52,7 @@ def test_high_precision_on_the_wire_is_degraded_even_when_values_match():
 
 
 def test_plain_tensor_after_gather_is_degraded():
-    plain = {"label": "unshard 1", "quantized": False, "values": {"equal": True}, "digest": "v"}
+    plain = Stage("unshard 1", quantized=False, digest="v", values=Comparison(True))
     verdict, _, _ = classify_results(SPEC, results(plain, plain))
     assert verdict is Verdict.DEGRADED
 
@@ -61,7 +60,7 @@ def test_plain_tensor_after_gather_is_degraded():
 def test_quantizer_disagreement_is_reported_after_an_exact_gather():
     res = results(stage(), stage())
     for r in res:
-        r["quantizer"] = ["scale_inv: 1 of 1 valid elements differ"]
+        r.quantizer = ["scale_inv: 1 of 1 valid elements differ"]
     verdict, _, details = classify_results(SPEC, res)
     assert verdict is Verdict.QUANTIZER_MISMATCH and details == ["scale_inv: 1 of 1 valid elements differ"]
 
