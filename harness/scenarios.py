@@ -8,7 +8,6 @@ results in `harness.verdicts`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from inspect import signature
 
@@ -21,8 +20,8 @@ from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
 from harness.impls import get_impl
 from harness.impls.base import HarnessFault, Implementation
 from harness.phases import Phase, PhaseTracker
-from harness.records import RankResult, Stage, WireSummary
-from harness.wire import record_wire
+from harness.records import RankResult, Stage
+from harness.wire import record_wire, summarize_wire
 
 STEPS = 3
 LEARNING_RATE = 0.05
@@ -208,7 +207,7 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
     module.reshard()
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases))
-    return RankResult(ctx.rank, stages, _wire_summary(wire, fmt, weight, shards, golden, impl), quantizer)
+    return RankResult(ctx.rank, stages, summarize_wire(wire, fmt, weight, shards, golden, impl), quantizer)
 
 
 def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases: PhaseTracker) -> list[Stage]:
@@ -239,32 +238,6 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases
             stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label))
         module.reshard()
     return stages
-
-
-def _wire_summary(wire, fmt: Format, weight: torch.Tensor, shards: ShardLayout, golden: Golden,
-                  impl: Implementation) -> WireSummary:
-    padded_rows = shards.chunk * shards.inner_rows
-    summary = WireSummary(collective_bytes=wire.collective_bytes, collectives=wire.collectives,
-                          hook_calls=wire.hook_calls, hook_outputs=list(wire.hook_outputs),
-                          high_precision_elements=wire.high_precision_elements(),
-                          shard_numel=padded_rows * weight.shape[-1], param_itemsize=weight.element_size(),
-                          packed_bytes=packed_shard_bytes(fmt, golden, padded_rows))
-    if summary.packed_bytes:
-        summary.wire_mode, summary.allowed_bytes = impl.wire_allowance(fmt.name, tuple(weight.shape), shards,
-                                                                       summary.packed_bytes)
-    return summary
-
-
-def packed_shard_bytes(fmt: Format, golden: Golden, shard_rows: int) -> int | None:
-    """Bytes of one shard's row buffers: what a packed all-gather needs to move per rank."""
-    if golden.q is None:
-        return None
-    rows, _ = fmt.to_rows(golden.q)
-    total = 0
-    for name, t in rows.items():
-        entries = math.ceil(shard_rows / fmt.rows_per_entry[name])
-        total += entries * (t[0].numel() if t.shape[0] else 0) * t.element_size()
-    return total
 
 
 # ------------------------------------------------------------------ hooks and virtual scenarios
@@ -341,7 +314,7 @@ def _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards, phases: Phas
         unsharded, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, weight.dtype)
     with phases.at(Phase.INSPECTION):
         stage = inspect(impl, fmt, unsharded, golden, x, shards, "hooks")
-    return [stage], _wire_summary(wire, fmt, weight, shards, golden, impl)
+    return [stage], summarize_wire(wire, fmt, weight, shards, golden, impl)
 
 
 def _all_gather_bytes(t: torch.Tensor, world_size: int, group) -> torch.Tensor:
@@ -383,7 +356,7 @@ def run_virtual(spec: CaseSpec) -> list[RankResult | BaseException]:
         deadlock.qgather_phase = Phase.COLLECTIVE.value
         return [deadlock] * spec.world_size
     outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
-    wire_summary = _wire_summary(wire, fmt, weight, shards, golden, impl)
+    wire_summary = summarize_wire(wire, fmt, weight, shards, golden, impl)
     wire_summary.collective_bytes = sum(t.numel() * t.element_size() for t in pre[0][0])
     wire_summary.hook_calls = int(pre[0][1] is not PLAIN)
     wire_summary.collectives = int(spec.world_size > 1)  # the emulated one

@@ -222,12 +222,9 @@ def _classify_stage(stages: list[Stage], results: list[RankResult], details: lis
         return Verdict.DEGRADED, f"the gathered weight is a plain high-precision tensor on ranks {_ranks(ranks)}"
     if stages[0].accepted_unholdable:
         return Verdict.SILENT_MISMATCH, f"accepted a shape the format cannot hold ({stages[0].accepted_unholdable})"
-    digests: dict[str, list[int]] = {}
-    for result, stage in zip(results, stages):
-        digests.setdefault(stage.digest, []).append(result.rank)
+    digests = _group_ranks(results, stages, lambda s: s.digest)
     if len(digests) > 1:
-        details.append("ranks grouped by identical gathered buffers: "
-                       + "; ".join(f"[{_ranks(r)}]" for r in digests.values()))
+        details.append(_grouping_line("gathered buffers", digests))
         details.extend(_stage_details(stages[0], results[0].rank))
         return Verdict.RANK_DIVERGENCE, f"ranks hold {len(digests)} different gathered results"
     stage = stages[0]
@@ -244,6 +241,18 @@ def _classify_stage(stages: list[Stage], results: list[RankResult], details: lis
     return _classify_outputs(stages, results, details)
 
 
+def _group_ranks(results: list[RankResult], stages: list[Stage], key) -> dict[str, list[int]]:
+    """Ranks grouped by what `key` reads from their stage (a digest): one group means they agree."""
+    groups: dict[str, list[int]] = {}
+    for result, stage in zip(results, stages):
+        groups.setdefault(key(stage), []).append(result.rank)
+    return groups
+
+
+def _grouping_line(what: str, groups: dict[str, list[int]]) -> str:
+    return f"ranks grouped by identical {what}: " + "; ".join(f"[{_ranks(r)}]" for r in groups.values())
+
+
 def _forward_error_lines(stages: list[Stage], results: list[RankResult]) -> list[str]:
     return [f"rank {r.rank}: the forward then raised {s.forward_error}"
             for r, s in zip(results, stages) if s.forward_error]
@@ -256,12 +265,9 @@ def _classify_outputs(stages: list[Stage], results: list[RankResult], details: l
         details.extend(_forward_error_lines(stages, results))
         first = next(s.forward_error for s in stages if s.forward_error)
         return Verdict.ERROR, f"the forward raised on ranks {_ranks(raised)} ({first}) with the right weight"
-    outputs: dict[str, list[int]] = {}
-    for result, stage in zip(results, stages):
-        outputs.setdefault(stage.output_digest, []).append(result.rank)
+    outputs = _group_ranks(results, stages, lambda s: s.output_digest)
     if len(outputs) > 1:
-        details.append("ranks grouped by identical layer outputs: "
-                       + "; ".join(f"[{_ranks(r)}]" for r in outputs.values()))
+        details.append(_grouping_line("layer outputs", outputs))
         return Verdict.RANK_DIVERGENCE, "ranks compute different layer outputs from the same gathered weight"
     wrong = [s.output for s in stages if s.output is None or not s.output.equal]
     if wrong:

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from harness.records import WireSummary
 from harness.runtime import whereabouts
+
+if TYPE_CHECKING:
+    from harness.cases import ShardLayout
+    from harness.formats import Format
+    from harness.impls.base import Implementation
+    from harness.scenarios import Golden
 
 # FSDP2 calls all_gather_single on newer torch and all_gather_into_tensor on older ones; one may
 # call the other, so only the outermost call is counted.
@@ -92,3 +101,30 @@ def record_wire(param_types: tuple[type, ...] = ()) -> Iterator[WireLog]:
                     delattr(owner, name)
             else:
                 setattr(owner, name, original)
+
+
+def summarize_wire(wire: WireLog, fmt: Format, weight: torch.Tensor, shards: ShardLayout, golden: Golden,
+                   impl: Implementation) -> WireSummary:
+    """What the case moved, beside what its packed shard needed and what the implementation may move."""
+    padded_rows = shards.chunk * shards.inner_rows
+    summary = WireSummary(collective_bytes=wire.collective_bytes, collectives=wire.collectives,
+                          hook_calls=wire.hook_calls, hook_outputs=list(wire.hook_outputs),
+                          high_precision_elements=wire.high_precision_elements(),
+                          shard_numel=padded_rows * weight.shape[-1], param_itemsize=weight.element_size(),
+                          packed_bytes=packed_shard_bytes(fmt, golden, padded_rows))
+    if summary.packed_bytes:
+        summary.wire_mode, summary.allowed_bytes = impl.wire_allowance(fmt.name, tuple(weight.shape), shards,
+                                                                       summary.packed_bytes)
+    return summary
+
+
+def packed_shard_bytes(fmt: Format, golden: Golden, shard_rows: int) -> int | None:
+    """Bytes of one shard's row buffers: what a packed all-gather needs to move per rank."""
+    if golden.q is None:
+        return None
+    rows, _ = fmt.to_rows(golden.q)
+    total = 0
+    for name, t in rows.items():
+        entries = math.ceil(shard_rows / fmt.rows_per_entry[name])
+        total += entries * (t[0].numel() if t.shape[0] else 0) * t.element_size()
+    return total

@@ -108,7 +108,7 @@ class Implementation:
 
     def wire_allowance(self, fmt: str, shape: tuple[int, ...], shards, packed_bytes: int) -> tuple[str, int]:
         """How many bytes per rank its all-gather may move for a shard whose packed buffers take
-        `packed_bytes` (harness.scenarios.packed_shard_bytes), and the name of that wire mode. More
+        `packed_bytes` (harness.wire.packed_shard_bytes), and the name of that wire mode. More
         than that is DEGRADED: the gather moved something bigger than the quantized shard (e.g.
         high-precision values, whatever dtype label they carry). Default: the packed size plus 10%
         for per-buffer alignment."""

@@ -24,11 +24,10 @@ from __future__ import annotations
 import torch
 
 from harness.cases import CaseSpec, shard_layout
-from harness.impls.base import HarnessFault, Implementation
-from harness.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
+from harness.impls.base import HarnessFault
+from harness.impls.te.adapter import NVFP4, TEAdapter
+from harness.impls.te.environment import has_nvfp4_kernels
 from harness.impls.te.tensors import read_te_buffers
-
-NVFP4 = ("nvfp4_1d", "nvfp4_2d")
 
 #: format -> (recipe class name in transformer_engine.common.recipe, keyword arguments)
 RECIPES: dict[str, tuple[str, dict]] = {
@@ -55,28 +54,14 @@ def make_recipe(fmt: str, recipes: dict[str, tuple[str, dict]] = RECIPES):
     return getattr(recipe, name)(**kwargs)
 
 
-class TransformerEngineRoute(Implementation):
+class TransformerEngineRoute(TEAdapter):
     name = "te"
     recipes = RECIPES
     formats = (*RECIPES, *NOT_ON_THIS_ROUTE)
-    scenarios = ("gather", "steps", "reshard")
-    devices = ("cuda",)
-    # TE refuses in its FSDP2 hooks with an assertion that names the constraint (NVFP4's shard_M % 16;
-    # FSDP2's own AssertionErrors are not TE refusing) and NotImplementedError (1-D block scaling).
-    rejection_types = ("AssertionError: FSDP2 requires", "NotImplementedError")
 
-    def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
-        reason = super().skip_reason(spec, device) or te_import_error()
-        if reason:
-            return reason
+    def route_skip_reason(self, spec: CaseSpec) -> str | None:
         if spec.fmt in NOT_ON_THIS_ROUTE and spec.fmt not in self.recipes:
-            return f"te: {NOT_ON_THIS_ROUTE[spec.fmt]}"
-        if len(spec.shape) != 2:
-            return "te: te.Linear weights are 2-D; 3-D expert weights are not built on this route"
-        if spec.fmt == "mxfp8":
-            return mxfp8_unavailable_reason()
-        if spec.fmt in NVFP4 and spec.scenario != "gather" and not has_nvfp4_kernels():
-            return f"te: re-quantizing NVFP4 shards needs TE's sm_100 kernels (this GPU is {sm_name()})"
+            return f"{self.name}: {NOT_ON_THIS_ROUTE[spec.fmt]}"
         return None
 
     def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor) -> torch.nn.Module:
@@ -94,28 +79,6 @@ class TransformerEngineRoute(Implementation):
         with torch.enable_grad():
             module.reset_parameters()
         return module
-
-    def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        from harness.impls.te.quantizers import te_quantize
-
-        return te_quantize(fmt, weight.cuda())
-
-    def read_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        return read_te_buffers(param)
-
-    def requantize_shard(self, local: torch.Tensor, master_rows: torch.Tensor, group) -> None:
-        local.quantize_(master_rows.to(local.device))
-
-    def is_quantized(self, param: torch.Tensor) -> bool:
-        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-
-        return isinstance(param, QuantizedTensor)
-
-    def own_dequantize(self, param: torch.Tensor) -> torch.Tensor:
-        return param.dequantize(dtype=torch.float32)
-
-    def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(x, param.dequantize(dtype=x.dtype).transpose(-1, -2))
 
 
 def _this_ranks_rows(ctx, spec: CaseSpec, master: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,61 @@
+"""What every TE adapter shares: how TE refuses, how its tensors are read, dequantized,
+re-quantized and multiplied, and the skips that follow from TE being absent or the GPU lacking
+a kernel. The adapters differ only in how the sharded parameter comes to exist."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.cases import CaseSpec
+from harness.impls.base import Implementation
+from harness.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
+from harness.impls.te.tensors import read_te_buffers
+
+NVFP4 = ("nvfp4_1d", "nvfp4_2d")
+
+
+class TEAdapter(Implementation):
+    devices = ("cuda",)
+    scenarios = ("gather", "steps", "reshard")
+    # TE refuses in its FSDP2 hooks with an assertion that names the constraint (NVFP4's shard_M % 16;
+    # FSDP2's own AssertionErrors are not TE refusing) and NotImplementedError (1-D block scaling).
+    rejection_types = ("AssertionError: FSDP2 requires", "NotImplementedError")
+
+    def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
+        reason = super().skip_reason(spec, device) or te_import_error() or self.route_skip_reason(spec)
+        if reason:
+            return reason
+        if len(spec.shape) != 2:
+            return f"{self.name}: te.Linear weights are 2-D; 3-D expert weights are not built by this adapter"
+        if spec.fmt == "mxfp8":
+            return mxfp8_unavailable_reason()
+        if spec.fmt in NVFP4 and spec.scenario != "gather" and not has_nvfp4_kernels():
+            return f"{self.name}: re-quantizing NVFP4 shards needs TE's sm_100 kernels (this GPU is {sm_name()})"
+        return None
+
+    def route_skip_reason(self, spec: CaseSpec) -> str | None:
+        """A reason this adapter's route cannot build `spec` although TE imports."""
+        return None
+
+    def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        from harness.impls.te.quantizers import te_quantize
+
+        return te_quantize(fmt, weight.cuda())
+
+    def read_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return read_te_buffers(param)
+
+    def requantize_shard(self, local: torch.Tensor, master_rows: torch.Tensor, group) -> None:
+        # TE's pre-hook set local.amax_reduction_group, so current scaling all-reduces the amax.
+        local.quantize_(master_rows.to(local.device))
+
+    def is_quantized(self, param: torch.Tensor) -> bool:
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+        return isinstance(param, QuantizedTensor)
+
+    def own_dequantize(self, param: torch.Tensor) -> torch.Tensor:
+        return param.dequantize(dtype=torch.float32)
+
+    def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, param.dequantize(dtype=x.dtype).transpose(-1, -2))
