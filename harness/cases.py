@@ -1,17 +1,22 @@
 """The case model: one all-gather experiment with a stable, readable id.
 
-A case id reads `impl:format:shape:dtype:wsN:scenario:sSEED`, e.g.
-`reference:nvfp4_2d:136x64:bf16:ws8:gather:s0`. The same id runs the same experiment on every
-machine; backend and device are session options, not part of the case.
+A case id reads `impl:format:shape:dtype:wsN:scenario:sSEED[:CONFIG]`, e.g.
+`reference:nvfp4_2d:136x64:bf16:ws8:gather:s0`; CONFIG, absent for FSDP2's defaults, says how
+`fully_shard` is configured (harness.fsdp_config, e.g. `mp-bf16+raf-2`). The same id runs the same
+experiment on every machine; backend and device are session options, not part of the case.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 
+from harness.fsdp_config import DEFAULT, ConfigError, FsdpConfig
+
+_SEED = re.compile(r"s\d+")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual")
 
@@ -29,6 +34,7 @@ class CaseSpec:
     world_size: int
     scenario: str
     seed: int = 0
+    config: FsdpConfig = DEFAULT
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -41,11 +47,15 @@ class CaseSpec:
             raise CaseSpecError(f"case {self.id}: world size must be >= 1, got {self.world_size}")
         if len(self.shape) < 2 or any(d < 1 for d in self.shape):
             raise CaseSpecError(f"case {self.id}: shape must have >= 2 positive dims, got {self.shape}")
+        reason = self.config.check_world_size(self.world_size)
+        if reason:
+            raise CaseSpecError(f"case {self.id}: {reason}")
 
     @property
     def id(self) -> str:
         shape = "x".join(str(d) for d in self.shape)
-        return f"{self.impl}:{self.fmt}:{shape}:{self.dtype}:ws{self.world_size}:{self.scenario}:s{self.seed}"
+        config = f":{self.config.token}" if not self.config.is_default else ""
+        return f"{self.impl}:{self.fmt}:{shape}:{self.dtype}:ws{self.world_size}:{self.scenario}:s{self.seed}{config}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,11 +64,17 @@ class CaseSpec:
     @classmethod
     def parse(cls, case_id: str) -> CaseSpec:
         # The implementation name may itself hold colons (mutant:<bug>, package.module:object),
-        # so the six fixed fields are read from the right.
+        # so the fixed fields are read from the right; a last field that is not sSEED is the config.
         parts = case_id.split(":")
+        config = DEFAULT
+        if len(parts) >= 8 and not _SEED.fullmatch(parts[-1]):
+            try:
+                config = FsdpConfig.parse(parts.pop())
+            except ConfigError as exc:
+                raise CaseSpecError(f"case id {case_id!r}: {exc}") from None
         if len(parts) < 7:
             raise CaseSpecError(
-                f"case id {case_id!r} must read impl:format:MxK:dtype:wsN:scenario:sSEED "
+                f"case id {case_id!r} must read impl:format:MxK:dtype:wsN:scenario:sSEED[:CONFIG] "
                 "(e.g. reference:nvfp4_2d:136x64:bf16:ws8:gather:s0)"
             )
         impl, (fmt, shape, dtype, ws, scenario, seed) = ":".join(parts[:-6]), parts[-6:]
@@ -68,7 +84,7 @@ class CaseSpec:
             seed_value = int(seed.removeprefix("s"))
         except ValueError:
             raise CaseSpecError(f"case id {case_id!r}: shape, wsN and sSEED must be integers") from None
-        return cls(impl, fmt, dims, dtype, world_size, scenario, seed_value)
+        return cls(impl, fmt, dims, dtype, world_size, scenario, seed_value, config)
 
     @property
     def inner_rows(self) -> int:

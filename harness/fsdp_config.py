@@ -1,0 +1,118 @@
+"""How a case configures FSDP2: the `fully_shard` arguments and mesh training code really uses.
+
+A configuration is one id component after the seed, tokens joined by "+", absent when FSDP2 runs
+with its defaults (so every id written before this dimension existed still means the same case):
+
+    reference:nvfp4_2d:136x64:bf16:ws4:gather:s0:mp-bf16+raf-2+hsdp-2x2
+
+  mp-P[-rR]   MixedPrecisionPolicy(param_dtype=P, reduce_dtype=R), P and R in bf16/fp32
+  raf-no      reshard_after_forward=False;  raf-N: reshard_after_forward=N (an int)
+  hsdp-RxS    a 2-D ("replicate", "shard") DeviceMesh of R x S ranks (R * S = the world size)
+  dim1        shard_placement_fn puts Shard(1) on the weight (shards along K)
+  compile     torch.compile of the module's forward around the gathered weight
+  dcp-wsA     the sharded weight saved with torch.distributed.checkpoint at world size A, loaded here
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MP_DTYPES = ("bf16", "fp32")
+
+
+class ConfigError(ValueError):
+    """A configuration token that does not describe an FSDP2 configuration."""
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool | int = True
+    hsdp: tuple[int, int] | None = None  # (replicate, shard)
+    shard_dim: int = 0
+    compile: bool = False
+    saved_at_world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in MP_DTYPES:
+                raise ConfigError(f"{name} {value!r} is not one of {', '.join(MP_DTYPES)}")
+        if self.reduce_dtype is not None and self.param_dtype is None:
+            raise ConfigError("a reduce dtype needs a param dtype (mp-P-rR)")
+        if self.shard_dim not in (0, 1):
+            raise ConfigError(f"shard dim {self.shard_dim} is not 0 or 1")
+        if self.hsdp is not None and min(self.hsdp) < 1:
+            raise ConfigError(f"hsdp mesh {self.hsdp} needs positive sizes")
+        if self.saved_at_world_size is not None and self.saved_at_world_size < 1:
+            raise ConfigError(f"dcp-ws{self.saved_at_world_size}: a world size is >= 1")
+        raf = self.reshard_after_forward
+        if not isinstance(raf, bool) and raf < 1:
+            raise ConfigError(f"reshard_after_forward={raf}: an int must be >= 1")
+
+    @property
+    def is_default(self) -> bool:
+        # by token, not ==: reshard_after_forward=1 (an int) compares equal to True
+        return not self.token
+
+    @property
+    def token(self) -> str:
+        """The id component ("" for FSDP2's defaults)."""
+        parts = []
+        if self.param_dtype:
+            parts.append(f"mp-{self.param_dtype}" + (f"-r{self.reduce_dtype}" if self.reduce_dtype else ""))
+        if self.reshard_after_forward is False:
+            parts.append("raf-no")
+        elif self.reshard_after_forward is not True:
+            parts.append(f"raf-{self.reshard_after_forward}")
+        if self.hsdp:
+            parts.append(f"hsdp-{self.hsdp[0]}x{self.hsdp[1]}")
+        if self.shard_dim == 1:
+            parts.append("dim1")
+        if self.compile:
+            parts.append("compile")
+        if self.saved_at_world_size is not None:
+            parts.append(f"dcp-ws{self.saved_at_world_size}")
+        return "+".join(parts)
+
+    def check_world_size(self, world_size: int) -> str | None:
+        """Why this configuration cannot run at `world_size`, or None."""
+        if self.hsdp and self.hsdp[0] * self.hsdp[1] != world_size:
+            ranks = self.hsdp[0] * self.hsdp[1]
+            return f"hsdp-{self.hsdp[0]}x{self.hsdp[1]} needs {ranks} ranks, the case has {world_size}"
+        return None
+
+    @classmethod
+    def parse(cls, token: str) -> FsdpConfig:
+        fields: dict = {}
+        for part in filter(None, token.split("+")):
+            _parse_part(part, fields)
+        return cls(**fields)
+
+
+DEFAULT = FsdpConfig()
+
+_PATTERNS: list[tuple[re.Pattern, object]] = [
+    (re.compile(r"mp-(\w+?)(?:-r(\w+))?"), lambda m: {"param_dtype": m[1], "reduce_dtype": m[2]}),
+    (re.compile(r"raf-no"), lambda m: {"reshard_after_forward": False}),
+    (re.compile(r"raf-(\d+)"), lambda m: {"reshard_after_forward": int(m[1])}),
+    (re.compile(r"hsdp-(\d+)x(\d+)"), lambda m: {"hsdp": (int(m[1]), int(m[2]))}),
+    (re.compile(r"dim1"), lambda m: {"shard_dim": 1}),
+    (re.compile(r"compile"), lambda m: {"compile": True}),
+    (re.compile(r"dcp-ws(\d+)"), lambda m: {"saved_at_world_size": int(m[1])}),
+]
+
+
+def _parse_part(part: str, fields: dict) -> None:
+    for pattern, read in _PATTERNS:
+        match = pattern.fullmatch(part)
+        if match:
+            values = read(match)
+            if set(values) & set(fields):
+                raise ConfigError(f"configuration token {part!r} repeats a setting")
+            fields.update(values)
+            return
+    raise ConfigError(f"configuration token {part!r} is not one of mp-P[-rR], raf-no, raf-N, hsdp-RxS, dim1, "
+                      "compile, dcp-wsA")
