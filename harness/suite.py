@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from harness.cases import CaseSpec
 from harness.formats import FORMATS
+from harness.fsdp_config import DEFAULT, FsdpConfig
 
 CPU_WORLD_SIZES = (1, 2, 3, 4, 8)
 DTYPES = ("bf16", "fp32")
@@ -56,6 +57,7 @@ class Sweep:
     shapes: object = alignment_shapes  # callable(fmt) -> shapes
     formats: Sequence[str] | None = None
     seeds: Sequence[int] = (0,)
+    configs: Sequence[FsdpConfig] = (DEFAULT,)
     marks: Sequence[str] = field(default_factory=tuple)
 
     def cases(
@@ -76,5 +78,8 @@ class Sweep:
                         for ws in sizes:
                             for scenario in scens:
                                 for seed in self.seeds:
-                                    out.append(CaseSpec(impl, fmt, tuple(shape), dtype, ws, scenario, seed))
+                                    for config in self.configs:
+                                        if config.check_world_size(ws) is None:
+                                            out.append(CaseSpec(impl, fmt, tuple(shape), dtype, ws, scenario,
+                                                                seed, config))
         return out
