@@ -36,6 +36,17 @@ class Stage:
     where: list[str] = field(default_factory=list)  # where the buffers differ, in row layout
     values: Comparison | None = None  # a plain (high-precision) gathered weight against the golden values
     accepted_unholdable: str = ""  # the format cannot hold the shape, yet the implementation gathered it
+    module: ModuleCheck | None = None  # the library's own forward against the same module on one device
+
+
+@dataclass
+class ModuleCheck:
+    """The library's own layer forward (e.g. te.Linear under te.autocast) with the gathered weight,
+    against the same module on one device holding the full weight: the same kernels, so bit for bit."""
+
+    output: Comparison | None = None
+    error: str = ""  # the sharded module's forward raised although the one-device module's did not
+    note: str = ""  # why there is nothing to compare (the one-device module cannot run this shape either)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
 from harness.impls import get_impl
 from harness.impls.base import HarnessFault, Implementation
 from harness.phases import Phase, PhaseTracker
-from harness.records import RankResult, Stage
+from harness.records import ModuleCheck, RankResult, Stage
 from harness.wire import record_wire, summarize_wire
 
 STEPS = 3
@@ -162,6 +162,28 @@ def _forward_checks(stage: Stage, impl: Implementation, fmt: Format, param, x, y
     stage.output_digest = digest({"output": y}, {})
 
 
+def module_check(impl: Implementation, spec: CaseSpec, module: torch.nn.Module, weight: torch.Tensor,
+                 x: torch.Tensor) -> ModuleCheck | None:
+    """The library's own forward with the gathered weight against its one-device twin. Runs the
+    one-device module first: a shape it cannot run either is a note, not the gather's fault."""
+    x = x.to(device=weight.device, dtype=spec.torch_dtype)
+    try:
+        expected = impl.single_device_output(spec, weight, x)
+    except Exception as exc:  # noqa: BLE001 - the library's own limit, recorded as a note
+        return ModuleCheck(note=f"the one-device module cannot run this case either: {_one_line(exc)}")
+    if expected is None:
+        return None
+    try:
+        got = impl.module_output(spec, module, x)
+    except Exception as exc:  # noqa: BLE001 - evidence: the same forward ran on one device
+        return ModuleCheck(error=_one_line(exc))
+    return ModuleCheck(output=compare_values(got, expected))
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+
+
 # ------------------------------------------------------------------ FSDP2 scenarios (on the rank pool)
 def _local_shard(module: torch.nn.Module) -> torch.Tensor:
     weight = module.weight
@@ -207,6 +229,7 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
             module.unshard()
     with phases.at(Phase.INSPECTION):
         stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1"))
+        stages[-1].module = module_check(impl, spec, module, weight, x)
     module.reshard()
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases))
@@ -239,6 +262,7 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases
         label = f"unshard {step + 1} (after step {step})"
         with phases.at(Phase.INSPECTION):
             stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label))
+            stages[-1].module = module_check(impl, spec, module, full_param.detach().to(spec.torch_dtype), x)
         module.reshard()
     return stages
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from harness.cases import CaseSpec, shard_layout
 from harness.formats import FORMATS, FormatError
 from harness.phases import BEFORE_DATA_MOVED, phase_of
-from harness.records import Comparison, RankResult, Stage, WireSummary
+from harness.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
 
 
 class Verdict(str, enum.Enum):
@@ -207,7 +207,16 @@ def classify_results(spec: CaseSpec, results: list[RankResult]) -> tuple[Verdict
     output = results[0].stages[0].output
     if output is not None and output.tolerance:
         details.append(f"layer output compared within {output.tolerance} (not bitwise: another GEMM kernel)")
+    details.extend(_module_lines(results[0].stages[0].module))
     return Verdict.EXACT, "", details
+
+
+def _module_lines(check: ModuleCheck | None) -> list[str]:
+    if check is None:
+        return []
+    if check.note:
+        return [f"library forward not compared: {check.note}"]
+    return ["library forward with the gathered weight: bit-identical to the same module on one device"]
 
 
 def _equal(comparison: Comparison | None) -> bool:
@@ -277,6 +286,24 @@ def _classify_outputs(stages: list[Stage], results: list[RankResult], details: l
         details.append(f"layer output: {out.n_diff} elements differ, max |diff| {out.max_abs:.3g}"
                        + (f" (allowed: {out.tolerance})" if out.tolerance else ""))
         return Verdict.SILENT_MISMATCH, "layer output differs from the golden layer's"
+    return _classify_module(stages, results, details)
+
+
+def _classify_module(stages: list[Stage], results: list[RankResult], details: list[str]) -> tuple[Verdict, str]:
+    """The library's own layer with the gathered weight against the same layer on one device."""
+    checks = [(r.rank, s.module) for r, s in zip(results, stages) if s.module is not None]
+    raised = [(rank, c.error) for rank, c in checks if c.error]
+    if raised:
+        details.extend(f"rank {rank}: its own forward raised {error}" for rank, error in raised)
+        return Verdict.ERROR, (f"the library's own forward raised on ranks {_ranks([r for r, _ in raised])} with the "
+                               "gathered weight, but not on one device with the full weight")
+    wrong = [(rank, c.output) for rank, c in checks if c.output is not None and not c.output.equal]
+    if wrong:
+        rank, out = wrong[0]
+        details.append(f"rank {rank}: {out.n_diff} output elements differ from the one-device module's, "
+                       f"max |diff| {out.max_abs:.3g}")
+        return Verdict.SILENT_MISMATCH, (f"the library's own forward with the gathered weight differs from the same "
+                                         f"module on one device, on ranks {_ranks([r for r, _ in wrong])}")
     return Verdict.EXACT, ""
 
 

@@ -1,7 +1,7 @@
 """Classification rules on synthetic rank results (the end-to-end paths are in test_engine.py)."""
 
 from harness.cases import CaseSpec
-from harness.records import Comparison, RankResult, Stage, WireSummary
+from harness.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
 from harness.runtime import RankError
 from harness.verdicts import Verdict, classify_errors, classify_results, expectation
 
@@ -143,3 +143,31 @@ def test_a_broad_type_is_a_rejection_only_with_its_declared_message():
     fsdp2 = {r: refusal(r, "Invalid fsdp_pre_all_gather: (mesh, orig_size)", "shard", "AssertionError")
              for r in (0, 1)}
     assert classify_errors(SPEC, fsdp2, 2, declared)[0] is Verdict.ERROR
+
+
+def with_module(check):
+    s = stage()
+    s.module = check
+    return s
+
+
+def test_library_forward_differing_from_its_one_device_twin_is_a_mismatch():
+    wrong = ModuleCheck(output=Comparison(False, 5, 0.25))
+    verdict, reason, details = classify_results(SPEC, results(with_module(ModuleCheck(Comparison(True))),
+                                                              with_module(wrong)))
+    assert verdict is Verdict.SILENT_MISMATCH and "on ranks 1" in reason and "5 output elements" in details[0]
+
+
+def test_library_forward_raising_only_when_sharded_is_an_error():
+    verdict, reason, details = classify_results(SPEC, results(with_module(ModuleCheck(error="RuntimeError: x")),
+                                                              with_module(ModuleCheck(error="RuntimeError: x"))))
+    assert verdict is Verdict.ERROR and "not on one device" in reason and "RuntimeError: x" in details[0]
+
+
+def test_a_shape_the_one_device_module_cannot_run_is_a_note_on_an_exact_case():
+    note = ModuleCheck(note="the one-device module cannot run this case either: AssertionError: dims")
+    verdict, _, details = classify_results(SPEC, results(with_module(note), with_module(note)))
+    assert verdict is Verdict.EXACT and any("library forward not compared" in d for d in details)
+    verdict, _, details = classify_results(SPEC, results(with_module(ModuleCheck(Comparison(True))),
+                                                         with_module(ModuleCheck(Comparison(True)))))
+    assert verdict is Verdict.EXACT and any("bit-identical to the same module on one device" in d for d in details)

@@ -123,6 +123,17 @@ class Implementation:
         """The layer's output with this (unsharded) weight: y = x @ W^T (batched over experts)."""
         return torch.matmul(x, param.transpose(-1, -2))
 
+    def module_output(self, spec: CaseSpec, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """The library's own forward of the sharded module, called right after an unshard (e.g.
+        te.Linear under te.autocast), or None when the library has no layer of its own to run.
+        Compared bit for bit with `single_device_output`."""
+        return None
+
+    def single_device_output(self, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """The same module and recipe on this rank's device alone, holding the full `weight`
+        (spec.torch_dtype): its forward on `x`."""
+        return None
+
     def gather_context(self, group) -> contextlib.AbstractContextManager:
         """Entered around every unshard; e.g. a transport shim for a backend (harness.transport)."""
         return contextlib.nullcontext()

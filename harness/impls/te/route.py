@@ -65,19 +65,40 @@ class TransformerEngineRoute(TEAdapter):
         return None
 
     def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor) -> torch.nn.Module:
-        import transformer_engine.pytorch as te
         from torch.distributed.fsdp import fully_shard
 
-        rows = _this_ranks_rows(ctx, spec, master)
+        module = self._linear_on_meta(spec, _this_ranks_rows(ctx, spec, master))
+        fully_shard(module, mesh=ctx.mesh)
+        with torch.enable_grad():
+            module.reset_parameters()
+        return module
+
+    def single_device_output(self, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The same te.Linear and recipe on this GPU alone, initialized with the full weight (so the
+        recipe's amax is the full weight's, as the all-reduced one is on the sharded route)."""
+        module = self._linear_on_meta(spec, weight.to(device=x.device, dtype=spec.torch_dtype))
+        with torch.enable_grad():
+            module.reset_parameters()
+        return self.module_output(spec, module, x)
+
+    def module_output(self, spec: CaseSpec, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """TE's forward of the module under te.autocast with the case's recipe (the unsharded
+        weight as FSDP2 left it after the gather)."""
+        import transformer_engine.pytorch as te
+
+        autocast = getattr(te, "autocast", None) or te.fp8_autocast
+        with torch.no_grad(), autocast(enabled=True, recipe=make_recipe(spec.fmt, self.recipes)):
+            return module(x).float()
+
+    def _linear_on_meta(self, spec: CaseSpec, rows: torch.Tensor) -> torch.nn.Module:
+        import transformer_engine.pytorch as te
+
         out_features, in_features = spec.shape
         with te.quantized_model_init(enabled=True, recipe=make_recipe(spec.fmt, self.recipes)):
             module = te.Linear(in_features, out_features, bias=False, params_dtype=spec.torch_dtype,
                                device="meta", init_method=_writes(rows))
         if spec.fmt in NVFP4 and not has_nvfp4_kernels():
             _install_reference_bits_quantizer(module, spec.fmt)
-        fully_shard(module, mesh=ctx.mesh)
-        with torch.enable_grad():
-            module.reset_parameters()
         return module
 
 
