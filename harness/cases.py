@@ -18,7 +18,7 @@ from harness.fsdp_config import DEFAULT, ConfigError, FsdpConfig
 
 _SEED = re.compile(r"s\d+")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual")
+SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual", "model")
 
 
 class CaseSpecError(ValueError):

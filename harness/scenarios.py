@@ -205,6 +205,8 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
         # never run a configured case as if it were the default one
         raise HarnessFault(f"FSDP2 configuration {spec.config.token!r} is not implemented by the scenarios yet")
     impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
+    if spec.scenario == "model":
+        return impl.run_model(ctx, spec, phases)
     device = ctx.device
     master = make_weight(spec).to(device)
     weight = master.to(spec.torch_dtype)

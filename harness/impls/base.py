@@ -123,6 +123,11 @@ class Implementation:
         """The layer's output with this (unsharded) weight: y = x @ W^T (batched over experts)."""
         return torch.matmul(x, param.transpose(-1, -2))
 
+    def run_model(self, ctx, spec: CaseSpec, phases) -> object:
+        """The `model` scenario: the library's own small model trained sharded against the same
+        model on one device (a harness.records.RankResult). Only libraries with layers of their own."""
+        raise HarnessFault(f"{self.name} has no model scenario")
+
     def module_output(self, spec: CaseSpec, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The library's own forward of the sharded module, called right after an unshard (e.g.
         te.Linear under te.autocast), or None when the library has no layer of its own to run.

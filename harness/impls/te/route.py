@@ -26,8 +26,9 @@ import torch
 from harness.cases import CaseSpec, shard_layout
 from harness.impls.base import HarnessFault
 from harness.impls.te.adapter import NVFP4, TEAdapter
-from harness.impls.te.environment import has_nvfp4_kernels
+from harness.impls.te.environment import has_nvfp4_kernels, sm_name
 from harness.impls.te.tensors import read_te_buffers
+from harness.records import RankResult
 
 #: format -> (recipe class name in transformer_engine.common.recipe, keyword arguments)
 RECIPES: dict[str, tuple[str, dict]] = {
@@ -58,11 +59,19 @@ class TransformerEngineRoute(TEAdapter):
     name = "te"
     recipes = RECIPES
     formats = (*RECIPES, *NOT_ON_THIS_ROUTE)
+    scenarios = ("gather", "steps", "reshard", "model")
 
     def route_skip_reason(self, spec: CaseSpec) -> str | None:
         if spec.fmt in NOT_ON_THIS_ROUTE and spec.fmt not in self.recipes:
             return f"{self.name}: {NOT_ON_THIS_ROUTE[spec.fmt]}"
+        if spec.scenario == "model" and spec.fmt in NVFP4 and not has_nvfp4_kernels():
+            return f"{self.name}: the model trains with TE's NVFP4 GEMMs, which need sm_100 (this GPU is {sm_name()})"
         return None
+
+    def run_model(self, ctx, spec: CaseSpec, phases) -> RankResult:
+        from harness.impls.te.model import run_model_case
+
+        return run_model_case(self, ctx, spec, phases)
 
     def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
