@@ -57,3 +57,15 @@ def test_a_hang_report_says_what_each_waiting_rank_handed_the_gather():
     line = next(line for line in text.splitlines() if line.strip().startswith("rank 0: all-gather:"))
     assert "bytes from this rank" in line and "pre-hook handed: uint8[" in line
     assert not any(line.strip().startswith("rank 1: all-gather") for line in text.splitlines())
+
+
+def test_hang_with_unequal_gather_sizes_says_so():
+    from harness.runtime.outcome import CaseOutcome
+
+    def hang(notes):
+        return CaseOutcome("hang", [None, None], duration_s=30.0, unfinished=(0, 1), notes=notes)
+
+    text = hang({0: {"all-gather": "16400 bytes from this rank"}, 1: {"all-gather": "32768 bytes from this rank"}})
+    assert "different sizes (bytes: rank 0 16400, rank 1 32768)" in text.summary()
+    same = hang({0: {"all-gather": "8 bytes from this rank"}, 1: {"all-gather": "8 bytes from this rank"}})
+    assert "different sizes" not in same.summary()

@@ -182,7 +182,19 @@ def _summary_error(outcome: CaseOutcome) -> str:
 
 def _summary_hang(outcome: CaseOutcome) -> str:
     places = _others(outcome)
-    return f"HANG after {outcome.duration_s:.1f} s: {places or 'no rank reported'}"
+    return f"HANG after {outcome.duration_s:.1f} s: {places or 'no rank reported'}" + _unequal_gathers(outcome)
+
+
+def _unequal_gathers(outcome: CaseOutcome) -> str:
+    """Ranks that handed the all-gather different sizes: on GPUs that collective waits on the device,
+    and the host threads are found wherever they next synchronized, not in the collective."""
+    sent = {rank: notes["all-gather"].split(" ", 1)[0] for rank, notes in outcome.notes.items()
+            if "all-gather" in notes}
+    if len(set(sent.values())) < 2:
+        return ""
+    sizes = ", ".join(f"rank {rank} {size}" for rank, size in sorted(sent.items()))
+    return (f"; the ranks handed the all-gather different sizes (bytes: {sizes}), so it can never complete "
+            "(on GPUs it waits on the device while each host thread runs on to its next synchronization)")
 
 
 def _summary_crash(outcome: CaseOutcome) -> str:

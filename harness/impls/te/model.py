@@ -67,8 +67,10 @@ class TinyTEModel(torch.nn.Module):
         self.proj = te.LayerNormLinear(hidden, hidden, bias=True, init_method=init, **common)
         self.mlp = te.LayerNormMLP(hidden, ffn, bias=True, init_method=init, output_layer_init_method=out_init,
                                    **common)
+        # fused QKV as TE's FSDP2 tests build it: split parameters cannot be quantized at init
         self.block = te.TransformerLayer(hidden, ffn, hidden // 64, hidden_dropout=0.0, attention_dropout=0.0,
-                                         init_method=init, output_layer_init_method=out_init, **common)
+                                         fuse_qkv_params=True, init_method=init, output_layer_init_method=out_init,
+                                         **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.proj(x)

@@ -155,8 +155,12 @@ class DelayedScalingRoute(TransformerEngineRoute):
         return fmt.quantize(weight, amax=torch.tensor(FP8_E4M3_MAX, device=weight.device))
 
     def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        import transformer_engine_torch as tex
+        import importlib
+
         from transformer_engine.pytorch.tensor import Float8Quantizer
+
+        # the extension is importable only after transformer_engine.pytorch has loaded it
+        tex = importlib.import_module("transformer_engine_torch")
 
         x = weight.cuda()
         quantizer = Float8Quantizer(scale=torch.ones(1, device=x.device), amax=torch.zeros(1, device=x.device),
