@@ -36,6 +36,7 @@ class Stage:
     where: list[str] = field(default_factory=list)  # where the buffers differ, in row layout
     values: Comparison | None = None  # a plain (high-precision) gathered weight against the golden values
     accepted_unholdable: str = ""  # the format cannot hold the shape, yet the implementation gathered it
+    dtype_problem: str = ""  # the unsharded weight's dtype is not the one the mixed-precision policy asks for
 
 
 @dataclass
