@@ -110,9 +110,16 @@ def alignment_problem(spec: CaseSpec) -> str | None:
     if isinstance(layout, ColumnShardLayout):
         block = column_block(spec.fmt)
         rank = layout.misaligned_rank(block)
+        if rank is not None:
+            return f"rank {rank}'s dim-1 shard starts at column {layout.col_range(rank)[0]}, not a multiple of {block}"
+        # FSDP2 (torch 2.13, FSDPParam._init_sharded_post_forward_param_metadata) also chunks a Shard(1)
+        # parameter along dim 0 over the shard mesh: a subclass may refuse that split as it refuses any.
+        rows = ShardLayout(spec.shape[0], layout.world_size, spec.inner_rows)
+        rank = rows.misaligned_rank(fmt.row_block)
         if rank is None:
             return None
-        return f"rank {rank}'s dim-1 shard starts at column {layout.col_range(rank)[0]}, not a multiple of {block}"
+        return (f"FSDP2 chunks a Shard(1) parameter along dim 0 too (post-forward metadata): rank {rank}'s rows "
+                f"start at {rows.row_range(rank)[0]}, not a multiple of {fmt.row_block}")
     rank = layout.misaligned_rank(fmt.row_block)
     if rank is None:
         return None

@@ -14,9 +14,9 @@ from inspect import signature
 import torch
 import torch.distributed as dist
 
+from harness import fsdp_setup
 from harness.cases import CaseSpec, ShardLayout, shard_layout
 from harness.compare import compare_buffers, compare_values, digest, locate
-from harness import fsdp_setup
 from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
 from harness.impls import get_impl
 from harness.impls.base import HarnessFault, Implementation

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 from harness.cases import CaseSpec
-from harness.fsdp_setup import alignment_problem
 from harness.formats import FORMATS, FormatError
+from harness.fsdp_setup import alignment_problem
 from harness.phases import BEFORE_DATA_MOVED, phase_of
 from harness.records import Comparison, RankResult, Stage, WireSummary
 
