@@ -34,10 +34,10 @@ def test_sweep_covers_every_dimension_value():
 
 
 def test_layouts_follow_the_shard_dimension():
-    hsdp = CaseSpec.parse("reference:nvfp4_2d:136x64:bf16:ws4:gather:s0:hsdp-2x2")
-    assert fsdp_setup.shard_layout(hsdp).world_size == 2 and expectation(hsdp).aligned  # 68-row shards split no block
-    flat = CaseSpec.parse("reference:nvfp4_2d:136x64:bf16:ws4:gather:s0")
-    assert not expectation(flat).aligned  # 34-row shards do
+    hsdp = CaseSpec.parse("reference:nvfp4_2d:160x64:bf16:ws4:gather:s0:hsdp-2x2")
+    assert fsdp_setup.shard_layout(hsdp).world_size == 2 and expectation(hsdp).aligned  # 80-row shards split no block
+    flat = CaseSpec.parse("reference:nvfp4_2d:160x64:bf16:ws4:gather:s0")
+    assert not expectation(flat).aligned  # 40-row shards do
     dim1 = CaseSpec.parse("reference:mxfp8:128x64:bf16:ws4:gather:s0:dim1")
     assert not expectation(dim1).aligned and "column 16" in expectation(dim1).reason
 
@@ -47,7 +47,7 @@ def test_unappliable_configs_are_skipped():
     for case_id in ("reference:nvfp4_2d:128x64:bf16:ws2:virtual:s0:mp-bf16",
                     "reference:nvfp4_2d:128x64:bf16:ws2:hooks:s0:dim1",
                     "reference:nvfp4_2d:4x16x64:bf16:ws2:gather:s0:dim1",
-                    "reference:nvfp4_2d:128x48:bf16:ws4:gather:s0:dim1",
+                    "reference:fp8_tensor:128x66:bf16:ws4:gather:s0:dim1",
                     "reference:nvfp4_2d:128x64:bf16:ws4:gather:s0:raf-2"):
         assert fsdp_setup.skip_reason(CaseSpec.parse(case_id), ref), case_id
 
