@@ -30,7 +30,7 @@ run: $(SETUP)
 
 # pytest's exit 5 ("no tests collected") would be a broken suite: fail loudly on it.
 test: $(SETUP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not gpu" -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not gpu and not slow" -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for

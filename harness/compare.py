@@ -122,10 +122,15 @@ def locate(
         first = entries[0]
         col = int((_bits(have.to(want.device))[first] != _bits(want[first])).reshape(-1).nonzero()[0])
         row = first * r
+        if hasattr(shards, "owner_of_col"):  # Shard(1): the column says which rank sent it
+            width = max(1, want.reshape(want.shape[0], -1).shape[1])
+            owner = shards.owner_of_col(col * shards.cols // width)
+        else:
+            owner = shards.owner_of_row(row)
         lines.append(
             f"{name}: {len(entries)} of {want.shape[0]} row groups differ; first at global row {row}"
             f" (block row {row // fmt.row_block}, block column {_block_column(name, want_rows, col)},"
-            f" from rank {shards.owner_of_row(row)})"
+            f" from rank {owner})"
         )
         lines.extend(_block_map(fmt, differ, r, shards))
     return lines

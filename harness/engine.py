@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness import fsdp_setup
 from harness.cases import CaseSpec
 from harness.formats import FORMATS
 from harness.impls import get_impl
@@ -64,7 +65,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     started = time.monotonic()
     impl = get_impl(spec.impl)
     device = torch.device(options.device_type())
-    reason = impl.skip_reason(spec, device)
+    reason = impl.skip_reason(spec, device) or fsdp_setup.skip_reason(spec, impl)
     if reason:
         report = CaseReport(spec, Verdict.SKIPPED, reason)
     elif spec.scenario == "virtual":

@@ -37,6 +37,7 @@ class Stage:
     values: Comparison | None = None  # a plain (high-precision) gathered weight against the golden values
     accepted_unholdable: str = ""  # the format cannot hold the shape, yet the implementation gathered it
     module: ModuleCheck | None = None  # the library's own forward against the same module on one device
+    dtype_problem: str = ""  # the unsharded weight's dtype is not the one the mixed-precision policy asks for
 
 
 @dataclass

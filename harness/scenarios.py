@@ -14,6 +14,7 @@ from inspect import signature
 import torch
 import torch.distributed as dist
 
+from harness import fsdp_setup
 from harness.cases import CaseSpec, ShardLayout, shard_layout
 from harness.compare import compare_buffers, compare_values, digest, locate
 from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
@@ -123,10 +124,14 @@ def inspect(
     x: torch.Tensor,
     shards: ShardLayout,
     label: str,
+    dtype: torch.dtype | None = None,
 ) -> Stage:
-    """Compare one gathered (unsharded) weight with the golden. An error of the forward is
-    recorded, not raised: the comparisons already made stay part of the verdict."""
+    """Compare one gathered (unsharded) weight with the golden, and its dtype with `dtype` (what
+    the mixed-precision policy asks for) when given. An error of the forward is recorded, not
+    raised: the comparisons already made stay part of the verdict."""
     stage = Stage(label, quantized=impl.is_quantized(param))
+    if dtype is not None and param.dtype != dtype:
+        stage.dtype_problem = f"the unsharded weight is {param.dtype}, the mixed-precision policy asks for {dtype}"
     if golden.q is None:
         stage.accepted_unholdable = golden.error or "the format cannot hold this shape"
         return stage
@@ -201,18 +206,16 @@ def run_on_rank(ctx, case_id: str) -> RankResult:
 def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
     from torch.distributed.fsdp import fully_shard
 
-    if not spec.config.is_default:
-        # never run a configured case as if it were the default one
-        raise HarnessFault(f"FSDP2 configuration {spec.config.token!r} is not implemented by the scenarios yet")
     impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
     if spec.scenario == "model":
         return impl.run_model(ctx, spec, phases)
+    setup = fsdp_setup.prepare(ctx, spec)  # the configuration's fully_shard kwargs, mesh and shard layout
     device = ctx.device
     master = make_weight(spec).to(device)
     weight = master.to(spec.torch_dtype)
     golden = golden_for(fmt, weight, impl)
     x = make_input(spec).to(device)
-    shards = shard_layout(spec)
+    shards = setup.shards
     quantizer = golden.quantizer_diffs or None
 
     if spec.scenario == "hooks":
@@ -223,35 +226,35 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
     if module is None:
         module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
         with phases.at(Phase.SHARD):
-            fully_shard(module, mesh=ctx.mesh)
+            fully_shard(module, **setup.kwargs)
     param_types = (type(_local_shard(module)),)
     stages = []
     with phases.at(Phase.SHARD), phases.following_hooks(param_types):
         with impl.gather_context(ctx.group), record_wire(param_types) as wire:
             module.unshard()
     with phases.at(Phase.INSPECTION):
-        stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1"))
+        stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1", setup.param_dtype))
         stages[-1].module = module_check(impl, spec, module, weight, x)
     module.reshard()
     if spec.scenario in ("steps", "reshard"):
-        stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases))
+        stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases))
     return RankResult(ctx.rank, stages, summarize_wire(wire, fmt, weight, shards, golden, impl), quantizer)
 
 
-def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases: PhaseTracker) -> list[Stage]:
+def _update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases: PhaseTracker) -> list[Stage]:
     """Optimizer steps on the sharded master rows, re-quantized on the shards, then the `out=`
     path of the next unshard; the golden takes the same steps on the full weight."""
     n_steps = STEPS if spec.scenario == "steps" else 1
     full = master.clone()
-    start, end = shards.dim0_range(ctx.rank)
-    shard_master = torch.nn.Parameter(master[start:end].clone())
+    shards = setup.shards
+    shard_master = torch.nn.Parameter(setup.master_slice(master).clone())
     full_param = torch.nn.Parameter(full)
     opt_shard = torch.optim.SGD([shard_master], lr=LEARNING_RATE, momentum=0.9)
     opt_full = torch.optim.SGD([full_param], lr=LEARNING_RATE, momentum=0.9)
     stages = []
     for step in range(1, n_steps + 1):
         grad = make_gradient(spec, step).to(master.device)
-        shard_master.grad, full_param.grad = grad[start:end].clone(), grad.clone()
+        shard_master.grad, full_param.grad = setup.master_slice(grad).clone(), grad.clone()
         opt_shard.step()
         opt_full.step()
         with torch.no_grad(), phases.at(Phase.STEP):
@@ -259,11 +262,19 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, shards, phases
             impl.after_step(module, ctx.group)
             golden = golden_for(fmt, full_param.detach().to(spec.torch_dtype), impl)
         param_types = (type(_local_shard(module)),)
+        label = f"unshard {step + 1} (after step {step})"
+        if setup.forward_gathers:
+            def judge(weight, what, label=label, golden=golden):
+                with phases.at(Phase.INSPECTION):
+                    return inspect(impl, fmt, weight, golden, x, shards, f"{label}, {what}", setup.param_dtype)
+
+            with phases.at(Phase.STEP), phases.following_hooks(param_types), impl.gather_context(ctx.group):
+                stages.extend(fsdp_setup.gather_through_forward(module, x.to(setup.param_dtype), judge))
+            continue
         with phases.at(Phase.STEP), phases.following_hooks(param_types), impl.gather_context(ctx.group):
             module.unshard()
-        label = f"unshard {step + 1} (after step {step})"
         with phases.at(Phase.INSPECTION):
-            stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label))
+            stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label, setup.param_dtype))
             stages[-1].module = module_check(impl, spec, module, full_param.detach().to(spec.torch_dtype), x)
         module.reshard()
     return stages

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from harness.cases import CaseSpec
 from harness.engine import RunOptions, run_case
+from harness.fsdp_config import DEFAULT
 from harness.impls.mutants import MUTANTS, Mutant
 from harness.suite import K, alignment_shapes
 from harness.verdicts import CaseReport, Verdict
@@ -48,7 +49,8 @@ def run(case_id: str) -> CaseReport:
 def reference_case(case_id: str) -> str:
     """The same case with the reference implementation substituted."""
     spec = CaseSpec.parse(case_id)
-    return CaseSpec("reference", spec.fmt, spec.shape, spec.dtype, spec.world_size, spec.scenario, spec.seed).id
+    return CaseSpec("reference", spec.fmt, spec.shape, spec.dtype, spec.world_size, spec.scenario, spec.seed,
+                    spec.config).id
 
 
 def reference_passes(report: CaseReport) -> bool:
@@ -159,13 +161,16 @@ def suite_sample(mutant: type[Mutant]) -> list[str]:
     fmts = sorted({c.fmt for c in catching})
     sizes = sorted(set(SUITE_WORLD_SIZES) | {c.world_size for c in catching})
     scenarios = sorted(set(SUITE_SCENARIOS) | {c.scenario for c in catching})
+    configs = sorted({c.config for c in catching} | {DEFAULT}, key=lambda c: c.token)
     ids = {c.id for c in catching}
     for fmt in fmts:
         shapes = set(_suite_shapes(fmt)) | {c.shape for c in catching if c.fmt == fmt}
         for shape in sorted(shapes):
             for ws in sizes:
                 for scenario in scenarios:
-                    ids.add(CaseSpec(mutant.name, fmt, shape, SUITE_DTYPE, ws, scenario, 0).id)
+                    for config in configs:  # a configuration's mutant also runs where its bug is silent
+                        if config.check_world_size(ws) is None:
+                            ids.add(CaseSpec(mutant.name, fmt, shape, SUITE_DTYPE, ws, scenario, 0, config).id)
     return sorted(ids)
 
 

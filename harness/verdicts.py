@@ -11,8 +11,9 @@ import enum
 import re
 from dataclasses import dataclass, field
 
-from harness.cases import CaseSpec, shard_layout
+from harness.cases import CaseSpec
 from harness.formats import FORMATS, FormatError
+from harness.fsdp_setup import alignment_problem
 from harness.phases import BEFORE_DATA_MOVED, phase_of
 from harness.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
 
@@ -47,11 +48,8 @@ def expectation(spec: CaseSpec) -> Expectation:
         fmt.check(spec.shape, spec.torch_dtype)
     except FormatError as exc:
         return Expectation(False, str(exc))
-    rank = shard_layout(spec).misaligned_rank(fmt.row_block)
-    if rank is None:
-        return Expectation(True, "")
-    start, _ = shard_layout(spec).row_range(rank)
-    return Expectation(False, f"rank {rank}'s shard starts at row {start}, not a multiple of {fmt.row_block}")
+    problem = alignment_problem(spec)  # the sharded dimension's split (rows, or K under dim1), over the shard mesh
+    return Expectation(problem is None, problem or "")
 
 
 @dataclass
@@ -231,6 +229,9 @@ def _classify_stage(stages: list[Stage], results: list[RankResult], details: lis
         return Verdict.DEGRADED, f"the gathered weight is a plain high-precision tensor on ranks {_ranks(ranks)}"
     if stages[0].accepted_unholdable:
         return Verdict.SILENT_MISMATCH, f"accepted a shape the format cannot hold ({stages[0].accepted_unholdable})"
+    wrong_dtype = [r.rank for r, s in zip(results, stages) if s.dtype_problem]
+    if wrong_dtype:
+        return Verdict.SILENT_MISMATCH, f"{stages[0].dtype_problem or 'wrong dtype'} (ranks {_ranks(wrong_dtype)})"
     digests = _group_ranks(results, stages, lambda s: s.digest)
     if len(digests) > 1:
         details.append(_grouping_line("gathered buffers", digests))

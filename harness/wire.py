@@ -107,11 +107,15 @@ def summarize_wire(wire: WireLog, fmt: Format, weight: torch.Tensor, shards: Sha
                    impl: Implementation) -> WireSummary:
     """What the case moved, beside what its packed shard needed and what the implementation may move."""
     padded_rows = shards.chunk * shards.inner_rows
+    # Shard(1) (harness.fsdp_setup.ColumnShardLayout): every row, a 1/ws slice of the columns
+    col_fraction = (shards.col_chunk, weight.shape[-1]) if hasattr(shards, "col_chunk") else (1, 1)
+    packed = packed_shard_bytes(fmt, golden, padded_rows)
     summary = WireSummary(collective_bytes=wire.collective_bytes, collectives=wire.collectives,
                           hook_calls=wire.hook_calls, hook_outputs=list(wire.hook_outputs),
                           high_precision_elements=wire.high_precision_elements(),
-                          shard_numel=padded_rows * weight.shape[-1], param_itemsize=weight.element_size(),
-                          packed_bytes=packed_shard_bytes(fmt, golden, padded_rows))
+                          shard_numel=padded_rows * weight.shape[-1] * col_fraction[0] // col_fraction[1],
+                          param_itemsize=weight.element_size(),
+                          packed_bytes=None if packed is None else packed * col_fraction[0] // col_fraction[1])
     if summary.packed_bytes:
         summary.wire_mode, summary.allowed_bytes = impl.wire_allowance(fmt.name, tuple(weight.shape), shards,
                                                                        summary.packed_bytes)

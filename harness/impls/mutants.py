@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map_only
 from harness.formats import FORMATS
 from harness.formats import numerics as nx
 from harness.formats.nvfp4 import Nvfp4_1DFormat, Nvfp4_2DFormat
-from harness.impls.reference import QuantizedParam, ReferenceImplementation, _pack_bytes, aten
+from harness.impls.reference import QuantizedParam, ReferenceImplementation, _pack_bytes, _unpack_planes, aten
 from harness.verdicts import Verdict
 
 __all__ = ["FACTORIES", "MUTANTS", "Mutant"]
@@ -453,12 +453,85 @@ class StaleDerived(Mutant):
         local._assign({n: t for n, t in rows.items() if not n.startswith("columnwise")}, glob)
 
 
+# ====================================================================== 15. mixed precision ignored
+class IgnoresParamDtypeParam(QuantizedParam):
+    """Models a post-hook that builds the unsharded weight with the shard's own dtype (the masters')
+    instead of the `param_dtype` FSDP2 hands it from the MixedPrecisionPolicy: the bytes are right,
+    the layer computes in fp32 where the policy asked for bf16."""
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        # BUG: the policy's param_dtype is ignored.
+        return super().fsdp_post_all_gather(all_gather_outputs, metadata, self.dtype, out=out)
+
+
+class IgnoresParamDtype(Mutant):
+    bug, bug_class = "ignores_param_dtype", 15
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
+    param_class = IgnoresParamDtypeParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "nvfp4_2d:128x64:fp32:ws2:gather:s0:mp-bf16")
+
+
+# ====================================================================== 16. assumes dim-0 sharding
+class AssumesDim0Param(QuantizedParam):
+    """Models a post-hook written for dim-0 sharding only: it reads each rank's section as a
+    contiguous block of the gathered output (rank r's bytes at [r * numel, (r + 1) * numel)), but under
+    Shard(1) FSDP2 has concatenated the ranks along dim 1, so every section interleaves the rows of
+    all ranks: the shapes fit, the bytes are scrambled."""
+
+    def _rows_from_columns(self, outputs, layout):
+        per_rank = []
+        for rank in range(layout.world_size):
+            # BUG: rank-major slicing of a dim-1 concatenation.
+            section = [o.reshape(layout.world_size, -1)[rank] for o in outputs]
+            per_rank.append(_unpack_planes(section, layout.buffers))
+        return {name: torch.cat([r[name] for r in per_rank], dim=-1) for name, _, _ in layout.buffers}
+
+
+class AssumesDim0(Mutant):
+    bug, bug_class = "assumes_dim0", 16
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
+    param_class = AssumesDim0Param
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:gather:s0:dim1")
+
+
+# ====================================================================== 17. HSDP: world instead of shard mesh
+class WorldNotShardMeshParam(QuantizedParam):
+    """Models a pre-hook that sizes its wire by the global world (dist.get_world_size()) instead of
+    the FSDP mesh it is handed: under HSDP the shard mesh is smaller than the world, so the padded
+    wire is cut for shards a fraction of the real size and every rank fails in the hook."""
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        import torch.distributed as dist
+
+        # BUG: the world's size where the shard mesh's is meant.
+        return super().fsdp_pre_all_gather(_SizedMesh(dist.get_world_size()), orig_size, contiguous_orig_stride,
+                                           module, mp_policy)
+
+
+class _SizedMesh:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self, dim: int | None = None) -> int:
+        return self._size
+
+
+class WorldNotShardMesh(Mutant):
+    bug, bug_class = "world_not_shard_mesh", 17
+    verdicts = frozenset({Verdict.ERROR, Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE})
+    param_class = WorldNotShardMeshParam
+    expected = Verdict.ERROR
+    catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws4:gather:s0:hsdp-2x2")
+
+
 MUTANTS: tuple[type[Mutant], ...] = tuple(
     sorted(
         (
             MisalignedShard, TrimToFit, SliceIgnoresBounds, MissingUsage, ColumnwiseNotTransposed,
             PerRankAmax, DeriveColumnwise1D, ScalePadding, UnpaddedUneven, StaleOut, HpFallback,
-            NibbleSwap, Ws1Path, StaleDerived,
+            NibbleSwap, Ws1Path, StaleDerived, IgnoresParamDtype, AssumesDim0, WorldNotShardMesh,
         ),
         key=lambda m: m.bug_class,
     )

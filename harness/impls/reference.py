@@ -145,6 +145,48 @@ class QuantizedParam(torch.Tensor):
         }
         return self._like(rows, (end - start, *self._shape[1:]))
 
+    # ----------------------------------------------------------------- dim-1 (Shard(1)) geometry
+    def _col_entries(self, t: torch.Tensor, start: int, end: int) -> tuple[int, int]:
+        """The last-dim entries of row buffer `t` that hold columns [start, end) of this piece."""
+        width, k = t.shape[-1], self._shape[-1]
+        return start * width // k, math.ceil(end * width / k)
+
+    def _check_col_alignment(self, start: int, what: str) -> None:
+        from harness.fsdp_setup import column_block
+
+        block = column_block(self._fmt.name)
+        if len(self._shape) != 2:
+            raise ShardAlignmentError(f"reference:{self._fmt.name}: {what}: dim-1 shards of a "
+                                      f"{len(self._shape)}-D weight {self._shape} are not supported")
+        if start % block:
+            raise ShardAlignmentError(
+                f"reference:{self._fmt.name}: {what} starts at column {start}, not a multiple of the "
+                f"{block}-column scale block of {self._fmt.name} (weight shape {self._shape})"
+            )
+
+    def _slice_cols(self, start: int, end: int) -> QuantizedParam:
+        if (start, end) == (0, self._shape[-1]):
+            return self._like(self._rows, self._shape, te=self._te)
+        rows = {}
+        for name, t in self._rows.items():
+            first, last = self._col_entries(t, start, end)
+            rows[name] = t[..., first:last]
+        return self._like(rows, (*self._shape[:-1], end - start))
+
+    def _split_cols(self, sizes: list[int]) -> list[QuantizedParam]:
+        pieces, start = [], 0
+        for index, size in enumerate(sizes):
+            if size:
+                self._check_col_alignment(start, f"dim-1 shard {index} of {len(sizes)} (split {sizes})")
+            pieces.append(self._slice_cols(start, start + size))
+            start += size
+        return pieces
+
+    def _zeros_cols(self, cols: int) -> QuantizedParam:
+        rows = {n: t.new_zeros((*t.shape[:-1], self._col_entries(t, 0, cols)[1])) for n, t in self._rows.items()}
+        glob = {n: t.clone() for n, t in self._glob.items()}
+        return type(self)(self._fmt, rows, glob, (*self._shape[:-1], cols), self.dtype)
+
     def _zeros(self, dim0: int) -> QuantizedParam:
         nrows = dim0 * self._inner_rows
         rows = {
@@ -174,6 +216,13 @@ class QuantizedParam(torch.Tensor):
 
     def _slice(self, dim: int, start: int | None, end: int | None, step: int) -> QuantizedParam:
         dim0 = self._shape[0]
+        if dim in (1, -1) and len(self._shape) == 2 and step == 1:
+            k = self._shape[-1]
+            start = max(0, min(k, 0 if start is None else start + k if start < 0 else start))
+            end = max(start, min(k, k if end is None else end + k if end < 0 else end))
+            if start:
+                self._check_col_alignment(start, f"column slice [{start}:{end}]")
+            return self._slice_cols(start, end)
         if dim != 0 or step != 1:
             raise NotImplementedError(
                 f"reference:{self._fmt.name}: only contiguous dim-0 slices of a quantized weight are "
@@ -237,6 +286,8 @@ class QuantizedParam(torch.Tensor):
 
     # ----------------------------------------------------------------- FSDP2 all-gather hooks
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        if self._shape != tuple(orig_size) and self._shape[:-1] == tuple(orig_size[:-1]):
+            return self._pre_all_gather_cols(mesh, orig_size)
         layout = ShardLayout(orig_size[0], mesh.size(), math.prod(orig_size[1:-1]))
         wire = self._padded_wire(layout.chunk * layout.inner_rows)
         mode = "single" if layout.world_size == 1 else "rows" if layout.even else "planes"
@@ -255,6 +306,15 @@ class QuantizedParam(torch.Tensor):
         plane_shape = (layout.chunk, *orig_size[1:])
         return _pack_planes(list(wire.values()), plane_shape), meta
 
+    def _pre_all_gather_cols(self, mesh, orig_size):
+        """A Shard(1) piece: FSDP2 views every all-gather output as the shard's shape and
+        concatenates the ranks along dim 1, so the row buffers travel as uint8 planes of exactly
+        the shard's shape (M, K / ws), and the post-hook cuts each rank's columns back out."""
+        wire = {n: t.contiguous() for n, t in self._rows.items()}
+        layout = WireLayout(self._fmt.name, tuple(orig_size), mesh.size(), "cols",
+                            tuple((n, t.dtype, tuple(t.shape)) for n, t in wire.items()))
+        return _pack_planes(list(wire.values()), self._shape), WireMeta(layout, self._metadata_glob())
+
     def _padded_wire(self, padded_rows: int) -> dict[str, torch.Tensor]:
         wire = {}
         for name, t in self._rows.items():
@@ -270,6 +330,8 @@ class QuantizedParam(torch.Tensor):
         layout = metadata.layout
         if layout.mode == "planes":
             rows = self._rows_from_planes(all_gather_outputs, layout)
+        elif layout.mode == "cols":
+            rows = self._rows_from_columns(all_gather_outputs, layout)
         elif layout.mode == "single":
             rows = self._trim(_unpack_planes(all_gather_outputs[:1], layout.buffers), layout, rank=0)
         else:
@@ -289,6 +351,16 @@ class QuantizedParam(torch.Tensor):
             section = [o[rank * shards.chunk : (rank + 1) * shards.chunk] for o in outputs]
             per_rank.append(self._trim(_unpack_planes(section, layout.buffers), layout, rank))
         return {name: torch.cat([r[name] for r in per_rank]) for name, _, _ in layout.buffers}
+
+    def _rows_from_columns(self, outputs, layout: WireLayout) -> dict[str, torch.Tensor]:
+        """Each output holds the ranks' planes side by side along dim 1 (FSDP2's chunk-cat)."""
+        m, k = layout.full_shape
+        kc = k // layout.world_size
+        per_rank = []
+        for rank in range(layout.world_size):
+            section = [o.reshape(m, k)[:, rank * kc : (rank + 1) * kc] for o in outputs]
+            per_rank.append(_unpack_planes(section, layout.buffers))
+        return {name: torch.cat([r[name] for r in per_rank], dim=-1) for name, _, _ in layout.buffers}
 
     def _trim(self, buffers: dict[str, torch.Tensor], layout: WireLayout, rank: int) -> dict[str, torch.Tensor]:
         """Drop the padding entries of one rank's section: keep those of its real rows."""
@@ -330,11 +402,16 @@ def _new_zeros(self: QuantizedParam, size, **kwargs) -> torch.Tensor:
     size = tuple(size)
     if size[1:] == self._shape[1:] and len(size) == len(self._shape):
         return self._zeros(size[0])
+    if size[:-1] == self._shape[:-1] and len(size) == len(self._shape) == 2:
+        return self._zeros_cols(size[-1])  # FSDP2's padded Shard(1) piece
     # FSDP2 pads its list of chunks with `new_empty(0)` placeholders that only report numel 0.
     return torch.zeros(size, dtype=kwargs.get("dtype") or self.dtype, device=self.device)
 
 
 def _split_tensor(self: QuantizedParam, split_size: int, dim: int = 0):
+    if dim in (1, -1) and len(self._shape) == 2:
+        k = self._shape[-1]
+        return self._split_cols([min(split_size, k - s) for s in range(0, k, split_size)] or [0])
     if dim != 0:
         raise NotImplementedError(f"reference:{self._fmt.name}: FSDP2 shards dim 0; got split on dim {dim}")
     dim0 = self._shape[0]
@@ -343,6 +420,8 @@ def _split_tensor(self: QuantizedParam, split_size: int, dim: int = 0):
 
 
 def _split_with_sizes(self: QuantizedParam, split_sizes, dim: int = 0):
+    if dim in (1, -1) and len(self._shape) == 2:
+        return self._split_cols(list(split_sizes))
     if dim != 0:
         raise NotImplementedError(f"reference:{self._fmt.name}: FSDP2 shards dim 0; got split on dim {dim}")
     return self._split(list(split_sizes))
@@ -409,6 +488,10 @@ class ReferenceImplementation(Implementation):
     rejection_types = (ShardAlignmentError, FormatError)
 
     def wire_allowance(self, fmt: str, shape: tuple[int, ...], shards: ShardLayout, packed_bytes: int):
+        if getattr(shards, "shard_dim", 0) == 1 and shards.world_size > 1:
+            # Shard(1): whole uint8 planes of the shard's shape (see _pre_all_gather_cols)
+            plane = shards.dim0 * shards.col_chunk
+            return "column planes", max(1, math.ceil(packed_bytes / plane)) * plane
         if shards.world_size == 1 or shards.even:
             return super().wire_allowance(fmt, shape, shards, packed_bytes)
         # Uneven shards: FSDP2 wants every input at the padded shard's shape, so the packed bytes

@@ -1,0 +1,99 @@
+"""The FSDP2 configuration sweep: formats x shapes x dtypes x mixed precision x reshard_after_forward
+x mesh (flat or HSDP) x shard dim x scenario, as a covering design (every pair of dimension values in
+at least one case) for the default run, or the full product (`slow`).
+
+Pairwise cover: greedy, deterministic. Each new case starts from the first pair not yet covered and
+fills the other dimensions one by one with the value that covers the most uncovered pairs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from harness.cases import CaseSpec
+from harness.formats import FORMATS
+from harness.fsdp_config import FsdpConfig
+
+MP = ("", "mp-bf16", "mp-bf16-rfp32", "mp-fp32", "mp-fp32-rbf16")
+RAF = ("", "raf-no", "raf-S")  # raf-S: the int equal to the shard world size (smaller ints: FSDP2 cannot)
+MESHES = ("ws2", "ws4", "hsdp-2x2", "hsdp-1x2", "hsdp-2x1")
+SHARD_DIMS = ("", "dim1")
+SCENARIOS = ("gather", "steps", "reshard")
+DTYPES = ("bf16", "fp32")
+SHAPES = ("aligned", "split")
+IMPL_FORMATS = {"torchao": ("fp8_tensor",)}  # implementations that hold only some formats
+
+
+def shape_for(fmt: str, kind: str) -> tuple[int, int]:
+    """`aligned`: 8 row blocks (aligned at 2 and 4 ranks); `split`: 8.5 blocks (4-rank shards split a
+    block). K holds two of the format's column blocks, so dim-1 shards align at 2 ranks, not at 4."""
+    u = max(FORMATS[fmt].row_block, 16)
+    k = 256 if fmt.startswith("fp8_block") else 64
+    return (8 * u, k) if kind == "aligned" else (17 * u // 2, k)
+
+
+def world_and_mesh(mesh: str) -> tuple[int, str]:
+    if mesh.startswith("ws"):
+        return int(mesh[2:]), ""
+    r, s = (int(v) for v in mesh.removeprefix("hsdp-").split("x"))
+    return r * s, mesh
+
+
+def config_token(mp: str, raf: str, mesh: str, dim: str) -> str:
+    _, hsdp = world_and_mesh(mesh)
+    shard = int(hsdp.split("x")[1]) if hsdp else world_and_mesh(mesh)[0]
+    raf = f"raf-{shard}" if raf == "raf-S" else raf
+    return "+".join(p for p in (mp, raf, hsdp, dim) if p)
+
+
+def pairwise(factors: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """Rows of a covering array of strength 2 over `factors` (deterministic, greedy)."""
+    uncovered = {((i, a), (j, b)) for i, j in itertools.combinations(range(len(factors)), 2)
+                 for a in factors[i] for b in factors[j]}
+    rows = []
+    while uncovered:
+        (i, a), (j, b) = min(uncovered)
+        row: dict[int, str] = {i: a, j: b}
+        for k in range(len(factors)):
+            if k not in row:
+                row[k] = max(factors[k], key=lambda v, k=k: sum(
+                    ((min(k, m), v if k < m else w), (max(k, m), w if k < m else v)) in uncovered
+                    for m, w in row.items()))
+        full = tuple(row[k] for k in range(len(factors)))
+        uncovered -= {((p, full[p]), (q, full[q])) for p, q in itertools.combinations(range(len(factors)), 2)}
+        rows.append(full)
+    return rows
+
+
+@dataclass(frozen=True)
+class ConfigSweep:
+    """Duck-types harness.suite.Sweep for the pytest plugin: `cases(...)` and `marks`."""
+
+    product: bool = False
+    marks: Sequence[str] = field(default_factory=tuple)
+    #: beside the plugin's default implementation (reference), these run too
+    also_with_default: Sequence[str] = ("torchao",)
+
+    def cases(self, impls: Iterable[str], formats: Iterable[str] | None = None,
+              world_sizes: Iterable[int] | None = None, scenarios: Iterable[str] | None = None) -> list[CaseSpec]:
+        impls = list(impls)
+        if impls == ["reference"]:
+            impls += list(self.also_with_default)
+        impl_fmts = [f"{i}|{f}" for i in impls for f in IMPL_FORMATS.get(i, tuple(FORMATS))
+                     if formats is None or f in set(formats)]
+        scens = [s for s in SCENARIOS if scenarios is None or s in set(scenarios)]
+        meshes = [m for m in MESHES if world_sizes is None or world_and_mesh(m)[0] in set(world_sizes)]
+        if not (impl_fmts and scens and meshes):
+            return []
+        factors = (impl_fmts, SHAPES, DTYPES, MP, RAF, meshes, SHARD_DIMS, scens)
+        rows = itertools.product(*factors) if self.product else pairwise(factors)
+        return [self._case(*row) for row in rows]
+
+    @staticmethod
+    def _case(impl_fmt, shape, dtype, mp, raf, mesh, dim, scenario) -> CaseSpec:
+        impl, fmt = impl_fmt.split("|")
+        ws, _ = world_and_mesh(mesh)
+        config = FsdpConfig.parse(config_token(mp, raf, mesh, dim))
+        return CaseSpec(impl, fmt, shape_for(fmt, shape), dtype, ws, scenario, 0, config)
