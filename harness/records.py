@@ -36,6 +36,7 @@ class Stage:
     where: list[str] = field(default_factory=list)  # where the buffers differ, in row layout
     values: Comparison | None = None  # a plain (high-precision) gathered weight against the golden values
     accepted_unholdable: str = ""  # the format cannot hold the shape, yet the implementation gathered it
+    note: str = ""  # how the stage ran (e.g. the torch.compile backend), shown with an EXACT verdict
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harness.cases import CaseSpec, shard_layout
 from harness.formats import FORMATS, FormatError
@@ -47,11 +47,17 @@ def expectation(spec: CaseSpec) -> Expectation:
         fmt.check(spec.shape, spec.torch_dtype)
     except FormatError as exc:
         return Expectation(False, str(exc))
-    rank = shard_layout(spec).misaligned_rank(fmt.row_block)
-    if rank is None:
-        return Expectation(True, "")
-    start, _ = shard_layout(spec).row_range(rank)
-    return Expectation(False, f"rank {rank}'s shard starts at row {start}, not a multiple of {fmt.row_block}")
+    # a checkpoint saved at world size A was sharded there too: aligned only if aligned at both sizes
+    saved = spec.config.saved_at_world_size
+    for size in (spec.world_size, *(() if saved is None else (saved,))):
+        layout = shard_layout(replace(spec, world_size=size))
+        rank = layout.misaligned_rank(fmt.row_block)
+        if rank is not None:
+            at = f" at world size {size} (where the checkpoint was saved)" if size != spec.world_size else ""
+            start, _ = layout.row_range(rank)
+            return Expectation(False, f"rank {rank}'s shard{at} starts at row {start}, not a multiple of "
+                                      f"{fmt.row_block}")
+    return Expectation(True, "")
 
 
 @dataclass
@@ -203,7 +209,7 @@ def classify_results(spec: CaseSpec, results: list[RankResult]) -> tuple[Verdict
         return Verdict.DEGRADED, wire, details
     if results[0].quantizer:
         return Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference", results[0].quantizer
-    details = _wire_details(results[0].wire)
+    details = _wire_details(results[0].wire) + [s.note for s in results[0].stages if s.note]
     output = results[0].stages[0].output
     if output is not None and output.tolerance:
         details.append(f"layer output compared within {output.tolerance} (not bitwise: another GEMM kernel)")
