@@ -48,7 +48,8 @@ def run(case_id: str) -> CaseReport:
 def reference_case(case_id: str) -> str:
     """The same case with the reference implementation substituted."""
     spec = CaseSpec.parse(case_id)
-    return CaseSpec("reference", spec.fmt, spec.shape, spec.dtype, spec.world_size, spec.scenario, spec.seed).id
+    return CaseSpec("reference", spec.fmt, spec.shape, spec.dtype, spec.world_size, spec.scenario, spec.seed,
+                    spec.config).id
 
 
 def reference_passes(report: CaseReport) -> bool:
