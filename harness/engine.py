@@ -70,6 +70,11 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
         report = CaseReport(spec, Verdict.SKIPPED, reason)
     elif spec.scenario == "virtual":
         report = _run_virtual(spec)
+    elif spec.config.saved_at_world_size is not None:
+        from harness.checkpoint_reshard import saved_checkpoint
+
+        with saved_checkpoint(spec, options) as (checkpoint, failure):
+            report = failure or _run_on_pool(spec, options, checkpoint)
     else:
         report = _run_on_pool(spec, options)
     report.expectation = expectation(spec)
@@ -95,7 +100,7 @@ def _rejections(spec: CaseSpec) -> frozenset[str]:
     return get_impl(spec.impl).declared_rejections()
 
 
-def _run_on_pool(spec: CaseSpec, options: RunOptions) -> CaseReport:
+def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> CaseReport:
     from harness.runtime import PoolSpec, PoolSpecError, get_pool
     from harness.scenarios import run_on_rank
 
@@ -112,7 +117,7 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions) -> CaseReport:
     kwargs = {"case_id": spec.id, "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
-    outcome = pool.run(run_on_rank, spec.id, **kwargs)
+    outcome = pool.run(run_on_rank, spec.id, *case_args, **kwargs)
     if outcome.status == "ok":
         return CaseReport(spec, *classify_results(spec, outcome.results))
     if outcome.status == "error":

@@ -27,10 +27,9 @@ import torch
 
 from harness.cases import DTYPES, CaseSpec, ShardLayout
 from harness.formats import FORMATS
-from harness.fsdp_config import FsdpConfig
-from harness.impls.base import HarnessFault, Implementation
+from harness.impls.base import Implementation
 
-#: the tokens the scenarios apply (compile and DCP are applied elsewhere, or not yet)
+#: the settings fully_shard applies here (compile and DCP: harness.compiled_forward, harness.checkpoint_reshard)
 APPLIED = ("param_dtype", "reduce_dtype", "reshard_after_forward", "hsdp", "shard_dim")
 #: scenarios without fully_shard: a configuration has nothing to apply to there
 UNCONFIGURABLE = ("hooks", "virtual")
@@ -161,13 +160,6 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
     return None
 
 
-def check_applied(config: FsdpConfig) -> None:
-    """Never run a configured case as if it were the default one."""
-    rest = FsdpConfig(**{f: getattr(config, f) for f in ("compile", "saved_at_world_size")})
-    if not rest.is_default:
-        raise HarnessFault(f"FSDP2 configuration {rest.token!r} is not implemented by the scenarios yet")
-
-
 # ------------------------------------------------------------------ on a rank
 _MESHES: dict[tuple, Any] = {}
 
@@ -217,7 +209,6 @@ def prepare(ctx, spec: CaseSpec) -> Setup:
     from torch.distributed.tensor import Shard
 
     config = spec.config
-    check_applied(config)
     kwargs: dict = {"mesh": ctx.mesh}
     shard_rank = ctx.rank
     if config.hsdp:

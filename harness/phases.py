@@ -23,6 +23,9 @@ class Phase(str, enum.Enum):
     INSPECTION = "inspection"
     FORWARD = "forward"
     STEP = "optimizer step"
+    SAVE = "checkpoint save"
+    LOAD = "checkpoint load"
+    COMPILE = "compiled forward"
 
 
 #: phases in which no byte of the weight has moved between ranks yet

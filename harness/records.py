@@ -38,6 +38,7 @@ class Stage:
     accepted_unholdable: str = ""  # the format cannot hold the shape, yet the implementation gathered it
     module: ModuleCheck | None = None  # the library's own forward against the same module on one device
     dtype_problem: str = ""  # the unsharded weight's dtype is not the one the mixed-precision policy asks for
+    note: str = ""  # how the stage ran (e.g. the torch.compile backend), shown with an EXACT verdict
 
 
 @dataclass

@@ -195,20 +195,42 @@ def _local_shard(module: torch.nn.Module) -> torch.Tensor:
     return weight._local_tensor if hasattr(weight, "_local_tensor") else weight
 
 
-def run_on_rank(ctx, case_id: str) -> RankResult:
-    """Entry point on every rank of a pool: one case, end to end. An exception leaving it carries
-    the phase it was raised in (harness.phases)."""
+def run_on_rank(ctx, case_id: str, checkpoint: str | None = None) -> RankResult:
+    """Entry point on every rank of a pool: one case, end to end (`checkpoint`: the directory a
+    `dcp-wsA` case loads, harness.checkpoint_reshard). An exception leaving it carries the phase
+    it was raised in (harness.phases)."""
     phases = PhaseTracker()
     with phases.tagging():
-        return _run_on_rank(ctx, CaseSpec.parse(case_id), phases)
+        return _run_on_rank(ctx, CaseSpec.parse(case_id), phases, checkpoint)
 
 
-def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
+def build_sharded_module(ctx, spec: CaseSpec, phases: PhaseTracker, master: torch.Tensor | None = None,
+                         setup: fsdp_setup.Setup | None = None):
+    """The implementation's module holding the quantized `master` (default: the case's), sharded by FSDP2
+    as the case's configuration says (`setup`, default: fsdp_setup.prepare)."""
     from torch.distributed.fsdp import fully_shard
+
+    impl = get_impl(spec.impl)
+    master = make_weight(spec).to(ctx.device) if master is None else master
+    module = impl.make_sharded_module(ctx, spec, master)
+    if module is None:
+        weight = master.to(spec.torch_dtype)
+        module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
+        with phases.at(Phase.SHARD):
+            fully_shard(module, **(setup or fsdp_setup.prepare(ctx, spec)).kwargs)
+    return module
+
+
+def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | None = None) -> RankResult:
+    from harness import checkpoint_reshard, compiled_forward
 
     impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
     if spec.scenario == "model":
         return impl.run_model(ctx, spec, phases)
+    if (spec.config.compile or checkpoint) and spec.scenario == "hooks":
+        raise HarnessFault(f"{spec.config.token} needs fully_shard; the hooks scenario has none")
+    if (spec.config.saved_at_world_size is None) != (checkpoint is None):
+        raise HarnessFault("a dcp-wsA case runs with the checkpoint its runner saved (harness.checkpoint_reshard)")
     setup = fsdp_setup.prepare(ctx, spec)  # the configuration's fully_shard kwargs, mesh and shard layout
     device = ctx.device
     master = make_weight(spec).to(device)
@@ -222,11 +244,8 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
         stages, wire_summary = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards, phases)
         return RankResult(ctx.rank, stages, wire_summary, quantizer)
 
-    module = impl.make_sharded_module(ctx, spec, master)
-    if module is None:
-        module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
-        with phases.at(Phase.SHARD):
-            fully_shard(module, **setup.kwargs)
+    module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
+    loaded = checkpoint_reshard.load(ctx, spec, module, checkpoint, phases)
     param_types = (type(_local_shard(module)),)
     stages = []
     with phases.at(Phase.SHARD), phases.following_hooks(param_types):
@@ -235,7 +254,10 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResult:
     with phases.at(Phase.INSPECTION):
         stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1", setup.param_dtype))
         stages[-1].module = module_check(impl, spec, module, weight, x)
+    stages[0].note = loaded
     module.reshard()
+    if spec.config.compile:
+        stages.append(compiled_forward.compiled_stage(impl, module, x.to(spec.torch_dtype), ctx.group, phases))
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases))
     return RankResult(ctx.rank, stages, summarize_wire(wire, fmt, weight, shards, golden, impl), quantizer)

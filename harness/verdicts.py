@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harness.cases import CaseSpec
 from harness.formats import FORMATS, FormatError
@@ -48,8 +48,14 @@ def expectation(spec: CaseSpec) -> Expectation:
         fmt.check(spec.shape, spec.torch_dtype)
     except FormatError as exc:
         return Expectation(False, str(exc))
-    problem = alignment_problem(spec)  # the sharded dimension's split (rows, or K under dim1), over the shard mesh
-    return Expectation(problem is None, problem or "")
+    # a checkpoint saved at world size A was sharded there too: aligned only if aligned at both sizes
+    saved = spec.config.saved_at_world_size
+    for size in (spec.world_size, *(() if saved is None else (saved,))):
+        problem = alignment_problem(replace(spec, world_size=size))  # rows, or K under dim1, over the shard mesh
+        if problem:
+            at = f" at world size {size} (where the checkpoint was saved)" if size != spec.world_size else ""
+            return Expectation(False, problem + at)
+    return Expectation(True, "")
 
 
 @dataclass
@@ -201,7 +207,7 @@ def classify_results(spec: CaseSpec, results: list[RankResult]) -> tuple[Verdict
         return Verdict.DEGRADED, wire, details
     if results[0].quantizer:
         return Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference", results[0].quantizer
-    details = _wire_details(results[0].wire)
+    details = _wire_details(results[0].wire) + [s.note for s in results[0].stages if s.note]
     output = results[0].stages[0].output
     if output is not None and output.tolerance:
         details.append(f"layer output compared within {output.tolerance} (not bitwise: another GEMM kernel)")

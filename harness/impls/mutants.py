@@ -526,12 +526,59 @@ class WorldNotShardMesh(Mutant):
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws4:gather:s0:hsdp-2x2")
 
 
+# ====================================================================== 18. scale lost in a checkpoint
+class CheckpointDropsScaleParam(QuantizedParam):
+    """Models a subclass whose serialized state holds its data but not its per-tensor values (a
+    scale kept as a non-persistent attribute, re-derived on load): torch.distributed.checkpoint
+    saves each shard with torch.save and, on load, copies the rebuilt shard into the model's. The
+    data survive; the scale comes back as its default, 1. Eager training never notices."""
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # BUG: the per-tensor values are not part of the saved state; only their shapes are.
+        state["glob"] = {n: torch.ones_like(t) for n, t in self._glob.items()}
+        return state
+
+
+class CheckpointDropsScale(Mutant):
+    bug, bug_class = "checkpoint_drops_scale", 18
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
+    param_class = CheckpointDropsScaleParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:gather:s0:dcp-ws4")
+
+
+# ====================================================================== 19. unflatten drops metadata
+class UnflattenDropsScaleParam(QuantizedParam):
+    """Models a `__tensor_unflatten__` that rebuilds the subclass from its data but takes the
+    per-tensor values from defaults instead of what `__tensor_flatten__` handed over (as a subclass
+    does that treats its scale as metadata and forgets it in the unflatten). Only torch.compile
+    takes that path (Dynamo and AOTAutograd rebuild every subclass input with it): the eager forward
+    is right, the compiled one multiplies by the wrong scale."""
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        param = super().__tensor_unflatten__(inner, meta, outer_size, outer_stride)
+        # BUG: the per-tensor values are reset instead of taken from the inner tensors.
+        param._glob = {n: torch.ones_like(t) for n, t in param._glob.items()}
+        return param
+
+
+class UnflattenDropsScale(Mutant):
+    bug, bug_class = "unflatten_drops_scale", 19
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
+    param_class = UnflattenDropsScaleParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:gather:s0:compile")
+
+
 MUTANTS: tuple[type[Mutant], ...] = tuple(
     sorted(
         (
             MisalignedShard, TrimToFit, SliceIgnoresBounds, MissingUsage, ColumnwiseNotTransposed,
             PerRankAmax, DeriveColumnwise1D, ScalePadding, UnpaddedUneven, StaleOut, HpFallback,
             NibbleSwap, Ws1Path, StaleDerived, IgnoresParamDtype, AssumesDim0, WorldNotShardMesh,
+            CheckpointDropsScale, UnflattenDropsScale,
         ),
         key=lambda m: m.bug_class,
     )

@@ -99,6 +99,49 @@ class QuantizedParam(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _allow_in_checkpoints(cls)
+
+    # ----------------------------------------------------------------- torch.compile (traceable subclass)
+    # Dynamo and AOTAutograd take a subclass apart into its inner tensors and rebuild it from them
+    # (on fake tensors while tracing): every buffer is an inner tensor, everything else is metadata.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        names = [f"{_INNER}{kind}{_SEP}{key}" for kind, store in self._stores() for key in store]
+        return names, (self._fmt.name, self._shape, self.dtype, self._flat_shape is not None, self._te is not None)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], meta: tuple, outer_size, outer_stride):
+        fmt_name, shape, dtype, flat, has_te = meta
+        stores: dict[str, dict[str, torch.Tensor]] = {"rows": {}, "glob": {}, "te": {}}
+        for name, t in inner.items():
+            kind, key = name[len(_INNER):].split(_SEP, 1)
+            stores[kind][key] = t
+        return cls(FORMATS[fmt_name], stores["rows"], stores["glob"], shape, dtype,
+                   te=stores["te"] if has_te else None, flat_shape=shape if flat else None)
+
+    def _stores(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        return [("rows", self._rows), ("glob", self._glob), ("te", self._te or {})]
+
+    def __getattr__(self, name: str) -> Any:
+        # the inner tensors named by __tensor_flatten__ (torch reads them with getattr)
+        if name.startswith(_INNER):
+            kind, key = name[len(_INNER):].split(_SEP, 1)
+            return dict(self._stores())[kind][key]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    # ----------------------------------------------------------------- torch.distributed.checkpoint
+    # DCP writes each shard with torch.save and reads it with torch.load(weights_only=True): the state
+    # is the format's name and dicts of plain tensors, and the class is allowlisted (_allow_in_checkpoints).
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fmt": self._fmt.name, "rows": dict(self._rows), "glob": dict(self._glob),
+                "te": dict(self._te) if self._te is not None else None, "flat_shape": self._flat_shape}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._fmt = FORMATS[state["fmt"]]
+        self._rows, self._glob, self._te = state["rows"], state["glob"], state["te"]
+        self._flat_shape = state["flat_shape"]
+
     def __repr__(self) -> str:  # the default repr would dequantize through the fallback
         return f"{type(self).__name__}(format={self._fmt.name}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
@@ -372,6 +415,17 @@ class QuantizedParam(torch.Tensor):
         for store, new in ((self._rows, rows), (self._glob, glob), (self._te, te)):
             for name, t in new.items():
                 store[name].copy_(t)
+
+
+_INNER, _SEP = "_qgather_", "__"
+
+
+def _allow_in_checkpoints(cls: type) -> None:
+    """DCP loads every saved shard with torch.load(weights_only=True), which rebuilds only allowlisted types."""
+    torch.serialization.add_safe_globals([cls])
+
+
+_allow_in_checkpoints(QuantizedParam)
 
 
 def _pack_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,69 @@
+"""The dcp-wsA and compile configurations (harness.checkpoint_reshard, harness.compiled_forward):
+each would fail if the scenarios ignored the dimension (the zoo's mutants for it are caught only
+when the checkpoint really is saved at A and loaded at B, or the forward really is compiled)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+import torch
+
+from harness import selftest
+from harness.cases import CaseSpec
+from harness.checkpoint_reshard import initial_master, saved_spec
+from harness.engine import expectation
+from harness.scenarios import make_weight
+from harness.verdicts import Verdict
+
+DCP = "fp8_tensor:128x64:bf16:ws2:gather:s0:dcp-ws4"
+COMPILED = "fp8_tensor:128x64:bf16:ws2:gather:s0:compile"
+
+
+def test_a_loading_module_starts_from_another_weight_and_amax():
+    spec = CaseSpec.parse(f"reference:{DCP}")
+    master = make_weight(spec)
+    decoy = initial_master(spec, master)
+    assert decoy.shape == master.shape and decoy.abs().amax() != master.abs().amax()
+    assert initial_master(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s0"), master) is master
+    assert saved_spec(spec).id == "reference:fp8_tensor:128x64:bf16:ws4:gather:s0"
+
+
+def test_the_expectation_holds_the_saving_world_size_too():
+    # 48 nvfp4 rows: 24-row shards at 2 ranks split a 16-row block, 12 at 4; aligned at 1 and 3
+    assert expectation(CaseSpec.parse("reference:nvfp4_2d:48x64:bf16:ws3:gather:s0")).aligned
+    saved_at_2 = expectation(CaseSpec.parse("reference:nvfp4_2d:48x64:bf16:ws3:gather:s0:dcp-ws2"))
+    assert not saved_at_2.aligned and "at world size 2" in saved_at_2.reason
+    assert expectation(CaseSpec.parse("reference:nvfp4_2d:48x64:bf16:ws3:gather:s0:dcp-ws1")).aligned
+
+
+def test_resharded_checkpoint_is_exact_and_a_lost_scale_is_caught():
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), f"qgather-pool-{os.getpid()}-dcp-*")))
+    reference = selftest.run(f"reference:{DCP}")
+    assert reference.verdict is Verdict.EXACT, reference.render()
+    assert any("saved at world size 4 (4 .distcp files)" in d for d in reference.details), reference.details
+    mutant = selftest.run(f"mutant:checkpoint_drops_scale:{DCP}")
+    assert mutant.verdict is Verdict.SILENT_MISMATCH and "scale_inv" in mutant.reason, mutant.render()
+    after = set(glob.glob(os.path.join(tempfile.gettempdir(), f"qgather-pool-{os.getpid()}-dcp-*")))
+    assert after == before, "a checkpoint directory outlived its case"
+
+
+def test_compiled_forward_is_bitwise_and_an_unflatten_that_drops_the_scale_is_caught():
+    reference = selftest.run(f"reference:{COMPILED}")
+    assert reference.verdict is Verdict.EXACT, reference.render()
+    assert any("torch.compile backend aot_eager, 1 graph(s)" in d for d in reference.details), reference.details
+    mutant = selftest.run(f"mutant:unflatten_drops_scale:{COMPILED}")
+    assert mutant.verdict is Verdict.SILENT_MISMATCH and "compiled forward" in mutant.reason, mutant.render()
+
+
+def test_reference_subclass_round_trips_flatten_and_weights_only_load(tmp_path):
+    from harness.impls import get_impl
+
+    param = get_impl("reference").make_param("nvfp4_1d", torch.randn(32, 64).to(torch.bfloat16))
+    names, meta = param.__tensor_flatten__()
+    rebuilt = type(param).__tensor_unflatten__({n: getattr(param, n) for n in names}, meta, param.shape, None)
+    assert torch.equal(rebuilt.float(), param.float())
+    torch.save(param, tmp_path / "p.pt")
+    loaded = torch.load(tmp_path / "p.pt", weights_only=True)
+    assert type(loaded) is type(param) and torch.equal(loaded.float(), param.float())
