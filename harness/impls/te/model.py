@@ -247,11 +247,24 @@ def _stage(route, spec: CaseSpec, point: int, got: dict, want: dict, output: tor
             diffs.append(f"{name}: {values.n_diff} dequantized values differ, max |diff| {values.max_abs:.3g}")
     stage.buffer_diffs = diffs
     stage.dequantized = Comparison(n_diff == 0, n_diff, max_abs)
-    stage.digest = digest({f"{n}.{b}": t for n, p in got.items() for b, t in p["buffers"].items()}
-                          | {f"{n}.values": p["values"] for n, p in got.items()}, {})
+    stage.digest = _digest(spec, got)
     stage.output = compare_values(output, want_output)
     stage.output_digest = digest({"output": output}, {})
     return stage
+
+
+def _digest(spec: CaseSpec, params: dict) -> str:
+    """What the ranks must agree on: every buffer's valid region (scale padding may hold anything)
+    and every dequantized value."""
+    buffers, valid = {}, {}
+    for name, param in params.items():
+        regions = _valid_regions(spec.fmt, tuple(param["values"].shape))
+        for buffer, tensor in param["buffers"].items():
+            buffers[f"{name}.{buffer}"] = tensor
+            if len(regions.get(buffer, ())) == tensor.dim():
+                valid[f"{name}.{buffer}"] = regions[buffer]
+        buffers[f"{name}.values"] = param["values"]
+    return digest(buffers, valid)
 
 
 def _valid_regions(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[slice, ...]]:
