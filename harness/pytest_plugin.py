@@ -8,6 +8,7 @@ options narrow every sweep.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -76,11 +77,21 @@ def pytest_configure(config: pytest.Config) -> None:
         _CONTROLLER = False
         config.pluginmanager.set_blocked("terminalreporter")
         config.option.xmlpath = None
+        from harness.runtime import external
+
+        external.say = lambda text: _uncaptured(config, text)
     _JSON_PATH = config.getoption("--qgather-json") if _CONTROLLER else None
     _BASELINE[:] = _load_baseline(config)
     report_dir = config.getoption("--report-dir")
     if report_dir and not config.option.xmlpath and not config.option.collectonly and _CONTROLLER:
         config.option.xmlpath = os.path.join(report_dir, "junit.xml")
+
+
+def _uncaptured(config: pytest.Config, text: str) -> None:
+    """To this process's real stderr, even from inside a test (whose output pytest captures)."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+        print(text, file=sys.stderr, flush=True)
 
 
 def _load_baseline(config: pytest.Config) -> list:
@@ -260,7 +271,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
     broken = world_broken()
     if broken:  # every rank knows it at the same case: they all stop here
-        item.session.shouldstop = f"qgather: {broken}"
+        item.session.shouldfail = f"qgather: {broken}"
 
 
 def _outcome(report: pytest.TestReport) -> str:

@@ -323,6 +323,8 @@ class ExternalPool:
         outcome = _merge(reports, members, kind, world.hosts, case_id)
         if outcome.status != "ok" and not _rejected_everywhere(outcome):
             world.retire(key)
+        # The next case waits for a rank whose case thread is late (hung, or in a collective that times out).
+        world._start_wait_s = limit + max(limit, HANG_GRACE_MIN_S) + PG_MARGIN_S + START_MARGIN_S
         lost = [r for r in range(world.world_size) if r not in reports]
         if lost:
             world.broken = f"case {case_id!r}: {world._who(lost)} sent no report within {limit + REPORT_MARGIN_S:.0f} s"
@@ -358,8 +360,15 @@ class ExternalPool:
                 else f"{mine.get('state')}" + (f"; stacks:\n{mine['stacks']}" if mine.get("stacks") else ""))
         if error is None and mine.get("state") in ("done", "idle"):
             return
-        print(f"qgather: job rank {self.rank} on {self._world.host}: case {case_id}: {what}", file=sys.stderr,
-              flush=True)
+        say(f"qgather: job rank {self.rank} on {self._world.host}: case {case_id}: {what}")
+
+
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+#: Where a rank's own failure is written; pytest's plugin points it past its output capture.
+say: Callable[[str], None] = _to_stderr
 
 
 def run_case(pool: ExternalPool, fn: Callable[..., Any], args: tuple[Any, ...], seed: int, case_id: str,
