@@ -174,7 +174,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     impls = getattr(metafunc.module, "IMPLS", None) or _impls(config)
     launch = detect_launch()
-    if launch is not None and "virtual" not in sweep.scenarios:  # the job's sizes, not a one-host pool's
+    # Under a launcher the job's sizes, not a one-host pool's; --world-sizes selects as it does without one.
+    if launch is not None and "virtual" not in sweep.scenarios and not config.getoption("--world-sizes"):
         sweep = dataclasses.replace(sweep, world_sizes=default_world_sizes(launch.world_size))
     cases = sweep.cases(
         impls,

@@ -197,7 +197,9 @@ def _demo(args: argparse.Namespace, suite: list[str]) -> int:
     env = clean_env(OMP_NUM_THREADS="1") if args.device == "cpu" else clean_env()
     gpus = None
     if args.device == "cuda":
-        names = [str(i) for i in range(args.nnodes * args.nproc_per_node)]
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        names = [n.strip() for n in listed.split(",")] if listed else [str(i) for i in range(64)]
+        names = names[:args.nnodes * args.nproc_per_node]
         per = args.nproc_per_node
         gpus = [",".join(names[i * per:(i + 1) * per]) for i in range(args.nnodes)]
     pool_code, pool_out = pool_run(common, out / "pool.json", args.timeout, env)
