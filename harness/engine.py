@@ -38,6 +38,12 @@ class RunOptions:
     def backend_for(self, world_size: int) -> str:
         if self.backend != "auto":
             return self.backend
+        from harness.runtime.launch import detect_launch
+
+        launch = detect_launch()
+        if launch is not None:  # NCCL when every rank of a node has a GPU of its own
+            fits = launch.local_world_size <= torch.cuda.device_count()
+            return "nccl" if self.device_type() == "cuda" and fits else "gloo"
         if self.device_type() == "cuda" and world_size <= torch.cuda.device_count():
             return "nccl"
         return "gloo"
@@ -118,13 +124,36 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> CaseReport:
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
     outcome = pool.run(run_on_rank, spec.id, *case_args, **kwargs)
+    report = _report_outcome(spec, options, pool_spec, kwargs, outcome)
+    if outcome.placement:
+        report.placement = outcome.placement
+        report.details.extend(_where_lines(outcome))
+    return report
+
+
+def _where_lines(outcome) -> list[str]:
+    """Under a launcher: the job ranks and hosts the case ran on, and the stack of a rank that raised."""
+    lines = [f"placement: {outcome.placement}, job ranks {','.join(map(str, outcome.job_ranks))}"]
+    every_rank_same = outcome.status == "error" and len(outcome.errors) == outcome.world_size \
+        and len({(e.type_name, e.message) for e in outcome.errors.values()}) == 1
+    if outcome.status == "ok" or every_rank_same:
+        return lines
+    for g in sorted({*outcome.errors, *outcome.unfinished}):
+        lines.append(f"rank {g} is job rank {outcome.job_ranks[g]} on host {outcome.hosts[g]}")
+        error = outcome.errors.get(g)
+        if error is not None and error.traceback_text:
+            lines.extend(f"  {line}" for line in error.traceback_text.rstrip().splitlines()[-STACK_FRAMES:])
+    return lines
+
+
+def _report_outcome(spec: CaseSpec, options: RunOptions, pool_spec, kwargs: dict, outcome) -> CaseReport:
     if outcome.status == "ok":
         return CaseReport(spec, *classify_results(spec, outcome.results))
     if outcome.status == "error":
         return CaseReport(spec, *classify_errors(spec, outcome.errors, spec.world_size, _rejections(spec)))
     if outcome.status == "hang":
         lines = _note_lines(outcome.notes) + _stack_lines(outcome.stacks)
-        if options.detail_on_hang:
+        if options.detail_on_hang and not outcome.placement:  # not under a launcher: no local pool there
             lines += _detail_evidence(pool_spec, spec, kwargs)
         return CaseReport(spec, Verdict.HANG, outcome.summary().splitlines()[0], lines)
     return CaseReport(spec, Verdict.CRASH, outcome.summary().splitlines()[0], _note_lines(outcome.notes))

@@ -8,6 +8,8 @@ options narrow every sweep.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -20,6 +22,7 @@ from harness.baseline import match
 from harness.cases import CaseSpec
 from harness.engine import RunOptions, run_case
 from harness.report import case_record
+from harness.runtime.launch import default_world_sizes, detect_launch
 from harness.verdicts import CaseReport, Verdict
 
 _REPORT_KEY = "qgather_report"
@@ -66,13 +69,29 @@ def _impls(config: pytest.Config) -> list[str]:
 @pytest.hookimpl(tryfirst=True)  # before junitxml's, which reads config.option.xmlpath
 def pytest_configure(config: pytest.Config) -> None:
     _validate_options(config)
-    global _JSON_PATH, _CONTROLLER
+    global _JSON_PATH, _CONTROLLER, _QUIET_RANK
     _CONTROLLER = not _is_xdist_worker(config)
+    launch = detect_launch()
+    _QUIET_RANK = launch is not None and launch.rank != 0
+    if _QUIET_RANK:  # one report per job: rank 0's (this rank's own failures go to stderr)
+        _CONTROLLER = False
+        config.pluginmanager.set_blocked("terminalreporter")
+        config.option.xmlpath = None
+        from harness.runtime import external
+
+        external.say = lambda text: _uncaptured(config, text)
     _JSON_PATH = config.getoption("--qgather-json") if _CONTROLLER else None
     _BASELINE[:] = _load_baseline(config)
     report_dir = config.getoption("--report-dir")
-    if report_dir and not config.option.xmlpath and not config.option.collectonly:
+    if report_dir and not config.option.xmlpath and not config.option.collectonly and _CONTROLLER:
         config.option.xmlpath = os.path.join(report_dir, "junit.xml")
+
+
+def _uncaptured(config: pytest.Config, text: str) -> None:
+    """To this process's real stderr, even from inside a test (whose output pytest captures)."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+        print(text, file=sys.stderr, flush=True)
 
 
 def _load_baseline(config: pytest.Config) -> list:
@@ -154,6 +173,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     config = metafunc.config
     impls = getattr(metafunc.module, "IMPLS", None) or _impls(config)
+    launch = detect_launch()
+    # Under a launcher the job's sizes, not a one-host pool's; --world-sizes selects as it does without one.
+    if launch is not None and "virtual" not in sweep.scenarios and not config.getoption("--world-sizes"):
+        sweep = dataclasses.replace(sweep, world_sizes=default_world_sizes(launch.world_size))
     cases = sweep.cases(
         impls,
         formats=_csv(config.getoption("--formats")),
@@ -238,6 +261,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _RECORDS.append(record)
     if records:
         _write_json()
+    if _QUIET_RANK and report.failed and not records:  # a case's shared verdict is rank 0's to report
+        launch = detect_launch()
+        where = f"job rank {launch.rank} on {launch.host}" if launch else "this rank"
+        print(f"qgather: {where}: {report.nodeid} failed:\n{report.longreprtext}", file=sys.stderr, flush=True)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    from harness.runtime.external import world_broken
+
+    broken = world_broken()
+    if broken:  # every rank knows it at the same case: they all stop here
+        item.session.shouldfail = f"qgather: {broken}"
 
 
 def _outcome(report: pytest.TestReport) -> str:
@@ -250,6 +285,7 @@ def _outcome(report: pytest.TestReport) -> str:
 _RECORDS: list[dict] = []
 _JSON_PATH: str | None = None
 _CONTROLLER = True
+_QUIET_RANK = False  # a rank other than 0 of a launched job
 _BASELINE: list = []  # harness.baseline.KnownIssue entries of --baseline
 
 
@@ -269,12 +305,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         from harness.runtime import shutdown_pools
     except ImportError:
         return
+    if session.config.getoption("--impl") and not _is_xdist_worker(session.config):
+        _fail_if_an_implementation_ran_nothing(session)
+    from harness.runtime.external import agree_exit_status
+
+    session.exitstatus = agree_exit_status(int(session.exitstatus))  # under a launcher: the same on every rank
     shutdown_pools()
     _write_json()
-    if _is_xdist_worker(session.config):
+    if _is_xdist_worker(session.config) or _QUIET_RANK:
         return
-    if session.config.getoption("--impl"):
-        _fail_if_an_implementation_ran_nothing(session)
     if session.config.getoption("--report-dir") and not session.config.option.collectonly:
         _write_reports(session)
 

@@ -76,6 +76,9 @@ def case_record(report: CaseReport, options) -> dict:
         "configuration": _configuration(spec, options),
         "repro": repro_command(spec.id, options.backend, options.device, options.case_timeout),
     }
+    if report.placement:
+        record["placement"] = report.placement
+        record["configuration"] += f" {report.placement}"
     if not report.passed:
         record["report"] = report.render()
     return record

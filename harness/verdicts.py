@@ -66,6 +66,7 @@ class CaseReport:
     details: list[str] = field(default_factory=list)
     expectation: Expectation | None = None
     duration_s: float = 0.0
+    placement: str = ""  # under a launcher: "intra-node" | "cross-node" (the job ranks the case used)
 
     @property
     def passed(self) -> bool:

@@ -1,97 +1,58 @@
-"""External launcher mode, for real: two torchrun agents (two "nodes") of two ranks each.
+"""External launcher mode, for real: two torchrun agents ("nodes") of two ranks each on localhost.
 
-The agents meet through a c10d rendezvous on a free local port, which also numbers the nodes.
-Each rank runs pytest on tests/_runtime_external_case.py, whose pool is the launcher's world.
+One launch runs both tests/_runtime_external_case.py (the runtime on the launcher's world) and a
+slice of the reference suite at world sizes 1, 2 and 4 (sub-groups of the 4-rank job, within a node
+and across the two). The suite's verdicts must equal those of the same cases on the single-process
+rank pools; rank 0 alone prints pytest's session; every rank exits 0.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
-import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AGENT_TIMEOUT_S = 240.0
+from harness.runtime.external_demo import clean_env, compare, launch, placements, pool_run, verdicts
+
+RUN_TIMEOUT_S = 240.0
 RESULT_TAG = "QGATHER_EXTERNAL_RESULT "  # pytest's progress dots may precede it on the line
-# Launcher state that must not leak into the agents from an enclosing job (or an xdist worker).
-INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
-             "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS")
+SUITE = ["cases/test_alignment.py", "--formats", "nvfp4_2d", "--world-sizes", "1,2,4", "--device", "cpu"]
+CASES = "128x64 or 136x64 or 4x64"  # aligned, a split scale block (REJECTED at 2 and 4), zero-row ranks
+EXTERNAL = "test_cases_run_in_the_launchers_world or test_world_size_is_fixed_by_the_launcher"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs torchrun and process groups on Linux")
+def test_two_torchrun_agents_run_the_suite_on_sub_groups_with_one_report(tmp_path):
+    env = clean_env(OMP_NUM_THREADS="1")
+    common = ["-q", "-s", "-p", "no:cacheprovider"]
+    with ThreadPoolExecutor(1) as executor:  # the pool run alongside: both mostly wait for startups
+        pool_run_done = executor.submit(pool_run, [*SUITE, "-k", CASES, *common], tmp_path / "pool.json",
+                                        RUN_TIMEOUT_S, env)
+        launched = launch(["tests/_runtime_external_case.py", *SUITE, "-k", f"{CASES} or {EXTERNAL}", *common,
+                           "--qgather-json", str(tmp_path / "launched.json")], tmp_path, 2, 2, RUN_TIMEOUT_S, env)
+        code, pool_output = pool_run_done.result()
+    output = "\n".join([*launched.agent_logs, *(f"--- rank {r} stdout:\n{t}" for r, t in launched.stdout.items()),
+                        *(f"--- rank {r} stderr:\n{t}" for r, t in launched.stderr.items())])
+    assert launched.agent_codes == [0, 0], f"agents exited {launched.agent_codes}:\n{output[-6000:]}"
+    assert launched.rank_codes == {0: 0, 1: 0, 2: 0, 3: 0}, output[-6000:]
 
+    summaries = {rank: len(re.findall(r"\b\d+ passed\b", text)) for rank, text in launched.stdout.items()}
+    assert summaries == {0: 1, 1: 0, 2: 0, 3: 0}, f"rank 0 alone prints the session:\n{output[-6000:]}"
+    assert all(not text.strip() for rank, text in launched.stdout.items() if rank), output[-6000:]
 
-def _agent_env(tmp_path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in INHERITED}
-    env["TMPDIR"] = str(tmp_path)  # torchelastic leaves its log dirs under TMPDIR
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"))
-    return env
-
-
-def _start_agent(port: int, run_id: str, log_path, tmp_path) -> subprocess.Popen:
-    # --redirects 3: each rank's stdout and stderr go to files of their own under --log-dir, so two
-    # ranks of one agent never interleave their lines in one log.
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "2", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id,
-        "--max-restarts", "0", "--log-dir", str(log_path.with_suffix(".ranks")), "--redirects", "3",
-        "-m", "pytest", "tests/_runtime_external_case.py", "-q", "-s", "-p", "no:cacheprovider",
-    ]
-    with open(log_path, "w") as log:
-        return subprocess.Popen(command, cwd=REPO, env=_agent_env(tmp_path), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def _wait_all(agents: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Exit codes, or None for an agent still running at the deadline (then its group is killed)."""
-    deadline = time.monotonic() + timeout
-    codes = []
-    for agent in agents:
-        try:
-            codes.append(agent.wait(timeout=max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for agent in agents:
-        if agent.poll() is None:
-            for signum in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(agent.pid, signum)  # the agent's own session: itself and its ranks
-                except ProcessLookupError:
-                    break
-                try:
-                    agent.wait(timeout=10)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-    return codes
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs torchrun's c10d rendezvous on Linux")
-def test_two_torchrun_agents_share_one_world(tmp_path):
-    port, run_id = _free_port(), f"qgather-{uuid.uuid4().hex[:12]}"
-    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
-    agents = [_start_agent(port, run_id, log, tmp_path) for log in logs]
-    codes = _wait_all(agents, AGENT_TIMEOUT_S)
-    rank_logs = sorted(tmp_path.glob("agent*.ranks/**/stdout.log"))
-    per_rank = [log.read_text(errors="replace") for log in rank_logs]
-    output = "\n".join([*(log.read_text(errors="replace") for log in logs), *per_rank,
-                        *(log.read_text(errors="replace") for log in tmp_path.glob("agent*.ranks/**/stderr.log"))])
-    assert codes == [0, 0], f"agents exited {codes}:\n{output[-6000:]}"
-    assert len(per_rank) == 4, f"one stdout log per rank, found {[str(p) for p in rank_logs]}"
+    assert code == 0, pool_output[-4000:]
+    pool, ours = verdicts(tmp_path / "pool.json"), verdicts(tmp_path / "launched.json")
+    assert len(pool) == 9 and set(pool.values()) >= {"EXACT", "REJECTED"}, pool
+    assert compare(pool, ours) == [], "verdicts differ from the single-process pools"
+    kinds = placements(tmp_path / "launched.json")
+    assert set(kinds.values()) == {"intra-node", "cross-node"}, kinds
+    assert all(kinds[c] == "intra-node" for c in kinds if ":ws1:" in c), kinds
+    assert all(kinds[c] == "cross-node" for c in kinds if ":ws4:" in c), kinds
+    records = json.loads((tmp_path / "launched.json").read_text())
+    assert all(r["configuration"].endswith(r["placement"]) for r in records), records
 
     results = [json.loads(found) for found in re.findall(RESULT_TAG + r"(\{.*\})", output)]
     assert len(results) == 1, f"exactly the reporting rank prints the result:\n{output[-6000:]}"
@@ -104,5 +65,3 @@ def test_two_torchrun_agents_share_one_world(tmp_path):
         "reject": "rank 3 raised ValueError: 136 columns are not a multiple of 16",
         "after_error": "ok",
     }
-    passed = [len(re.findall(r"\b2 passed\b", text)) for text in per_rank]
-    assert passed == [1, 1, 1, 1], f"pytest passed once on every one of the 4 ranks, counted {passed}"

@@ -352,3 +352,53 @@ def test_where_blocked_names_adapter_code_before_library_frames():
         '  File "/x/torch/distributed/c10d_logger.py", line 81 in wrapper\n',
         '  File "/x/lib/python3.11/threading.py", line 331 in wait\n')
     assert where_blocked(spinning) == "in skip_one (test_x.py:12)"
+
+
+# -- launcher detection: SLURM's meeting point, default world sizes, placement ---------------------
+
+def test_srun_tasks_meet_where_slurm_says():
+    from harness.runtime.launch import detect_launch
+
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)",
+           "SLURM_NODEID": "1", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-09,12]"}
+    launch = detect_launch(env)
+    assert (launch.kind, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, launch.node) \
+        == ("slurm", 5, 8, 1, 4, "1")
+    assert (launch.master_addr, launch.master_port) == ("gpu07", str(12000 + 123456 % 20000))
+    assert detect_launch({**env, "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}).master_addr == "10.0.0.7"
+    assert detect_launch({**env, "MASTER_ADDR": "h", "MASTER_PORT": "7"}).master_port == "7"
+    batch_shell = {k: v for k, v in env.items() if k != "SLURM_STEP_ID"}  # sbatch's own shell: not a task
+    assert detect_launch(batch_shell) is None
+
+
+def test_torchrun_numbering_is_read():
+    from harness.runtime.launch import detect_launch
+
+    launch = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                            "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "x"})
+    assert (launch.kind, launch.rank, launch.local_rank, launch.local_world_size, launch.node) == \
+        ("torchrun", 3, 1, 2, "1")
+
+
+def test_default_world_sizes_under_a_launcher():
+    from harness.runtime.launch import default_world_sizes
+
+    assert default_world_sizes(1) == [1]
+    assert default_world_sizes(4) == [1, 2, 4]
+    assert default_world_sizes(6) == [1, 2, 4, 6]
+    assert default_world_sizes(16) == [1, 2, 4, 8, 16]
+
+
+def test_placement_within_and_across_nodes():
+    from harness.runtime.external import placement
+
+    nodes = ["a", "a", "b", "b"]  # 2 nodes x 2 ranks
+    assert placement(1, nodes, "x") == ((0,), "intra-node")
+    assert placement(2, nodes, "x", "intra") == ((0, 1), "intra-node")
+    assert placement(2, nodes, "x", "cross") == ((0, 2), "cross-node")
+    assert placement(3, nodes, "x") == ((0, 1, 2), "cross-node")
+    assert placement(4, nodes, "x") == ((0, 1, 2, 3), "cross-node")
+    assert placement(4, ["a"] * 4, "x", "cross") == ((0, 1, 2, 3), "intra-node")
+    mixed = {placement(2, nodes, f"case{i}")[1] for i in range(16)}
+    assert mixed == {"intra-node", "cross-node"}
+    assert placement(2, nodes, "case3") == placement(2, nodes, "case3")  # a case id always lands the same way

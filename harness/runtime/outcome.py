@@ -59,6 +59,10 @@ class CaseOutcome:
     unfinished: tuple[int, ...] = ()  # ranks that neither returned, raised nor died
     note: str = ""
     notes: dict[int, dict[str, str]] = field(default_factory=dict)  # per rank: what its case noted (whereabouts)
+    # Under a launcher (ExternalPool): "intra-node" | "cross-node", and per group rank its job rank and host.
+    placement: str = ""
+    job_ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:

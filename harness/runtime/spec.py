@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from harness.runtime.launch import detect_launch
+
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 
@@ -60,6 +62,8 @@ class PoolSpec:
         problem = self.shape_problem()
         if problem or self.device != "cuda":
             return problem
+        if detect_launch() is not None:  # ranks spread over the job's nodes: ExternalPool checks its own node
+            return ""
         return _gpu_problem(self.backend, self.world_size, len(visible_gpus()))
 
     def shape_problem(self) -> str:

@@ -40,9 +40,7 @@ def serve(conn: Connection) -> threading.Thread:
                 conn.recv_bytes()
             except (EOFError, OSError):
                 return
-            frame = sys._current_frames().get(main)
-            frames = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-FRAMES:]] \
-                if frame is not None else []
+            frames = frames_of(main)
             try:
                 conn.send({"frames": frames, "notes": dict(NOTES)})
             except (OSError, ValueError):
@@ -53,13 +51,22 @@ def serve(conn: Connection) -> threading.Thread:
     return thread
 
 
+def frames_of(thread_id: int | None) -> list[str]:
+    """The innermost FRAMES frames of a thread, as "file:line function" (oldest first)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return []
+    return [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-FRAMES:]]
+
+
 # The rank's own barrier before each case: a rank still in it is late, not waiting for a failed one.
 OWN_BARRIER = "harness/runtime/worker.py"
+OWN_BARRIERS = (OWN_BARRIER, "harness/runtime/external.py")
 
 
 def in_collective(frames: list[str]) -> str | None:
     """The collective frame a rank's case is waiting in (innermost first), or None."""
-    if any(OWN_BARRIER in f.replace("\\", "/") and f.endswith(" barrier") for f in frames):
+    if any(own in f.replace("\\", "/") and f.endswith(" barrier") for f in frames for own in OWN_BARRIERS):
         return None
     for frame in reversed(frames):
         path = frame.replace("\\", "/")
