@@ -362,8 +362,9 @@ def repro_command(case_id: str, args: argparse.Namespace) -> str:
     import shlex
 
     paths = [_import_root("harness")]
-    impl = case_id.rsplit(":", 6)[0]
-    module_name, sep, _ = impl.partition(":")
+    from harness.cases import CaseSpec
+
+    module_name, sep, _ = CaseSpec.parse(case_id).impl.partition(":")
     if sep and module_name not in ("mutant", "torchao", "te"):
         paths.append(_import_root(module_name))
     paths = list(dict.fromkeys(p for p in paths if p))

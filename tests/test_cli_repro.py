@@ -65,3 +65,10 @@ def test_repro_bad_input_exits_2():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("qgather repro:")
+
+
+def test_repro_of_a_configured_case_names_the_configured_case():
+    case = "reference:fp8_tensor:128x64:bf16:ws2:gather:s0:mp-bf16"
+    result = qgather("repro", case)
+    assert result.returncode == 0, result.stderr
+    assert f"{case}: EXACT" in result.stdout and _reproduce_line(result.stdout).endswith(case)
