@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import product
 
+from harness import covering, shape_space
 from harness.cases import CaseSpec
 from harness.formats import FORMATS
 from harness.fsdp_config import DEFAULT, FsdpConfig
@@ -47,14 +49,36 @@ def alignment_shapes(fmt_name: str) -> list[tuple[int, ...]]:
     return sorted(shapes)
 
 
+class RuleShapes:
+    """The suite's shapes: the hand-picked `alignment_shapes` (whose case ids baselines and docs
+    name) at every world size, plus the shapes harness.shape_space generates from the format's
+    layout rules so that every promised regime of every buffer occurs at each world size."""
+
+    def __call__(self, fmt_name: str) -> list[tuple[int, ...]]:
+        return alignment_shapes(fmt_name)
+
+    def at(self, fmt_name: str, world_size: int) -> list[tuple[int, ...]]:
+        return list(shape_space.cover(fmt_name, world_size, tuple(alignment_shapes(fmt_name))))
+
+
+RULE_SHAPES = RuleShapes()
+
+
+def _shapes_at(shapes, fmt: str, world_size: int) -> list[tuple[int, ...]]:
+    at = getattr(shapes, "at", None)
+    return [tuple(s) for s in (at(fmt, world_size) if at else shapes(fmt))]
+
+
 @dataclass(frozen=True)
 class Sweep:
-    """A cross product of cases, narrowed by the session's command-line options."""
+    """Cases of formats x shapes x world sizes x scenarios (the rows, all run), with dtypes, seeds and
+    FSDP2 configurations crossed pairwise (harness.covering), or fully with `exhaustive`; narrowed by
+    the session's command-line options."""
 
     scenarios: Sequence[str]
     world_sizes: Sequence[int] = CPU_WORLD_SIZES
     dtypes: Sequence[str] = DTYPES
-    shapes: object = alignment_shapes  # callable(fmt) -> shapes
+    shapes: object = RULE_SHAPES  # callable(fmt) -> shapes, or with .at(fmt, world_size) -> shapes
     formats: Sequence[str] | None = None
     seeds: Sequence[int] = (0,)
     configs: Sequence[FsdpConfig] = (DEFAULT,)
@@ -66,20 +90,47 @@ class Sweep:
         formats: Iterable[str] | None = None,
         world_sizes: Iterable[int] | None = None,
         scenarios: Iterable[str] | None = None,
+        exhaustive: bool = False,
     ) -> list[CaseSpec]:
+        """The default run's cases (a covering design), or with `exhaustive` the full product."""
+        rows = self.rows(impls, formats, world_sizes, scenarios)
+        combos = list(product(self.dtypes, self.seeds, self.configs))
+        valid = lambda row, c: c[2].check_world_size(row[3]) is None
+        if exhaustive or len(combos) == 1:
+            chosen = [(row, c) for row in rows for c in combos if valid(row, c)]
+        else:
+            chosen = self._covering(rows, combos, valid)
+        order = {row: i for i, row in enumerate(rows)}
+        chosen.sort(key=lambda rc: (order[rc[0]], combos.index(rc[1])))
+        return [CaseSpec(impl, fmt, shape, dtype, ws, scenario, seed, config)
+                for (impl, fmt, shape, ws, scenario), (dtype, seed, config) in chosen]
+
+    def rows(self, impls, formats=None, world_sizes=None, scenarios=None) -> list[tuple]:
+        """(impl, format, shape, world size, scenario) of every row, in the suite's order."""
         fmts = [f for f in (self.formats or FORMATS) if formats is None or f in set(formats)]
         sizes = [w for w in self.world_sizes if world_sizes is None or w in set(world_sizes)]
         scens = [s for s in self.scenarios if scenarios is None or s in set(scenarios)]
         out = []
         for impl in impls:
             for fmt in fmts:
-                for shape in self.shapes(fmt):
-                    for dtype in self.dtypes:
-                        for ws in sizes:
-                            for scenario in scens:
-                                for seed in self.seeds:
-                                    for config in self.configs:
-                                        if config.check_world_size(ws) is None:
-                                            out.append(CaseSpec(impl, fmt, tuple(shape), dtype, ws, scenario,
-                                                                seed, config))
+                at = {ws: _shapes_at(self.shapes, fmt, ws) for ws in sizes}
+                for shape in sorted(set().union(*at.values()) if at else ()):
+                    out += [(impl, fmt, shape, ws, scen) for ws in sizes if shape in at[ws] for scen in scens]
         return out
+
+    def _covering(self, rows, combos, valid) -> list[tuple]:
+        legacy = {fmt: set(map(tuple, alignment_shapes(fmt))) for fmt in {row[1] for row in rows}}
+
+        def fixed_labels(row):
+            impl, fmt, shape, ws, scen = row
+            cells = shape_space.regimes(fmt, shape, ws)
+            return frozenset({("impl", impl), ("format", fmt), ("ws", ws), ("scenario", scen)}
+                             | {("regime", (fmt, *cell)) for cell in cells})
+
+        def free_labels(combo):
+            dtype, seed, config = combo
+            return (("dtype", dtype), ("seed", seed), ("config", config.token))
+
+        return covering.pairwise(rows, combos, fixed_labels, free_labels, valid,
+                                 pinned=lambda row: row[2] in legacy[row[1]],
+                                 primary=lambda c: c[2] == self.configs[0])
