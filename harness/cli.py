@@ -454,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("golden", help="write (or --check) the golden corpus under golden/", add_help=False)
     sub.add_parser("baseline", help="update the known-issues baseline from a run's verdicts.json", add_help=False)
+    sub.add_parser("coverage", help="print the coverage matrix (format x buffer x regime x scenario x configuration) "
+                   "of a selection as Markdown", add_help=False)
     sub.add_parser("sweep", help="explore shapes x world sizes of one impl and format; shrink each failure group",
                    add_help=False)
     return parser
@@ -520,6 +522,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return cmd_module("harness.baseline", rest)
     if command == "sweep":
         return cmd_module("harness.sweep", rest)
+    if command == "coverage":
+        return cmd_module("harness.coverage", rest)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args.which)
