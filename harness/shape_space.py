@@ -171,7 +171,8 @@ def _ks(fmt_name: str) -> set[int]:
     for buf in buffer_facts(fmt_name):
         if buf.cols:
             u, p = buf.cols.unit, buf.cols.pad
-            ks |= {u * p, u * p + u}
+            c = math.ceil(16 / (u * p))  # entries fill the padding, and one entry more, at K >= 16
+            ks |= {u * p * c, u * p * c + u}
             if u > 1:
                 ks |= {u + u // 2, u * p + u // 2}
     return {k for k in ks if k >= 16}  # GEMM-friendly K, as the hand-picked shapes

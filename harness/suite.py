@@ -124,8 +124,9 @@ class Sweep:
         def fixed_labels(row):
             impl, fmt, shape, ws, scen = row
             cells = shape_space.regimes(fmt, shape, ws)
-            return frozenset({("impl", impl), ("format", fmt), ("ws", ws), ("scenario", scen)}
-                             | {("regime", (fmt, *cell)) for cell in cells})
+            # scenario-at-world-size as one value too: each seed (dtype, config) runs each scenario at each world size
+            labels = {("impl", impl), ("format", fmt), ("ws", ws), ("scenario", scen), ("scenario@ws", (scen, ws))}
+            return frozenset(labels | {("regime", (fmt, *cell)) for cell in cells})
 
         def free_labels(combo):
             dtype, seed, config = combo
