@@ -20,6 +20,7 @@ BENCHES = {
     "formats": "harness.formats.bench",
     "runtime": "harness.runtime.bench",
     "gpu": "harness.case_bench",
+    "suite": "harness.suite_bench",
 }
 
 
@@ -448,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("repro", help="run one case; print its report, the environment and the command to rerun it",
                    add_help=False)
     sub.add_parser("gpu-check", help="list the GPUs, backends and optional libraries the GPU job uses")
-    bench = sub.add_parser("bench", help="run benchmarks (formats, runtime); default: all")
+    bench = sub.add_parser("bench", help="run benchmarks (formats, runtime, gpu, suite: cases/s); default: all")
     bench.add_argument("which", nargs="*")
     sub.add_parser("selftest", help="run the bug zoo and print how many mutants were caught",
                    add_help=False)

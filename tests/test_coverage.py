@@ -60,3 +60,14 @@ def test_the_suite_summary_prints_the_coverage():
     out = result.stdout
     assert "qgather coverage (format x buffer x regime x scenario x configuration)" in out
     assert "gather   default" in out and "MISSING" not in out, out[-2000:]
+
+
+def test_bench_suite_prints_cases_per_second():
+    env = {**os.environ, "PYTHONPATH": REPO, "QGATHER_BENCH_WORKERS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.suite_bench", "-k", "test_gather and not fp32", "--formats", "nvfp4_2d",
+         "--world-sizes", "2", "--scenarios", "gather"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("suite: ") and "cases/s (0 workers)" in line, line
+    assert int(line.split()[1]) > 0
