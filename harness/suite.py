@@ -4,7 +4,9 @@ and scenarios, per format.
 Shapes are derived from each format's row block b so that every format gets the same kinds of
 cases: aligned shards, shards that split a scale block (e.g. 136x64 at 8 ranks for NVFP4:
 17-row shards), dim 0 not divisible by the world size, ranks with zero rows, dim 0 smaller than
-the world size, K the format cannot hold, and 3-D expert weights.
+the world size, K the format cannot hold, and 3-D expert weights. On top of these hand-picked
+shapes, harness.shape_space adds, per world size, shapes generated from the formats' layout rules
+until every promised regime of every buffer occurs (RULE_SHAPES, the sweeps' default).
 """
 
 from __future__ import annotations
