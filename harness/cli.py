@@ -232,6 +232,7 @@ def cmd_list(argv: list[str]) -> int:
     parser.add_argument("--formats", default=None)
     parser.add_argument("--world-sizes", default=None)
     parser.add_argument("--scenarios", default=None)
+    parser.add_argument("--exhaustive", action="store_true", help="with --cases: the full product, not the default run")
     args = parser.parse_args(argv)
     if args.cases:
         return _list_cases(args)
@@ -288,7 +289,8 @@ def _list_cases(args: argparse.Namespace) -> int:
         return _usage("list", "--world-sizes takes comma-separated integers, e.g. 2,4,8")
     count = 0
     for _module, sweep, fixed in suite_sweeps():
-        for case in sweep.cases(fixed or impls, formats=formats, world_sizes=sizes, scenarios=scenarios):
+        for case in sweep.cases(fixed or impls, formats=formats, world_sizes=sizes, scenarios=scenarios,
+                                exhaustive=args.exhaustive):
             print(case.id)
             count += 1
     if count == 0:
