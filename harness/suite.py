@@ -94,18 +94,24 @@ class Sweep:
         scenarios: Iterable[str] | None = None,
         exhaustive: bool = False,
     ) -> list[CaseSpec]:
-        """The default run's cases (a covering design), or with `exhaustive` the full product."""
-        rows = self.rows(impls, formats, world_sizes, scenarios)
+        """The default run's cases (a covering design), or with `exhaustive` the full product.
+
+        The design is made over the whole sweep, for any implementation, and then narrowed: a case id
+        means the same case whichever selection (formats, world sizes, scenarios, impls) runs it."""
         combos = list(product(self.dtypes, self.seeds, self.configs))
         valid = lambda row, c: c[2].check_world_size(row[3]) is None
         if exhaustive or len(combos) == 1:
+            rows = self.rows([""], formats, world_sizes, scenarios)
             chosen = [(row, c) for row in rows for c in combos if valid(row, c)]
         else:
+            rows = self.rows([""])
             chosen = self._covering(rows, combos, valid)
+            keep = set(self.rows([""], formats, world_sizes, scenarios))
+            chosen = [rc for rc in chosen if rc[0] in keep]
         order = {row: i for i, row in enumerate(rows)}
         chosen.sort(key=lambda rc: (order[rc[0]], combos.index(rc[1])))
         return [CaseSpec(impl, fmt, shape, dtype, ws, scenario, seed, config)
-                for (impl, fmt, shape, ws, scenario), (dtype, seed, config) in chosen]
+                for impl in impls for (_, fmt, shape, ws, scenario), (dtype, seed, config) in chosen]
 
     def rows(self, impls, formats=None, world_sizes=None, scenarios=None) -> list[tuple]:
         """(impl, format, shape, world size, scenario) of every row, in the suite's order."""
@@ -124,10 +130,10 @@ class Sweep:
         legacy = {fmt: set(map(tuple, alignment_shapes(fmt))) for fmt in {row[1] for row in rows}}
 
         def fixed_labels(row):
-            impl, fmt, shape, ws, scen = row
+            _impl, fmt, shape, ws, scen = row
             cells = shape_space.regimes(fmt, shape, ws)
             # scenario-at-world-size as one value too: each seed (dtype, config) runs each scenario at each world size
-            labels = {("impl", impl), ("format", fmt), ("ws", ws), ("scenario", scen), ("scenario@ws", (scen, ws))}
+            labels = {("format", fmt), ("ws", ws), ("scenario", scen), ("scenario@ws", (scen, ws))}
             return frozenset(labels | {("regime", (fmt, *cell)) for cell in cells})
 
         def free_labels(combo):

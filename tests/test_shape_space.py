@@ -176,3 +176,14 @@ def test_a_shapes_callable_without_world_sizes_still_crosses_every_world_size():
                   shapes=lambda fmt: [(128, 64), (136, 64)])
     assert len(sweep.cases(["reference"])) == 4
     assert RULE_SHAPES("nvfp4_2d") == alignment_shapes("nvfp4_2d")
+
+
+def test_a_narrowed_selection_runs_the_same_ids():
+    """The design is made over the whole sweep: --formats/--world-sizes/--scenarios/--impl only narrow it,
+    so a baseline written from a narrowed run names cases of the full run."""
+    sweep = next(s for m, s, _ in suite_sweeps() if m == "test_scenarios")
+    full = {c.id for c in sweep.cases(["torchao"])}
+    narrow = sweep.cases(["torchao"], formats=["fp8_tensor"], world_sizes=[2, 8], scenarios=["steps"])
+    assert narrow and {c.id for c in narrow} <= full
+    assert {c.id.removeprefix("reference") for c in sweep.cases(["reference"])} == {
+        i.removeprefix("torchao") for i in full}
