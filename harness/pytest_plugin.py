@@ -68,6 +68,8 @@ def _impls(config: pytest.Config) -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)  # before junitxml's, which reads config.option.xmlpath
 def pytest_configure(config: pytest.Config) -> None:
+    # also where no ini file registers it (an install): --exhaustive marks its extra cases slow
+    config.addinivalue_line("markers", "slow: long sweeps (--exhaustive's extra cases); deselect with -m 'not slow'")
     _validate_options(config)
     global _JSON_PATH, _CONTROLLER
     _CONTROLLER = not _is_xdist_worker(config)
@@ -166,7 +168,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         cases = sweep.cases(impls, exhaustive=True, **selection)
     setattr(config, _SWEEP_CASES, [*getattr(config, _SWEEP_CASES, []), len(cases)])
     marks = [getattr(pytest.mark, m) for m in sweep.marks]
-    params = [pytest.param(c, id=c.id, marks=marks + [pytest.mark.slow] * (c.id not in default)) for c in cases]
+    slow = [*marks, pytest.mark.slow]
+    params = [pytest.param(c, id=c.id, marks=marks if c.id in default else slow) for c in cases]
     metafunc.parametrize("case", params)
 
 
