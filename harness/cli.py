@@ -20,6 +20,7 @@ BENCHES = {
     "formats": "harness.formats.bench",
     "runtime": "harness.runtime.bench",
     "gpu": "harness.case_bench",
+    "suite": "harness.suite_bench",
 }
 
 
@@ -231,6 +232,7 @@ def cmd_list(argv: list[str]) -> int:
     parser.add_argument("--formats", default=None)
     parser.add_argument("--world-sizes", default=None)
     parser.add_argument("--scenarios", default=None)
+    parser.add_argument("--exhaustive", action="store_true", help="with --cases: the full product, not the default run")
     args = parser.parse_args(argv)
     if args.cases:
         return _list_cases(args)
@@ -287,7 +289,8 @@ def _list_cases(args: argparse.Namespace) -> int:
         return _usage("list", "--world-sizes takes comma-separated integers, e.g. 2,4,8")
     count = 0
     for _module, sweep, fixed in suite_sweeps():
-        for case in sweep.cases(fixed or impls, formats=formats, world_sizes=sizes, scenarios=scenarios):
+        for case in sweep.cases(fixed or impls, formats=formats, world_sizes=sizes, scenarios=scenarios,
+                                exhaustive=args.exhaustive):
             print(case.id)
             count += 1
     if count == 0:
@@ -449,12 +452,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("repro", help="run one case; print its report, the environment and the command to rerun it",
                    add_help=False)
     sub.add_parser("gpu-check", help="list the GPUs, backends and optional libraries the GPU job uses")
-    bench = sub.add_parser("bench", help="run benchmarks (formats, runtime); default: all")
+    bench = sub.add_parser("bench", help="run benchmarks (formats, runtime, gpu, suite: cases/s); default: all")
     bench.add_argument("which", nargs="*")
     sub.add_parser("selftest", help="run the bug zoo and print how many mutants were caught",
                    add_help=False)
     sub.add_parser("golden", help="write (or --check) the golden corpus under golden/", add_help=False)
     sub.add_parser("baseline", help="update the known-issues baseline from a run's verdicts.json", add_help=False)
+    sub.add_parser("coverage", help="print the coverage matrix (format x buffer x regime x scenario x configuration) "
+                   "of a selection as Markdown", add_help=False)
     sub.add_parser("sweep", help="explore shapes x world sizes of one impl and format; shrink each failure group",
                    add_help=False)
     return parser
@@ -521,6 +526,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return cmd_module("harness.baseline", rest)
     if command == "sweep":
         return cmd_module("harness.sweep", rest)
+    if command == "coverage":
+        return cmd_module("harness.coverage", rest)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args.which)

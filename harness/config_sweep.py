@@ -69,15 +69,25 @@ def pairwise(factors: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class ConfigSweep:
-    """Duck-types harness.suite.Sweep for the pytest plugin: `cases(...)` and `marks`."""
+    """A SWEEP for the pytest plugin (harness.suite.Sweep's protocol: `cases`, `marks`, `world_sizes`,
+    `scenarios`)."""
 
     product: bool = False
     marks: Sequence[str] = field(default_factory=tuple)
     #: beside the plugin's default implementation (reference), these run too
     also_with_default: Sequence[str] = ("torchao",)
 
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({world_and_mesh(m)[0] for m in MESHES}))
+
+    @property
+    def scenarios(self) -> tuple[str, ...]:
+        return SCENARIOS
+
     def cases(self, impls: Iterable[str], formats: Iterable[str] | None = None,
-              world_sizes: Iterable[int] | None = None, scenarios: Iterable[str] | None = None) -> list[CaseSpec]:
+              world_sizes: Iterable[int] | None = None, scenarios: Iterable[str] | None = None,
+              exhaustive: bool = False) -> list[CaseSpec]:
         impls = list(impls)
         if impls == ["reference"]:
             impls += list(self.also_with_default)
@@ -88,7 +98,7 @@ class ConfigSweep:
         if not (impl_fmts and scens and meshes):
             return []
         factors = (impl_fmts, SHAPES, DTYPES, MP, RAF, meshes, SHARD_DIMS, scens)
-        rows = itertools.product(*factors) if self.product else pairwise(factors)
+        rows = itertools.product(*factors) if self.product or exhaustive else pairwise(factors)
         return [self._case(*row) for row in rows]
 
     @staticmethod

@@ -23,6 +23,7 @@ from harness.cases import CaseSpec
 from harness.engine import RunOptions, run_case
 from harness.report import case_record
 from harness.runtime.launch import default_world_sizes, detect_launch
+from harness.suite import Sweep
 from harness.verdicts import CaseReport, Verdict
 
 _REPORT_KEY = "qgather_report"
@@ -51,6 +52,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--qgather-json", default=None, help="write every case's verdict to this JSON file")
     group.addoption("--report-dir", default=None, metavar="DIR",
                     help="write verdicts.md (a CI job summary), verdicts.json and junit.xml to DIR")
+    group.addoption("--exhaustive", action="store_true",
+                    help="every sweep's full product (dtype x seed x configuration) instead of the pairwise "
+                         "covering design; the extra cases are marked slow")
     group.addoption("--baseline", default=None, metavar="FILE",
                     help="known-issues TOML: listed failing cases are strict xfails, listed passing cases fail")
 
@@ -68,6 +72,8 @@ def _impls(config: pytest.Config) -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)  # before junitxml's, which reads config.option.xmlpath
 def pytest_configure(config: pytest.Config) -> None:
+    # also where no ini file registers it (an install): --exhaustive marks its extra cases slow
+    config.addinivalue_line("markers", "slow: long sweeps (--exhaustive's extra cases); deselect with -m 'not slow'")
     _validate_options(config)
     global _JSON_PATH, _CONTROLLER, _QUIET_RANK
     _CONTROLLER = not _is_xdist_worker(config)
@@ -175,17 +181,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     impls = getattr(metafunc.module, "IMPLS", None) or _impls(config)
     launch = detect_launch()
     # Under a launcher the job's sizes, not a one-host pool's; --world-sizes selects as it does without one.
-    if launch is not None and "virtual" not in sweep.scenarios and not config.getoption("--world-sizes"):
+    if (launch is not None and isinstance(sweep, Sweep) and "virtual" not in sweep.scenarios
+            and not config.getoption("--world-sizes")):
         sweep = dataclasses.replace(sweep, world_sizes=default_world_sizes(launch.world_size))
-    cases = sweep.cases(
-        impls,
-        formats=_csv(config.getoption("--formats")),
-        world_sizes=_csv(config.getoption("--world-sizes"), int),
-        scenarios=_csv(config.getoption("--scenarios")),
-    )
+    selection = dict(formats=_csv(config.getoption("--formats")),
+                     world_sizes=_csv(config.getoption("--world-sizes"), int),
+                     scenarios=_csv(config.getoption("--scenarios")))
+    cases = sweep.cases(impls, **selection)
+    default = {c.id for c in cases}
+    if config.getoption("--exhaustive"):
+        cases = sweep.cases(impls, exhaustive=True, **selection)
     setattr(config, _SWEEP_CASES, [*getattr(config, _SWEEP_CASES, []), len(cases)])
     marks = [getattr(pytest.mark, m) for m in sweep.marks]
-    params = [pytest.param(c, id=c.id, marks=marks) for c in cases]
+    slow = [*marks, pytest.mark.slow]
+    params = [pytest.param(c, id=c.id, marks=marks if c.id in default else slow) for c in cases]
     metafunc.parametrize("case", params)
 
 
@@ -367,6 +376,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for impl, reason in getattr(config, "_qgather_ran_nothing", {}).items():
         terminalreporter.write_line(f"qgather: every {impl} case was skipped, so nothing of it was tested "
                                     f"(first reason: {reason}); failing the run", red=True)
+    _coverage_summary(terminalreporter)
     if not _RECORDS or not config.getoption("--qgather-summary"):
         return
     write = terminalreporter.write_line
@@ -386,3 +396,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for record in failed[:20]:
         write(f"  {record['verdict']:<16} {record['case']}  ({record['reason'][:100]})")
         write(f"    reproduce: {record.get('repro') or 'qgather case ' + record['case']}")
+
+
+def _coverage_summary(terminalreporter) -> None:
+    """The coverage of the cases this session ran (`qgather coverage` prints the whole matrix)."""
+    from harness.cases import CaseSpecError
+    from harness.coverage import measure, summary_lines
+
+    specs = []
+    for case_id in dict.fromkeys(r["case"] for r in _RECORDS):
+        try:
+            specs.append(CaseSpec.parse(case_id))
+        except CaseSpecError:
+            continue
+    if not specs:
+        return
+    terminalreporter.section("qgather coverage (format x buffer x regime x scenario x configuration)")
+    for line in summary_lines(measure(specs)):
+        terminalreporter.write_line(line, red=line.lstrip().startswith("MISSING"))

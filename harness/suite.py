@@ -4,14 +4,18 @@ and scenarios, per format.
 Shapes are derived from each format's row block b so that every format gets the same kinds of
 cases: aligned shards, shards that split a scale block (e.g. 136x64 at 8 ranks for NVFP4:
 17-row shards), dim 0 not divisible by the world size, ranks with zero rows, dim 0 smaller than
-the world size, K the format cannot hold, and 3-D expert weights.
+the world size, K the format cannot hold, and 3-D expert weights. On top of these hand-picked
+shapes, harness.shape_space adds, per world size, shapes generated from the formats' layout rules
+until every promised regime of every buffer occurs (RULE_SHAPES, the sweeps' default).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import product
 
+from harness import covering, shape_space
 from harness.cases import CaseSpec
 from harness.formats import FORMATS
 from harness.fsdp_config import DEFAULT, FsdpConfig
@@ -47,14 +51,36 @@ def alignment_shapes(fmt_name: str) -> list[tuple[int, ...]]:
     return sorted(shapes)
 
 
+class RuleShapes:
+    """The suite's shapes: the hand-picked `alignment_shapes` (whose case ids baselines and docs
+    name) at every world size, plus the shapes harness.shape_space generates from the format's
+    layout rules so that every promised regime of every buffer occurs at each world size."""
+
+    def __call__(self, fmt_name: str) -> list[tuple[int, ...]]:
+        return alignment_shapes(fmt_name)
+
+    def at(self, fmt_name: str, world_size: int) -> list[tuple[int, ...]]:
+        return list(shape_space.cover(fmt_name, world_size, tuple(alignment_shapes(fmt_name))))
+
+
+RULE_SHAPES = RuleShapes()
+
+
+def _shapes_at(shapes, fmt: str, world_size: int) -> list[tuple[int, ...]]:
+    at = getattr(shapes, "at", None)
+    return [tuple(s) for s in (at(fmt, world_size) if at else shapes(fmt))]
+
+
 @dataclass(frozen=True)
 class Sweep:
-    """A cross product of cases, narrowed by the session's command-line options."""
+    """Cases of formats x shapes x world sizes x scenarios (the rows, all run), with dtypes, seeds and
+    FSDP2 configurations crossed pairwise (harness.covering), or fully with `exhaustive`; narrowed by
+    the session's command-line options."""
 
     scenarios: Sequence[str]
     world_sizes: Sequence[int] = CPU_WORLD_SIZES
     dtypes: Sequence[str] = DTYPES
-    shapes: object = alignment_shapes  # callable(fmt) -> shapes
+    shapes: object = RULE_SHAPES  # callable(fmt) -> shapes, or with .at(fmt, world_size) -> shapes
     formats: Sequence[str] | None = None
     seeds: Sequence[int] = (0,)
     configs: Sequence[FsdpConfig] = (DEFAULT,)
@@ -66,20 +92,54 @@ class Sweep:
         formats: Iterable[str] | None = None,
         world_sizes: Iterable[int] | None = None,
         scenarios: Iterable[str] | None = None,
+        exhaustive: bool = False,
     ) -> list[CaseSpec]:
+        """The default run's cases (a covering design), or with `exhaustive` the full product.
+
+        The design is made over the whole sweep, for any implementation, and then narrowed: a case id
+        means the same case whichever selection (formats, world sizes, scenarios, impls) runs it."""
+        combos = list(product(self.dtypes, self.seeds, self.configs))
+        valid = lambda row, c: c[2].check_world_size(row[3]) is None
+        if exhaustive or len(combos) == 1:
+            rows = self.rows([""], formats, world_sizes, scenarios)
+            chosen = [(row, c) for row in rows for c in combos if valid(row, c)]
+        else:
+            rows = self.rows([""])
+            chosen = self._covering(rows, combos, valid)
+            keep = set(self.rows([""], formats, world_sizes, scenarios))
+            chosen = [rc for rc in chosen if rc[0] in keep]
+        order = {row: i for i, row in enumerate(rows)}
+        chosen.sort(key=lambda rc: (order[rc[0]], combos.index(rc[1])))
+        return [CaseSpec(impl, fmt, shape, dtype, ws, scenario, seed, config)
+                for impl in impls for (_, fmt, shape, ws, scenario), (dtype, seed, config) in chosen]
+
+    def rows(self, impls, formats=None, world_sizes=None, scenarios=None) -> list[tuple]:
+        """(impl, format, shape, world size, scenario) of every row, in the suite's order."""
         fmts = [f for f in (self.formats or FORMATS) if formats is None or f in set(formats)]
         sizes = [w for w in self.world_sizes if world_sizes is None or w in set(world_sizes)]
         scens = [s for s in self.scenarios if scenarios is None or s in set(scenarios)]
         out = []
         for impl in impls:
             for fmt in fmts:
-                for shape in self.shapes(fmt):
-                    for dtype in self.dtypes:
-                        for ws in sizes:
-                            for scenario in scens:
-                                for seed in self.seeds:
-                                    for config in self.configs:
-                                        if config.check_world_size(ws) is None:
-                                            out.append(CaseSpec(impl, fmt, tuple(shape), dtype, ws, scenario,
-                                                                seed, config))
+                at = {ws: _shapes_at(self.shapes, fmt, ws) for ws in sizes}
+                for shape in sorted(set().union(*at.values()) if at else ()):
+                    out += [(impl, fmt, shape, ws, scen) for ws in sizes if shape in at[ws] for scen in scens]
         return out
+
+    def _covering(self, rows, combos, valid) -> list[tuple]:
+        legacy = {fmt: set(map(tuple, alignment_shapes(fmt))) for fmt in {row[1] for row in rows}}
+
+        def fixed_labels(row):
+            _impl, fmt, shape, ws, scen = row
+            cells = shape_space.regimes(fmt, shape, ws)
+            # scenario-at-world-size as one value too: each seed (dtype, config) runs each scenario at each world size
+            labels = {("format", fmt), ("ws", ws), ("scenario", scen), ("scenario@ws", (scen, ws))}
+            return frozenset(labels | {("regime", (fmt, *cell)) for cell in cells})
+
+        def free_labels(combo):
+            dtype, seed, config = combo
+            return (("dtype", dtype), ("seed", seed), ("config", config.token))
+
+        return covering.pairwise(rows, combos, fixed_labels, free_labels, valid,
+                                 pinned=lambda row: row[2] in legacy[row[1]],
+                                 primary=lambda c: c[2] == self.configs[0])

@@ -445,8 +445,11 @@ def _unpack_planes(section, buffers) -> dict[str, torch.Tensor]:
     flat = torch.cat([p.reshape(-1) for p in section])
     out, offset = {}, 0
     for name, dtype, shape in buffers:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize
         chunk = flat[offset : offset + nbytes]
+        if offset % itemsize:  # a buffer after one of an odd byte count (e.g. K = 17): view needs alignment
+            chunk = chunk.clone()
         out[name] = chunk.view(dtype).reshape(shape)
         offset += nbytes
     return out

@@ -1,10 +1,11 @@
 """Optimizer steps with re-quantization on the shards (amax agreement across shards of very
 different magnitudes), the in-place `out=` path of later unshards, and the hooks called around a
-direct collective."""
+direct collective, at every CPU world size with two seeds (crossed pairwise with the shapes:
+harness.covering; `--exhaustive` runs every shape with every seed)."""
 
-from harness.suite import Sweep
+from harness.suite import CPU_WORLD_SIZES, Sweep
 
-SWEEP = Sweep(scenarios=("steps", "reshard", "hooks"), dtypes=("bf16",), world_sizes=(1, 2, 3))
+SWEEP = Sweep(scenarios=("steps", "reshard", "hooks"), dtypes=("bf16",), world_sizes=CPU_WORLD_SIZES, seeds=(0, 1))
 
 
 def test_scenario(case, qgather):

@@ -1,0 +1,73 @@
+"""`qgather coverage` (the Markdown matrix of a selection) and its summary at the end of a suite session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from harness import coverage, shape_space
+from harness.cases import CaseSpec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_matrix_of_a_selection_is_markdown_with_every_promised_cell_hit(capsys):
+    rc = coverage.main(["--formats", "nvfp4_2d", "--world-sizes", "8", "--scenarios", "gather,steps"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.startswith("# qgather coverage: ") and " 0 missing" in out.splitlines()[0]
+    assert "## scenario gather, configuration default" in out and "## scenario steps, configuration default" in out
+    assert "| format | buffer | regime | ws8 |" in out
+    assert "| nvfp4_2d | columnwise_scale_inv | rows:split |" in out
+    assert "MISSING" not in out
+
+
+def test_a_missing_cell_is_marked_and_exits_1(capsys, monkeypatch):
+    monkeypatch.setattr(shape_space, "cover", lambda fmt, ws, keep=(): keep)  # the hand-picked shapes only
+    rc = coverage.main(["--formats", "mxfp8", "--world-sizes", "8", "--scenarios", "gather"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "| mxfp8 | rowwise_scale_inv | rows:pad-filled | MISSING |" in out
+
+
+def test_bad_selection_is_a_usage_error(capsys):
+    assert coverage.main(["--formats", "nope"]) == 2
+    assert "unknown format 'nope'" in capsys.readouterr().err
+    assert coverage.main(["--world-sizes", "5"]) == 2
+
+
+def test_configurations_are_a_dimension_and_only_the_first_is_promised():
+    from harness.fsdp_config import FsdpConfig
+
+    spec = CaseSpec("reference", "nvfp4_2d", (136, 64), "bf16", 8, "gather")
+    other = CaseSpec("reference", "nvfp4_2d", (136, 64), "bf16", 8, "gather", 0, FsdpConfig(compile=True))
+    cov = coverage.measure([spec, other])
+    assert ("nvfp4_2d", "columnwise_scale_inv", "rows:split", "gather", "compile", 8) in cov.hits
+    assert {k[4] for k in cov.promised} == {"default"}
+    assert cov.missing  # two cases cannot hit every regime of the space at 8 ranks
+    lines = coverage.summary_lines(cov)
+    assert any("MISSING" in line for line in lines)
+
+
+def test_the_suite_summary_prints_the_coverage():
+    env = {**os.environ, "PYTHONPATH": REPO}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "cases/test_alignment.py", "-p", "no:cacheprovider", "-q",
+         "--formats", "nvfp4_2d", "--world-sizes", "2", "--device", "cpu"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    out = result.stdout
+    assert "qgather coverage (format x buffer x regime x scenario x configuration)" in out
+    assert "gather   default" in out and "MISSING" not in out, out[-2000:]
+
+
+def test_bench_suite_prints_cases_per_second():
+    env = {**os.environ, "PYTHONPATH": REPO, "QGATHER_BENCH_WORKERS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.suite_bench", "-k", "test_gather and not fp32", "--formats", "nvfp4_2d",
+         "--world-sizes", "2", "--scenarios", "gather"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("suite: ") and "cases/s (0 workers)" in line, line
+    assert int(line.split()[1]) > 0
