@@ -188,6 +188,7 @@ def suite_sweeps() -> list[tuple[str, object, list[str] | None]]:
         name = f"qgather_suite_{filename[:-3]}"
         spec = importlib.util.spec_from_file_location(name, os.path.join(directory, filename))
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # what dataclasses and pickling look a class's module up in
         spec.loader.exec_module(module)
         sweep = getattr(module, "SWEEP", None)
         if sweep is not None:

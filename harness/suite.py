@@ -143,3 +143,29 @@ class Sweep:
         return covering.pairwise(rows, combos, fixed_labels, free_labels, valid,
                                  pinned=lambda row: row[2] in legacy[row[1]],
                                  primary=lambda c: c[2] == self.configs[0])
+
+
+@dataclass(frozen=True)
+class CaseSet:
+    """Several sweeps as one SWEEP (harness.suite.Sweep's protocol: `cases`, `marks`, `world_sizes`,
+    `scenarios`)."""
+
+    sweeps: Sequence[Sweep]
+    marks: Sequence[str] = field(default_factory=tuple)
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({w for sweep in self.sweeps for w in sweep.world_sizes}))
+
+    @property
+    def scenarios(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s for sweep in self.sweeps for s in sweep.scenarios))
+
+    def cases(self, impls: Iterable[str], formats=None, world_sizes=None, scenarios=None,
+              exhaustive: bool = False) -> list[CaseSpec]:
+        impls = list(impls)
+        out: dict[str, CaseSpec] = {}
+        for sweep in self.sweeps:
+            for case in sweep.cases(impls, formats, world_sizes, scenarios, exhaustive=exhaustive):
+                out.setdefault(case.id, case)
+        return list(out.values())

@@ -76,8 +76,16 @@ def _run(args: list[str], cwd: Path, pythonpath: Path) -> subprocess.CompletedPr
 
 
 def _case_ids(pytest_output: str) -> list[str]:
+    from harness.cases import CaseSpec, CaseSpecError
+
     params = [line.split("[", 1)[1].rstrip("]") for line in pytest_output.splitlines() if "::" in line and "[" in line]
-    return sorted(p for p in params if p.count(":") == 6)  # case ids, not other tests' parameters
+    ids = []
+    for param in params:  # case ids, not other tests' parameters
+        try:
+            ids.append(CaseSpec.parse(param).id)
+        except CaseSpecError:
+            continue
+    return sorted(ids)
 
 
 def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(

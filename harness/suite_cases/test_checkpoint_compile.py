@@ -11,15 +11,13 @@ unless --impl names the implementations. `-m slow` adds the full product: A, B i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import pytest
 
-from harness.cases import CaseSpec
 from harness.formats import FORMATS
 from harness.fsdp_config import FsdpConfig
-from harness.suite import K, Sweep, alignment_shapes
+from harness.suite import CaseSet, K, Sweep, alignment_shapes
 
 PAIRS = ((2, 4), (4, 2), (2, 2), (1, 3), (4, 1), (3, 2), (2, 3))  # (A saved, B loaded)
 COMPILE = FsdpConfig(compile=True)
@@ -42,32 +40,6 @@ def two_shapes(fmt: str) -> list[tuple[int, ...]]:
 
 def aligned_shape(fmt: str) -> list[tuple[int, ...]]:
     return [(8 * _units(fmt), K)]
-
-
-@dataclass(frozen=True)
-class CaseSet:
-    """Several sweeps as one SWEEP (harness.suite.Sweep's protocol: `cases`, `marks`, `world_sizes`,
-    `scenarios`)."""
-
-    sweeps: Sequence[Sweep]
-    marks: Sequence[str] = field(default_factory=tuple)
-
-    @property
-    def world_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({w for sweep in self.sweeps for w in sweep.world_sizes}))
-
-    @property
-    def scenarios(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(s for sweep in self.sweeps for s in sweep.scenarios))
-
-    def cases(self, impls: Iterable[str], formats=None, world_sizes=None, scenarios=None,
-              exhaustive: bool = False) -> list[CaseSpec]:
-        impls = list(impls)
-        out: dict[str, CaseSpec] = {}
-        for sweep in self.sweeps:
-            for case in sweep.cases(impls, formats, world_sizes, scenarios, exhaustive=exhaustive):
-                out.setdefault(case.id, case)
-        return list(out.values())
 
 
 def dcp_sweeps(pairs: Sequence[tuple[int, int]], shapes=two_shapes, formats=None) -> list[Sweep]:
