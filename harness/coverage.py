@@ -45,6 +45,8 @@ def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAUL
     primary = set(promised_configs)
     seen: set[tuple[str, int, str, str]] = set()
     for spec in cases:
+        if spec.scenario == "model":  # its shape is a model's hidden x ffn, not a weight's
+            continue
         config = config_name(spec)
         for buffer, regime in shape_space.regimes(spec.fmt, tuple(spec.shape), spec.world_size):
             cov.hits[(spec.fmt, buffer, regime, spec.scenario, config, spec.world_size)] += 1
@@ -105,7 +107,9 @@ def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None
     for _module, sweep, fixed in suite_sweeps():
         cases += sweep.cases(fixed or impls, formats=formats, world_sizes=world_sizes, scenarios=scenarios,
                              exhaustive=exhaustive)
-        primary.add(sweep.configs[0].token or DEFAULT_CONFIG)
+        configs = getattr(sweep, "configs", None)  # sweeps built on the shape space promise its regimes
+        if configs:
+            primary.add(configs[0].token or DEFAULT_CONFIG)
     return cases, primary
 
 
