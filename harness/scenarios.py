@@ -246,6 +246,8 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
 
     module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
     loaded = checkpoint_reshard.load(ctx, spec, module, checkpoint, phases)
+    if spec.scenario == "steps":
+        _requantize_unchanged(ctx, impl, spec, module, master, setup, phases)
     param_types = (type(_local_shard(module)),)
     stages = []
     with phases.at(Phase.SHARD), phases.following_hooks(param_types):
@@ -261,6 +263,15 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases))
     return RankResult(ctx.rank, stages, summarize_wire(wire, fmt, weight, shards, golden, impl), quantizer)
+
+
+def _requantize_unchanged(ctx, impl, spec, module, master, setup, phases: PhaseTracker) -> None:
+    """An optimizer step may come before the first gather (e.g. TE's `quantize_` into the sharded
+    parameter): re-quantizing each shard from its own, unchanged master rows must leave the gathered
+    weight as it was, the amax reduced over the shard group although no pre-hook has run yet."""
+    with torch.no_grad(), phases.at(Phase.STEP):
+        impl.requantize_shard(_local_shard(module), setup.master_slice(master).to(spec.torch_dtype), ctx.group)
+        impl.after_step(module, ctx.group)
 
 
 def _update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases: PhaseTracker) -> list[Stage]:
