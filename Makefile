@@ -37,7 +37,7 @@ test: $(SETUP)
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
 test-multigpu: $(SETUP)
 	$(PY) -m harness gpu-check
-	$(PY) -m pytest cases tests/gpu --device cuda --impl $(GPU_IMPLS) --case-timeout $(GPU_CASE_TIMEOUT) \
+	$(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) --case-timeout $(GPU_CASE_TIMEOUT) \
 	  -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
 
 selftest: $(SETUP)
