@@ -51,7 +51,7 @@ def _map_after(text: str, buffer: str) -> str:
 
 
 def test_misaligned_shard_report_maps_the_straddling_tiles_to_their_ranks():
-    case = "mutant:misaligned_shard:nvfp4_2d:144x64:bf16:ws8:steps:s0"
+    case = "mutant:misaligned_shard:nvfp4_2d:144x64:bf16:ws8:reshard:s0"
     spec = CaseSpec.parse(case)
     report = selftest.run(case)
     text = report.render()
@@ -93,7 +93,7 @@ def test_misaligned_shard_report_maps_the_straddling_tiles_to_their_ranks():
 
 
 def test_per_rank_amax_report_shows_the_cross_rank_picture():
-    case = "mutant:per_rank_amax:nvfp4_2d:128x64:bf16:ws2:steps:s0"
+    case = "mutant:per_rank_amax:nvfp4_2d:128x64:bf16:ws2:reshard:s0"
     spec = CaseSpec.parse(case)
     report = selftest.run(case)
     text = report.render()
@@ -159,3 +159,11 @@ def test_nibble_swap_report_counts_the_bytes_whose_two_codes_differ():
     assert _map_after(text, "rowwise_data") == "".join(
         str(b * BLOCK // 64) if d else "." for b, d in enumerate(blocks)), text
     assert text.splitlines()[-1] == f"  reproduce: qgather case {case}"
+
+
+def test_a_shard_requantized_before_the_first_gather_is_judged_at_the_first_unshard():
+    # the steps scenario re-quantizes every shard from its unchanged master rows before the first
+    # unshard (an optimizer step or checkpoint load before any gather): a per-rank amax shows there
+    report = selftest.run("mutant:per_rank_amax:nvfp4_2d:128x64:bf16:ws2:steps:s0")
+    assert report.verdict is Verdict.RANK_DIVERGENCE, report.render()
+    assert report.reason.startswith("unshard 1: "), report.render()
