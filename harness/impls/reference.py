@@ -217,13 +217,8 @@ class QuantizedParam(torch.Tensor):
         return self._like(rows, (*self._shape[:-1], end - start))
 
     def _split_cols(self, sizes: list[int]) -> list[QuantizedParam]:
-        pieces, start = [], 0
-        for index, size in enumerate(sizes):
-            if size:
-                self._check_col_alignment(start, f"dim-1 shard {index} of {len(sizes)} (split {sizes})")
-            pieces.append(self._slice_cols(start, start + size))
-            start += size
-        return pieces
+        return self._split_along(sizes, self._check_col_alignment, self._slice_cols,
+                                 lambda i: f"dim-1 shard {i} of {len(sizes)} (split {sizes})")
 
     def _zeros_cols(self, cols: int) -> QuantizedParam:
         rows = {n: t.new_zeros((*t.shape[:-1], self._col_entries(t, 0, cols)[1])) for n, t in self._rows.items()}
@@ -249,11 +244,17 @@ class QuantizedParam(torch.Tensor):
 
     # ----------------------------------------------------------------- ops FSDP2 applies
     def _split(self, sizes: list[int]) -> list[QuantizedParam]:
+        return self._split_along(sizes, self._check_alignment, self._slice_dim0,
+                                 lambda i: f"shard {i} of {len(sizes)} (dim-0 split {sizes})")
+
+    @staticmethod
+    def _split_along(sizes: list[int], check, piece, label) -> list[QuantizedParam]:
+        """Consecutive pieces of `sizes` along one dimension, each non-empty one checked for alignment."""
         pieces, start = [], 0
         for index, size in enumerate(sizes):
             if size:
-                self._check_alignment(start, f"shard {index} of {len(sizes)} (dim-0 split {sizes})")
-            pieces.append(self._slice_dim0(start, start + size))
+                check(start, label(index))
+            pieces.append(piece(start, start + size))
             start += size
         return pieces
 
