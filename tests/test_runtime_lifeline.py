@@ -98,7 +98,9 @@ def test_nothing_outlives_a_killed_runner(tmp_path, signum):
         ranks = {int(name.rsplit(".", 1)[1]) for name in os.listdir(marks)}
         tree = _tree(runner.pid)
         assert ranks <= tree, (ranks, tree)
-        assert len(tree) >= 4  # forkserver, resource tracker and two ranks at least
+        # the forkserver and two ranks at least (multiprocessing starts its resource tracker lazily:
+        # a fresh clone's CI run had none at this point)
+        assert len(tree) >= 3, tree
         pids = {pid: start_time(pid) for pid in tree}
         assert any(name.startswith("qgather-pool-") for name in _ours(tmp))
 
