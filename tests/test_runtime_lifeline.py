@@ -82,6 +82,7 @@ def _ours(tmp) -> list[str]:
     return [name for name in os.listdir(tmp) if name.startswith(("qgather-pool-", "pymp-"))]
 
 
+@pytest.mark.isolated
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 def test_nothing_outlives_a_killed_runner(tmp_path, signum):
     tmp, marks = tmp_path / "tmp", tmp_path / "marks"
