@@ -132,5 +132,62 @@ class ShardLayout:
         return None
 
 
-def shard_layout(spec: CaseSpec) -> ShardLayout:
-    return ShardLayout(spec.shape[0], spec.world_size, spec.inner_rows)
+@dataclass(frozen=True)
+class ColumnShardLayout:
+    """FSDP2's Shard(1) split of a 2-D (M, K) weight: every rank holds all rows and K / ws columns
+    (FSDP2 requires even sharding on a nonzero dim). Duck-types ShardLayout where row code reads it."""
+
+    dim0: int
+    cols: int
+    world_size: int
+    inner_rows: int = 1
+    shard_dim: int = 1
+
+    @property
+    def chunk(self) -> int:  # rows per rank: all of them
+        return self.dim0
+
+    @property
+    def even(self) -> bool:
+        return self.cols % self.world_size == 0
+
+    @property
+    def col_chunk(self) -> int:
+        return self.cols // self.world_size
+
+    def col_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.col_chunk, (rank + 1) * self.col_chunk
+
+    def dim0_range(self, rank: int) -> tuple[int, int]:
+        return 0, self.dim0
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        return 0, self.dim0 * self.inner_rows
+
+    def owner_of_row(self, row: int) -> int:
+        return 0  # every rank holds every row; owner_of_col says who holds a column
+
+    def owner_of_col(self, col: int) -> int:
+        return col // max(1, self.col_chunk)
+
+    def misaligned_rank(self, col_block: int) -> int | None:
+        """The first rank whose columns start off the format's column block (the row block does not
+        matter: every rank holds all rows)."""
+        for rank in range(self.world_size):
+            start, end = self.col_range(rank)
+            if end > start and start % col_block:
+                return rank
+        return None
+
+
+def shard_world_size(spec: CaseSpec) -> int:
+    """Ranks the weight is split over: the shard dimension of an HSDP mesh, else the whole world."""
+    return spec.config.hsdp[1] if spec.config.hsdp else spec.world_size
+
+
+def shard_layout(spec: CaseSpec) -> ShardLayout | ColumnShardLayout:
+    """How FSDP2 splits the case's weight under its configuration: the golden's and the inspection's view."""
+    size = shard_world_size(spec)
+    if spec.config.shard_dim == 1:
+        return ColumnShardLayout(spec.shape[0], spec.shape[-1], size)
+    return ShardLayout(spec.shape[0], size, spec.inner_rows)

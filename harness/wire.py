@@ -107,7 +107,7 @@ def summarize_wire(wire: WireLog, fmt: Format, weight: torch.Tensor, shards: Sha
                    impl: Implementation) -> WireSummary:
     """What the case moved, beside what its packed shard needed and what the implementation may move."""
     padded_rows = shards.chunk * shards.inner_rows
-    # Shard(1) (harness.fsdp_setup.ColumnShardLayout): every row, a 1/ws slice of the columns
+    # Shard(1) (harness.cases.ColumnShardLayout): every row, a 1/ws slice of the columns
     col_fraction = (shards.col_chunk, weight.shape[-1]) if hasattr(shards, "col_chunk") else (1, 1)
     packed = packed_shard_bytes(fmt, golden, padded_rows)
     summary = WireSummary(collective_bytes=wire.collective_bytes, collectives=wire.collectives,

@@ -8,7 +8,7 @@ import itertools
 import torch
 
 from harness import fsdp_setup
-from harness.cases import CaseSpec
+from harness.cases import CaseSpec, ColumnShardLayout, shard_layout
 from harness.config_sweep import ConfigSweep, pairwise
 from harness.engine import RunOptions, run_case
 from harness.impls import get_impl
@@ -35,7 +35,7 @@ def test_sweep_covers_every_dimension_value():
 
 def test_layouts_follow_the_shard_dimension():
     hsdp = CaseSpec.parse("reference:nvfp4_2d:160x64:bf16:ws4:gather:s0:hsdp-2x2")
-    assert fsdp_setup.shard_layout(hsdp).world_size == 2 and expectation(hsdp).aligned  # 80-row shards split no block
+    assert shard_layout(hsdp).world_size == 2 and expectation(hsdp).aligned  # 80-row shards split no block
     flat = CaseSpec.parse("reference:nvfp4_2d:160x64:bf16:ws4:gather:s0")
     assert not expectation(flat).aligned  # 40-row shards do
     dim1 = CaseSpec.parse("reference:mxfp8:128x64:bf16:ws4:gather:s0:dim1")
@@ -81,5 +81,5 @@ def test_dim1_shards_along_k():
 
 def test_master_slice_follows_the_shard_dim():
     full = torch.arange(32.0).reshape(4, 8)
-    setup = fsdp_setup.Setup({}, fsdp_setup.ColumnShardLayout(4, 8, 2), 1, torch.float32)
+    setup = fsdp_setup.Setup({}, ColumnShardLayout(4, 8, 2), 1, torch.float32)
     assert torch.equal(setup.master_slice(full), full[:, 4:])

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import sys
 
-from harness.runtime.lifeline import CLEAN_STOP_MARKER, remove_forkserver_socket_dir, remove_pool_dirs_of
+from harness.runtime.lifeline import CLEAN_STOP_MARKER, remove_pool_dirs_of
 
 _RUNNER_PID = os.getppid()
 
@@ -25,7 +26,8 @@ def _cleanup() -> None:
     if socket_dir and os.path.exists(os.path.join(socket_dir, CLEAN_STOP_MARKER)):
         return
     remove_pool_dirs_of(_RUNNER_PID)
-    remove_forkserver_socket_dir()
+    if os.path.basename(socket_dir).startswith("pymp-"):
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 if sys.argv[:1] == ["-c"]:  # the forkserver runs as `python -c ...`; never arm this in a runner

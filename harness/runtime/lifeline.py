@@ -121,21 +121,4 @@ def _watch(lifeline: Any, pid: int, started: int, pool_dir: str) -> None:
             break
     if pool_dir:
         shutil.rmtree(pool_dir, ignore_errors=True)
-    # the forkserver's exit hook removes it too; a second remover, because a fresh clone's CI run once
-    # found the runner's pymp-* dir left behind after a SIGKILL with every process gone
-    remove_forkserver_socket_dir()
     os._exit(EXIT_CODE)
-
-
-def remove_forkserver_socket_dir() -> None:
-    """Remove multiprocessing's pymp-* dir holding the runner's forkserver socket, unless the runner
-    stopped cleanly (it then removes its dirs itself). Known in the forkserver and in every process
-    forked from it."""
-    from multiprocessing import forkserver
-
-    address = getattr(forkserver._forkserver, "_forkserver_address", None)
-    socket_dir = os.path.dirname(address) if isinstance(address, str) and address[:1] != "\0" else ""
-    if not os.path.basename(socket_dir).startswith("pymp-"):
-        return
-    if not os.path.exists(os.path.join(socket_dir, CLEAN_STOP_MARKER)):
-        shutil.rmtree(socket_dir, ignore_errors=True)
