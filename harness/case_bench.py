@@ -28,8 +28,9 @@ TIME_GOAL = 3.0
 MEMORY_GOAL = 3.0
 
 
-def measure_on_rank(ctx, case_id: str, reps: int) -> dict:
-    """Runs on every rank: the full case, then the bare work, each timed `reps` times."""
+def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict:
+    """Runs on every rank: the full case, then the bare work, each timed `reps` times (with
+    `profile`: rank 0 then runs the case once more under torch.profiler and returns its table)."""
     from harness.scenarios import make_weight, run_on_rank
 
     spec = CaseSpec.parse(case_id)
@@ -40,7 +41,7 @@ def measure_on_rank(ctx, case_id: str, reps: int) -> dict:
     full = [_timed(lambda: run_on_rank(ctx, case_id), cuda) for _ in range(reps)]
     peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else 0
     nbytes = max(int(result.wire.collective_bytes), 1)
-    weight = make_weight(spec).to(ctx.device).to(spec.torch_dtype)
+    weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
     fmt = FORMATS[spec.fmt]
 
     def bare() -> None:
@@ -51,9 +52,39 @@ def measure_on_rank(ctx, case_id: str, reps: int) -> dict:
 
     bare()
     bare_s = [_timed(bare, cuda) for _ in range(reps)]
+    table = _profiled(ctx, case_id) if profile else ""
     return {"full_s": statistics.median(full), "bare_s": statistics.median(bare_s), "peak_bytes": peak,
             "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes,
-            "buffer_diffs": [s.buffer_diffs for s in result.stages]}
+            "buffer_diffs": [s.buffer_diffs for s in result.stages], "profile": table}
+
+
+PROFILE_ROWS = 30
+
+
+def _profiled(ctx, case_id: str) -> str:
+    """Where one case's time goes: torch.profiler's operators (device and host time), then the
+    Python functions by cumulative time (cProfile), on rank 0; the other ranks run the case along."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from harness.scenarios import run_on_rank
+
+    if ctx.rank != 0:
+        run_on_rank(ctx, case_id)
+        return ""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    python = cProfile.Profile()
+    with profile(activities=activities) as prof:
+        python.enable()
+        run_on_rank(ctx, case_id)
+        python.disable()
+    sort = "cuda_time_total" if ctx.device.type == "cuda" else "cpu_time_total"
+    out = io.StringIO()
+    pstats.Stats(python, stream=out).sort_stats("cumulative").print_stats(PROFILE_ROWS)
+    return prof.key_averages().table(sort_by=sort, row_limit=PROFILE_ROWS) + "\n" + out.getvalue()
 
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single; torch 2.11 (the GPU hosts) lacks the latter.
@@ -78,6 +109,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--impl", default=None)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--backend", default=None, choices=("nccl", "gloo"),
+                        help="default: nccl on cuda, gloo on cpu (gloo on cuda: more ranks than GPUs)")
+    parser.add_argument("--profile", action="store_true", help="print where one case's time goes (rank 0)")
     parser.add_argument("--timeout", type=float, default=600.0)
     return parser.parse_args(argv)
 
@@ -92,14 +126,14 @@ def _default_impl(device: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse([] if argv is None else argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < args.world_size:
         print(f"bench gpu: skipped: needs {args.world_size} CUDA GPUs, this host has {torch.cuda.device_count()} "
-              "(for a CPU dry run: --device cpu --shape 256x512)")
+              "(for a CPU dry run: --device cpu --shape 256x512; gloo on one GPU: --backend gloo)")
         return 0
     from harness.runtime import PoolSpec, get_pool, shutdown_pools
 
     impl = args.impl or _default_impl(args.device)
-    backend = "nccl" if args.device == "cuda" else "gloo"
     pool = get_pool(PoolSpec(backend=backend, world_size=args.world_size, device=args.device))
     print(f"bench gpu: {impl}, {args.shape} bf16, {args.world_size} ranks over {backend} on {args.device}, "
           f"median of {args.reps}")
@@ -107,11 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for fmt in args.formats.split(","):
             case_id = f"{impl}:{fmt}:{args.shape}:bf16:ws{args.world_size}:gather:s0"
-            outcome = pool.run(measure_on_rank, case_id, args.reps, timeout=args.timeout)
+            outcome = pool.run(measure_on_rank, case_id, args.reps, args.profile, timeout=args.timeout)
             if outcome.status != "ok":
                 print(f"  {fmt}: the case did not run: {outcome.summary()}")
                 return 1
             worst = max(worst, _print_row(fmt, outcome.results, args.device))
+            if args.profile:
+                print(outcome.results[0]["profile"])
     finally:
         shutdown_pools()
     return 0 if worst <= TIME_GOAL else 1

@@ -48,7 +48,7 @@ def initial_master(spec: CaseSpec, master: torch.Tensor) -> torch.Tensor:
         return master
     from harness.scenarios import make_weight
 
-    return (make_weight(replace(spec, seed=spec.seed + DECOY_SEED)) * DECOY_SCALE).to(master.device)
+    return make_weight(replace(spec, seed=spec.seed + DECOY_SEED), master.device) * DECOY_SCALE
 
 
 def load(ctx, spec: CaseSpec, module: torch.nn.Module, checkpoint: str | None, phases: PhaseTracker) -> str:

@@ -35,15 +35,63 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
 
 
+#: Device buffers larger than this are fingerprinted where they live (see `_fingerprint`) instead of
+#: being copied to the host and hashed there, which costs more than the gather itself for large
+#: weights. CPU buffers are always hashed byte by byte (sha256 is the faster of the two there).
+LARGE_BUFFER_BYTES = 1 << 22
+_FINGERPRINT_CHUNK = 1 << 22  # int32 words per chunk: bounds the temporaries on the device
+
+
 def digest(buffers: dict[str, torch.Tensor], valid: dict[str, tuple[slice, ...]]) -> str:
-    """sha256 over every buffer's valid region (name, shape, dtype and bytes)."""
+    """sha256 over every buffer's valid region (name, shape, dtype and bytes; a large device
+    region's fingerprint instead of its bytes)."""
     h = hashlib.sha256()
     for name in sorted(buffers):
         t = buffers[name]
         region = t[valid[name]] if name in valid and t.dim() == len(valid[name]) else t
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(tensor_bytes(region))
+        if region.device.type != "cpu" and region.numel() * region.element_size() > LARGE_BUFFER_BYTES:
+            h.update(b"fingerprint:" + _fingerprint(region))
+        else:
+            h.update(tensor_bytes(region))
     return h.hexdigest()
+
+
+def _fingerprint(t: torch.Tensor) -> bytes:
+    """Two sums over the region's 32-bit words, each word times an odd pseudo-random multiplier of
+    its position (int64 arithmetic, wrapping): the same integers on every device, so ranks compare.
+    A single differing word always changes both sums (an odd multiplier is invertible mod 2^64)."""
+    words = _words(t)
+    sums = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
+        chunk = words[start:start + _FINGERPRINT_CHUNK].to(torch.int64)
+        for k, salt in enumerate(_SALTS):
+            sums[k] += (chunk * _multipliers(start, chunk.numel(), salt, t.device)).sum()
+    return tensor_bytes(sums) + str(words.numel()).encode()
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = -flat.numel() % 4
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(torch.int32)
+
+
+_SALTS = (0x2545F4914F6CDD1D, 0x1B873593)
+_MASK = {s: (1 << (64 - s)) - 1 for s in (30, 27, 31)}
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _multipliers(start: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
+    """splitmix64 of each position (logical shifts emulated on int64), forced odd."""
+    z = torch.arange(start, start + n, dtype=torch.int64, device=device) + salt
+    z = (z ^ ((z >> 30) & _MASK[30])) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ ((z >> 27) & _MASK[27])) * _signed(0x94D049BB133111EB)
+    return (z ^ ((z >> 31) & _MASK[31])) | 1
 
 
 @dataclass
@@ -84,13 +132,17 @@ def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> li
 def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> Comparison:
     """Bitwise equality plus the size of the largest difference, for the report. With `rel_tol`
     (for outputs computed by another kernel than the golden's), differences up to
-    rel_tol * max|want| count as equal, and the tolerance is part of the result."""
-    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    rel_tol * max|want| count as equal, and the tolerance is part of the result. Runs on `want`'s
+    device; only the counts leave it."""
+    got, want = got.detach().to(want.device), want.detach()
     if got.shape != want.shape:
         return Comparison(False, -1, float("inf"), detail=f"shape {tuple(got.shape)}")
-    differ = _bits(got) != _bits(want)
+    if got.dtype != want.dtype or not got.dtype.is_floating_point:
+        got, want = got.float(), want.float()
+    differ = _bits(got) != _bits(want)  # same dtype: equal bits <=> equal float32 values, as before
     n_diff = int(differ.sum())
-    max_abs = float((got - want).abs().nan_to_num(float("inf"))[differ].max()) if n_diff else 0.0
+    max_abs = float((got[differ].float() - want[differ].float()).abs().nan_to_num(float("inf")).max()) \
+        if n_diff else 0.0
     if rel_tol is None:
         return Comparison(n_diff == 0, n_diff, max_abs)
     bound = rel_tol * float(want.abs().max()) if want.numel() else 0.0

@@ -49,19 +49,19 @@ class _CountingBackend:
         return self.backend(gm, example_inputs)
 
 
-def compiled_stage(impl, module: torch.nn.Module, x: torch.Tensor, group, phases: PhaseTracker) -> Stage:
+def compiled_stage(impl, spec, module: torch.nn.Module, x: torch.Tensor, group, phases: PhaseTracker) -> Stage:
     """The module's eager forward, then its compiled forward (each with FSDP2's own unshard and
     reshard around it), compared bit for bit. Errors are recorded on the stage, not raised."""
     name = backend_name()
     stage = Stage(f"compiled forward (torch.compile, backend {name}) against the eager forward")
-    with phases.at(Phase.FORWARD), impl.gather_context(group):
+    with phases.at(Phase.FORWARD), impl.gather_context(group), impl.forward_context(spec):
         eager = module(x)
     # A warm rank runs many cases through the same forward code: without a reset, Dynamo's cache
     # limit would silently turn later cases' compiles into eager runs.
     torch._dynamo.reset()
     counting = _CountingBackend(name)
     try:
-        with phases.at(Phase.COMPILE), impl.gather_context(group):
+        with phases.at(Phase.COMPILE), impl.gather_context(group), impl.forward_context(spec):
             compiled = torch.compile(module, backend=counting)(x)
     except Exception as exc:  # noqa: BLE001 - the compiled forward's error is the evidence
         stage.forward_error = f"{type(exc).__name__} under torch.compile: " \

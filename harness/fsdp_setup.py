@@ -19,6 +19,7 @@ fully_shard; the scenarios gather frozen weights, so no gradient is reduced in i
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,11 @@ def _own_route(impl: Implementation) -> bool:
     return type(impl).make_sharded_module is not Implementation.make_sharded_module
 
 
+def takes_setup(impl: Implementation) -> bool:
+    """Whether the adapter's make_sharded_module takes the configuration (a `setup` parameter)."""
+    return "setup" in inspect.signature(impl.make_sharded_module).parameters
+
+
 def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
     """Why this configuration cannot run for this case (SKIPPED), or None."""
     config = spec.config
@@ -82,8 +88,11 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
     if spec.scenario in UNCONFIGURABLE:
         return (f"the {spec.scenario} scenario calls the hooks without fully_shard: configuration "
                 f"{config.token} has nothing to apply to")
-    if _own_route(impl):
+    if _own_route(impl) and not takes_setup(impl):
         return f"{impl.name} shards on its own route (make_sharded_module), which takes no FSDP2 configuration"
+    reason = impl.config_skip_reason(spec)
+    if reason:
+        return reason
     if config.shard_dim == 1:
         if len(spec.shape) != 2:
             return "dim1: Shard(1) of a 3-D expert weight splits each expert's rows, not K (2-D weights only)"

@@ -83,3 +83,17 @@ def test_master_slice_follows_the_shard_dim():
     full = torch.arange(32.0).reshape(4, 8)
     setup = fsdp_setup.Setup({}, ColumnShardLayout(4, 8, 2), 1, torch.float32)
     assert torch.equal(setup.master_slice(full), full[:, 4:])
+
+
+def test_an_own_route_gets_the_configuration_only_when_it_takes_setup():
+    """An adapter's make_sharded_module with a `setup` parameter runs configured cases (the policy's
+    dtype reaches the unsharded weight); one without it is SKIPPED, never run as the default."""
+    configured = run_case(CaseSpec.parse(
+        "tests._own_route_adapters:ConfiguredOwnRoute:nvfp4_2d:128x64:fp32:ws2:gather:s0:mp-bf16"), CPU)
+    assert configured.verdict is Verdict.EXACT, configured.render()
+    old = CaseSpec.parse("tests._own_route_adapters:UnconfiguredOwnRoute:nvfp4_2d:128x64:fp32:ws2:gather:s0:mp-bf16")
+    report = run_case(old, CPU)
+    assert report.verdict is Verdict.SKIPPED and "takes no FSDP2 configuration" in report.reason, report.render()
+    default = run_case(CaseSpec.parse(
+        "tests._own_route_adapters:UnconfiguredOwnRoute:nvfp4_2d:128x64:fp32:ws2:gather:s0"), CPU)
+    assert default.verdict is Verdict.EXACT, default.render()

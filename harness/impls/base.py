@@ -28,7 +28,7 @@ class Implementation:
 
     The harness calls, on every rank:
       1. `skip_reason(spec, device)`: None to run, else a one-line reason to skip the case.
-      2. either `make_sharded_module(ctx, spec, master)`: the module already sharded the way the
+      2. either `make_sharded_module(ctx, spec, master, setup)`: the module already sharded the way the
          library's users shard it (e.g. TE: built on meta, `fully_shard`, `reset_parameters`), or,
          when that returns None, `make_param(fmt, weight)`: the quantized parameter of the FULL
          weight (every rank builds the same one from the same seed), which the harness wraps in a
@@ -67,12 +67,16 @@ class Implementation:
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor) -> torch.nn.Module | None:
+    def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor,
+                            setup=None) -> torch.nn.Module | None:
         """A module holding this rank's shard of the case's weight as `.weight`, already passed
-        through `fully_shard(module, mesh=ctx.mesh)` and initialized the library's way. For
-        libraries with deferred or sharded initialization. `ctx` has rank, world_size, device,
-        group and mesh; `master` is the full float32 master weight (cast it to spec.torch_dtype);
-        this rank's rows are `harness.cases.shard_layout(spec).dim0_range(ctx.rank)`.
+        through `fully_shard` and initialized the library's way. For libraries with deferred or
+        sharded initialization. `ctx` has rank, world_size, device, group and mesh; `master` is the
+        full master weight (cast it to spec.torch_dtype). `setup` (harness.fsdp_setup.Setup) is the
+        case's FSDP2 configuration: `fully_shard(module, **setup.kwargs)` (mesh, mp_policy,
+        reshard_after_forward, shard_placement_fn) and this rank's part of the master,
+        `setup.master_slice(master)`. An adapter whose method takes no `setup` parameter runs
+        FSDP2's default configuration only (its configured cases are SKIPPED, saying so).
         None (the default): the harness builds and shards the module (make_module / make_param)."""
         return None
 
@@ -89,6 +93,16 @@ class Implementation:
         self, local: torch.Tensor, master_rows: torch.Tensor, group: torch.distributed.ProcessGroup | None
     ) -> None:
         raise NotImplementedError
+
+    def config_skip_reason(self, spec: CaseSpec) -> str | None:
+        """Why this implementation cannot run the case's FSDP2 configuration (SKIPPED), or None.
+        Called only for configured cases (harness.fsdp_config) that torch itself can run."""
+        return None
+
+    def forward_context(self, spec: CaseSpec) -> contextlib.AbstractContextManager:
+        """What the library's own module forward runs under (e.g. TE's te.autocast with the
+        case's recipe); used where the harness calls the module itself (torch.compile)."""
+        return contextlib.nullcontext()
 
     def after_step(self, module: torch.nn.Module, group) -> None:
         """Called on every rank after all shards were re-quantized for a step (e.g. to precompute

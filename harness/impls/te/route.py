@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.cases import CaseSpec, shard_layout
+from harness import fsdp_setup
+from harness.cases import CaseSpec
 from harness.impls.base import HarnessFault
 from harness.impls.te.adapter import NVFP4, TEAdapter
 from harness.impls.te.environment import has_nvfp4_kernels, sm_name
@@ -73,14 +74,25 @@ class TransformerEngineRoute(TEAdapter):
 
         return run_model_case(self, ctx, spec, phases)
 
-    def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor) -> torch.nn.Module:
+    def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor, setup=None) -> torch.nn.Module:
+        """The case's configuration applies as a TE user writes it: `fully_shard(module, mesh=...,
+        mp_policy=..., reshard_after_forward=..., shard_placement_fn=...)` before reset_parameters
+        (which reduces the amax over the mesh's "shard" dimension under HSDP)."""
         from torch.distributed.fsdp import fully_shard
 
-        module = self._linear_on_meta(spec, _this_ranks_rows(ctx, spec, master))
-        fully_shard(module, mesh=ctx.mesh)
+        setup = setup or fsdp_setup.prepare(ctx, spec)
+        rows = setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype)
+        module = self._linear_on_meta(spec, rows)
+        fully_shard(module, **setup.kwargs)
         with torch.enable_grad():
             module.reset_parameters()
         return module
+
+    def forward_context(self, spec: CaseSpec):
+        import transformer_engine.pytorch as te
+
+        autocast = getattr(te, "autocast", None) or te.fp8_autocast
+        return autocast(enabled=True, recipe=make_recipe(spec.fmt, self.recipes))
 
     def single_device_output(self, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The same te.Linear and recipe on this GPU alone, initialized with the full weight (so the
@@ -93,10 +105,7 @@ class TransformerEngineRoute(TEAdapter):
     def module_output(self, spec: CaseSpec, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """TE's forward of the module under te.autocast with the case's recipe (the unsharded
         weight as FSDP2 left it after the gather)."""
-        import transformer_engine.pytorch as te
-
-        autocast = getattr(te, "autocast", None) or te.fp8_autocast
-        with torch.no_grad(), autocast(enabled=True, recipe=make_recipe(spec.fmt, self.recipes)):
+        with torch.no_grad(), self.forward_context(spec):
             return module(x).float()
 
     def _linear_on_meta(self, spec: CaseSpec, rows: torch.Tensor) -> torch.nn.Module:
@@ -111,20 +120,15 @@ class TransformerEngineRoute(TEAdapter):
         return module
 
 
-def _this_ranks_rows(ctx, spec: CaseSpec, master: torch.Tensor) -> torch.Tensor:
-    start, end = shard_layout(spec).dim0_range(ctx.rank)
-    return master[start:end].to(device=ctx.device, dtype=spec.torch_dtype)
-
-
 def _writes(rows: torch.Tensor):
-    """TE's init_method for the weight: write this rank's rows of the master weight into the
-    local shard TE materialized (a shard of any other shape means FSDP2 split differently than
-    the harness's golden assumes)."""
+    """TE's init_method for the weight: write this rank's part of the master weight (its rows; its
+    columns under Shard(1)) into the local shard TE materialized (a shard of any other shape means
+    FSDP2 split differently than the harness's golden assumes)."""
 
     def init_method(local: torch.Tensor) -> None:
         if tuple(local.shape) != tuple(rows.shape):
             raise HarnessFault(f"TE's reset_parameters handed init_method a local shard of shape "
-                               f"{tuple(local.shape)}; this rank's rows of the master weight are {tuple(rows.shape)}")
+                               f"{tuple(local.shape)}; this rank's part of the master weight is {tuple(rows.shape)}")
         with torch.no_grad():
             local.copy_(rows)
 

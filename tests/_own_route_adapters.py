@@ -1,0 +1,29 @@
+"""Adapters that build the sharded module themselves (`make_sharded_module`), as TE's does; loaded
+as `tests._own_route_adapters:<Name>` by tests/test_fsdp_setup.py."""
+
+from __future__ import annotations
+
+from torch.distributed.fsdp import fully_shard
+
+from harness.impls.reference import ReferenceImplementation
+from harness.scenarios import QuantizedLinear
+
+
+class ConfiguredOwnRoute(ReferenceImplementation):
+    """Builds its module itself and applies the case's configuration to fully_shard."""
+
+    def make_sharded_module(self, ctx, spec, master, setup=None):
+        weight = master.to(spec.torch_dtype)
+        module = QuantizedLinear(self, self.make_param(spec.fmt, weight))
+        fully_shard(module, **setup.kwargs)
+        return module
+
+
+class UnconfiguredOwnRoute(ReferenceImplementation):
+    """Written before configurations existed: no `setup` parameter, FSDP2's defaults only."""
+
+    def make_sharded_module(self, ctx, spec, master):
+        weight = master.to(spec.torch_dtype)
+        module = QuantizedLinear(self, self.make_param(spec.fmt, weight))
+        fully_shard(module, mesh=ctx.mesh)
+        return module

@@ -1,0 +1,58 @@
+"""The comparison primitives: bitwise value comparison, digests and their device-side fingerprint."""
+
+import hashlib
+
+import pytest
+import torch
+
+from harness.cases import CaseSpec
+from harness.compare import _fingerprint, compare_values, digest, tensor_bytes
+from harness.scenarios import make_weight, row_scales
+
+
+def test_fingerprint_sees_one_changed_word_and_swapped_rows():
+    a = torch.randn(300, 1000, generator=torch.Generator().manual_seed(0))
+    changed, swapped = a.clone(), a.clone()
+    changed[123, 45] = torch.nextafter(changed[123, 45], torch.tensor(float("inf")))
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert _fingerprint(a) == _fingerprint(a.clone())
+    assert _fingerprint(changed) != _fingerprint(a)
+    assert _fingerprint(swapped) != _fingerprint(a)
+
+
+def test_fingerprint_covers_a_trailing_partial_word_and_the_length():
+    a = torch.arange(4097, dtype=torch.uint8)
+    b = a.clone()
+    b[-1] += 1
+    assert _fingerprint(a) != _fingerprint(b)
+    assert _fingerprint(torch.zeros(8, dtype=torch.uint8)) != _fingerprint(torch.zeros(12, dtype=torch.uint8))
+
+
+def test_cpu_digest_hashes_the_bytes_themselves():
+    t = torch.randn(2048, 1024)  # 8 MiB: above the fingerprint threshold, but on the CPU
+    expected = hashlib.sha256(f"w:{tuple(t.shape)}:{t.dtype};".encode() + tensor_bytes(t)).hexdigest()
+    assert digest({"w": t}, {}) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compare_values_is_bitwise(dtype):
+    want = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=dtype)
+    assert compare_values(want.clone(), want).equal  # NaN == NaN bit for bit
+    got = want.clone()
+    got[0] = -0.0
+    got[3] = 2.5
+    result = compare_values(got, want)
+    assert not result.equal and result.n_diff == 2 and result.max_abs == 0.5
+
+
+def test_compare_values_across_dtypes_compares_float32_values():
+    want = torch.tensor([1.0, 3.0])
+    assert compare_values(want.to(torch.bfloat16), want).equal
+    assert not compare_values(torch.tensor([1.0, 3.015625], dtype=torch.bfloat16), want).equal
+
+
+def test_small_and_cpu_weights_come_from_the_cpu_generator():
+    spec = CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s3")
+    expected = torch.randn(spec.shape, generator=torch.Generator().manual_seed(3)) * row_scales(spec)
+    assert torch.equal(make_weight(spec), expected)
+    assert torch.equal(make_weight(spec, "cpu"), expected)
