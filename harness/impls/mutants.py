@@ -596,12 +596,13 @@ def _reshards_after_forward(module) -> bool:
 
 class NoReshardStaleLayoutParam(QuantizedParam):
     """Models hooks that branch on FSDP2's `_fsdp_param_group._reshard_after_forward`, as
-    TransformerEngine's Float8/MXFP8 hooks do, and take its comment at its word: "if not resharded
-    after forward pass, weights allgathered in forward are used in backward and pre/post allgather
-    methods won't be called". In that branch the post-hook treats its unsharded tensor as built
-    once: the `out=` path copies the newly gathered data into the row buffers and keeps the
-    layout GEMMs read (re-padded scales, the derived or transposed columnwise copy, the per-tensor
-    scale_inv and amax) that it built with `out` on the first all-gather.
+    TransformerEngine's Float8/MXFP8 hooks do, and take the comment of TE's MXFP8 pre-hook at its
+    word: "If weights are not resharded after forward pass, weights allgathered in forward are used
+    in backward and pre/post allgather methods wont be called". In that branch the post-hook
+    treats its unsharded tensor as built once: the `out=` path copies the newly gathered data into
+    the row buffers and keeps the layout GEMMs read (re-padded scales, the derived or transposed
+    columnwise copy, the per-tensor scale_inv and amax) that it built with `out` on the first
+    all-gather.
 
     But FSDP2 still reshards after backward and re-gathers every iteration into the same `out`
     (FSDPParam.init_unsharded_param, once `_unsharded_param` exists): after an optimizer step the
