@@ -70,6 +70,19 @@ def test_hsdp_builds_a_2d_mesh_and_shards_over_its_shard_dim():
     assert flat.verdict is Verdict.EXACT, flat.render()
 
 
+def test_no_reshard_after_forward_regathers_into_the_kept_weight():
+    """raf-no (and raf-1, which FSDP2 reads as False) re-gathers through the forward into the unsharded
+    weight built by the first gather: hooks that take "not resharded after forward" for "gathered once"
+    and keep that weight's layout are caught there, and only there (without the raf component, and
+    with raf-2 = True at 2 ranks, FSDP2's flag says the weight is resharded after forward)."""
+    case = "mutant:no_reshard_stale_layout:fp8_tensor:128x64:bf16:ws2:steps:s0"
+    for token in (":raf-no", ":raf-1"):
+        bad = run_case(CaseSpec.parse(case + token), CPU)
+        assert bad.verdict is Verdict.SILENT_MISMATCH, bad.render()
+        assert "(after step 1), in forward: scale_inv" in bad.reason, bad.render()
+    for token in ("", ":raf-2"):
+        assert run_case(CaseSpec.parse(case + token), CPU).verdict is Verdict.EXACT, token
+
 def test_dim1_shards_along_k():
     """Shard(1): exact when the columns align, rejected when not; a dim-0-only post-hook is caught."""
     assert run_case(CaseSpec.parse("reference:nvfp4_1d:128x64:bf16:ws2:steps:s0:dim1"), CPU).verdict is Verdict.EXACT

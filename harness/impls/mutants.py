@@ -20,6 +20,7 @@ docstring of each says which real failure it models. Every mutant's implementati
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -27,7 +28,14 @@ from torch.utils._pytree import tree_map_only
 from harness.formats import FORMATS
 from harness.formats import numerics as nx
 from harness.formats.nvfp4 import Nvfp4_1DFormat, Nvfp4_2DFormat
-from harness.impls.reference import QuantizedParam, ReferenceImplementation, _pack_bytes, _unpack_planes, aten
+from harness.impls.reference import (
+    QuantizedParam,
+    ReferenceImplementation,
+    WireMeta,
+    _pack_bytes,
+    _unpack_planes,
+    aten,
+)
 from harness.verdicts import Verdict
 
 __all__ = ["FACTORIES", "MUTANTS", "Mutant"]
@@ -572,13 +580,65 @@ class UnflattenDropsScale(Mutant):
     catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:gather:s0:compile")
 
 
+# ====================================================================== 20. no reshard after forward: stale layout
+@dataclass
+class _KeptWireMeta(WireMeta):
+    unsharded_kept: bool = False  # FSDP2 keeps the unsharded weight from forward to backward
+
+
+def _reshards_after_forward(module) -> bool:
+    """FSDP2's own flag, read the way TransformerEngine's hooks read it (False: not resharded
+    after forward, i.e. reshard_after_forward=False, or a root module left at its default)."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    group = getattr(state, "_fsdp_param_group", None)
+    return True if group is None else bool(group._reshard_after_forward)
+
+
+class NoReshardStaleLayoutParam(QuantizedParam):
+    """Models hooks that branch on FSDP2's `_fsdp_param_group._reshard_after_forward`, as
+    TransformerEngine's Float8/MXFP8 hooks do, and take the comment of TE's MXFP8 pre-hook at its
+    word: "If weights are not resharded after forward pass, weights allgathered in forward are used
+    in backward and pre/post allgather methods wont be called". In that branch the post-hook
+    treats its unsharded tensor as built once: the `out=` path copies the newly gathered data into
+    the row buffers and keeps the layout GEMMs read (re-padded scales, the derived or transposed
+    columnwise copy, the per-tensor scale_inv and amax) that it built with `out` on the first
+    all-gather.
+
+    But FSDP2 still reshards after backward and re-gathers every iteration into the same `out`
+    (FSDPParam.init_unsharded_param, once `_unsharded_param` exists): after an optimizer step the
+    weight's layout and scale are those of the first iteration. With resharding after forward (the
+    default of every non-root module, and of a root module that is never run forward) the branch
+    is not taken and every re-gather is right."""
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        inputs, meta = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        return inputs, _KeptWireMeta(meta.layout, meta.glob, not _reshards_after_forward(module))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if out is None or not metadata.unsharded_kept:
+            return super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        fresh, _ = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype)
+        # BUG: only the gathered rows are refreshed; the layout and scales built with `out` are kept.
+        for name, t in fresh._rows.items():
+            out._rows[name].copy_(t)
+        return None
+
+
+class NoReshardStaleLayout(Mutant):
+    bug, bug_class = "no_reshard_stale_layout", 20
+    verdicts = frozenset({Verdict.SILENT_MISMATCH})
+    param_class = NoReshardStaleLayoutParam
+    expected = Verdict.SILENT_MISMATCH
+    catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:steps:s0:raf-no")
+
+
 MUTANTS: tuple[type[Mutant], ...] = tuple(
     sorted(
         (
             MisalignedShard, TrimToFit, SliceIgnoresBounds, MissingUsage, ColumnwiseNotTransposed,
             PerRankAmax, DeriveColumnwise1D, ScalePadding, UnpaddedUneven, StaleOut, HpFallback,
             NibbleSwap, Ws1Path, StaleDerived, IgnoresParamDtype, AssumesDim0, WorldNotShardMesh,
-            CheckpointDropsScale, UnflattenDropsScale,
+            CheckpointDropsScale, UnflattenDropsScale, NoReshardStaleLayout,
         ),
         key=lambda m: m.bug_class,
     )
