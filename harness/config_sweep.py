@@ -1,9 +1,6 @@
 """The FSDP2 configuration sweep: formats x shapes x dtypes x mixed precision x reshard_after_forward
 x mesh (flat or HSDP) x shard dim x scenario, as a covering design (every pair of dimension values in
-at least one case) for the default run, or the full product (`slow`).
-
-Pairwise cover: greedy, deterministic. Each new case starts from the first pair not yet covered and
-fills the other dimensions one by one with the value that covers the most uncovered pairs.
+at least one case: harness.covering.pairwise) for the default run, or the full product (`slow`).
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from harness.cases import CaseSpec
+from harness.covering import pairwise
 from harness.formats import FORMATS
 from harness.fsdp_config import FsdpConfig
 
@@ -46,25 +44,6 @@ def config_token(mp: str, raf: str, mesh: str, dim: str) -> str:
     shard = int(hsdp.split("x")[1]) if hsdp else world_and_mesh(mesh)[0]
     raf = f"raf-{shard}" if raf == "raf-S" else raf
     return "+".join(p for p in (mp, raf, hsdp, dim) if p)
-
-
-def pairwise(factors: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-    """Rows of a covering array of strength 2 over `factors` (deterministic, greedy)."""
-    uncovered = {((i, a), (j, b)) for i, j in itertools.combinations(range(len(factors)), 2)
-                 for a in factors[i] for b in factors[j]}
-    rows = []
-    while uncovered:
-        (i, a), (j, b) = min(uncovered)
-        row: dict[int, str] = {i: a, j: b}
-        for k in range(len(factors)):
-            if k not in row:
-                row[k] = max(factors[k], key=lambda v, k=k: sum(
-                    ((min(k, m), v if k < m else w), (max(k, m), w if k < m else v)) in uncovered
-                    for m, w in row.items()))
-        full = tuple(row[k] for k in range(len(factors)))
-        uncovered -= {((p, full[p]), (q, full[q])) for p, q in itertools.combinations(range(len(factors)), 2)}
-        rows.append(full)
-    return rows
 
 
 @dataclass(frozen=True)

@@ -140,9 +140,9 @@ class Sweep:
             dtype, seed, config = combo
             return (("dtype", dtype), ("seed", seed), ("config", config.token))
 
-        return covering.pairwise(rows, combos, fixed_labels, free_labels, valid,
-                                 pinned=lambda row: row[2] in legacy[row[1]],
-                                 primary=lambda c: c[2] == self.configs[0])
+        return covering.pairwise_over_rows(rows, combos, fixed_labels, free_labels, valid,
+                                           pinned=lambda row: row[2] in legacy[row[1]],
+                                           primary=lambda c: c[2] == self.configs[0])
 
 
 @dataclass(frozen=True)
