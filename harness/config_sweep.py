@@ -13,6 +13,7 @@ from harness.cases import CaseSpec
 from harness.covering import pairwise
 from harness.formats import FORMATS
 from harness.fsdp_config import FsdpConfig
+from harness.suite import SuiteSweep, narrow
 
 MP = ("", "mp-bf16", "mp-bf16-rfp32", "mp-fp32", "mp-fp32-rbf16")
 RAF = ("", "raf-no", "raf-S")  # raf-S: the int equal to the shard world size (smaller ints: FSDP2 cannot)
@@ -47,9 +48,10 @@ def config_token(mp: str, raf: str, mesh: str, dim: str) -> str:
 
 
 @dataclass(frozen=True)
-class ConfigSweep:
-    """A SWEEP for the pytest plugin (harness.suite.Sweep's protocol: `cases`, `marks`, `world_sizes`,
-    `scenarios`)."""
+class ConfigSweep(SuiteSweep):
+    """The configuration dimensions as one covering array, impl x format a factor of it: unlike
+    harness.suite.Sweep, not every (format, shape, world size, scenario) runs, and the array is made
+    over the selection (a narrowed run covers the pairs of what it selects)."""
 
     product: bool = False
     marks: Sequence[str] = field(default_factory=tuple)
@@ -70,10 +72,9 @@ class ConfigSweep:
         impls = list(impls)
         if impls == ["reference"]:
             impls += list(self.also_with_default)
-        impl_fmts = [f"{i}|{f}" for i in impls for f in IMPL_FORMATS.get(i, tuple(FORMATS))
-                     if formats is None or f in set(formats)]
-        scens = [s for s in SCENARIOS if scenarios is None or s in set(scenarios)]
-        meshes = [m for m in MESHES if world_sizes is None or world_and_mesh(m)[0] in set(world_sizes)]
+        impl_fmts = [f"{i}|{f}" for i in impls for f in narrow(IMPL_FORMATS.get(i, FORMATS), formats)]
+        scens = narrow(SCENARIOS, scenarios)
+        meshes = narrow(MESHES, world_sizes, key=lambda m: world_and_mesh(m)[0])
         if not (impl_fmts and scens and meshes):
             return []
         factors = (impl_fmts, SHAPES, DTYPES, MP, RAF, meshes, SHARD_DIMS, scens)
