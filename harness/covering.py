@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from itertools import combinations
 
-Label = tuple[str, Hashable]  # (dimension, value)
+Label = tuple[Hashable, Hashable]  # (dimension, value); pairwise names a factor by its index
 Pair = tuple[Label, Label]
 
 
