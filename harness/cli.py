@@ -12,9 +12,13 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from harness.paths import checkout_root, suite_dir
 from harness.quiet import quiet_torchao
+
+if TYPE_CHECKING:  # imported lazily at run time: the CLI starts without torch
+    from harness.suite import SuiteSweep
 
 BENCHES = {
     "formats": "harness.formats.bench",
@@ -176,7 +180,7 @@ def cmd_case(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-def suite_sweeps() -> list[tuple[str, object, list[str] | None]]:
+def suite_sweeps() -> list[tuple[str, SuiteSweep, list[str] | None]]:
     """(module name, SWEEP, IMPLS override) of every case module, imported without pytest."""
     import importlib.util
 

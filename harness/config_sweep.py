@@ -1,9 +1,6 @@
 """The FSDP2 configuration sweep: formats x shapes x dtypes x mixed precision x reshard_after_forward
 x mesh (flat or HSDP) x shard dim x scenario, as a covering design (every pair of dimension values in
-at least one case) for the default run, or the full product (`slow`).
-
-Pairwise cover: greedy, deterministic. Each new case starts from the first pair not yet covered and
-fills the other dimensions one by one with the value that covers the most uncovered pairs.
+at least one case: harness.covering.pairwise) for the default run, or the full product (`slow`).
 """
 
 from __future__ import annotations
@@ -13,8 +10,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from harness.cases import CaseSpec
+from harness.covering import pairwise
 from harness.formats import FORMATS
 from harness.fsdp_config import FsdpConfig
+from harness.suite import SuiteSweep, narrow
 
 MP = ("", "mp-bf16", "mp-bf16-rfp32", "mp-fp32", "mp-fp32-rbf16")
 RAF = ("", "raf-no", "raf-S")  # raf-S: the int equal to the shard world size (smaller ints: FSDP2 cannot)
@@ -48,29 +47,11 @@ def config_token(mp: str, raf: str, mesh: str, dim: str) -> str:
     return "+".join(p for p in (mp, raf, hsdp, dim) if p)
 
 
-def pairwise(factors: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-    """Rows of a covering array of strength 2 over `factors` (deterministic, greedy)."""
-    uncovered = {((i, a), (j, b)) for i, j in itertools.combinations(range(len(factors)), 2)
-                 for a in factors[i] for b in factors[j]}
-    rows = []
-    while uncovered:
-        (i, a), (j, b) = min(uncovered)
-        row: dict[int, str] = {i: a, j: b}
-        for k in range(len(factors)):
-            if k not in row:
-                row[k] = max(factors[k], key=lambda v, k=k: sum(
-                    ((min(k, m), v if k < m else w), (max(k, m), w if k < m else v)) in uncovered
-                    for m, w in row.items()))
-        full = tuple(row[k] for k in range(len(factors)))
-        uncovered -= {((p, full[p]), (q, full[q])) for p, q in itertools.combinations(range(len(factors)), 2)}
-        rows.append(full)
-    return rows
-
-
 @dataclass(frozen=True)
-class ConfigSweep:
-    """A SWEEP for the pytest plugin (harness.suite.Sweep's protocol: `cases`, `marks`, `world_sizes`,
-    `scenarios`)."""
+class ConfigSweep(SuiteSweep):
+    """The configuration dimensions as one covering array, impl x format a factor of it: unlike
+    harness.suite.Sweep, not every (format, shape, world size, scenario) runs, and the array is made
+    over the selection (a narrowed run covers the pairs of what it selects)."""
 
     product: bool = False
     marks: Sequence[str] = field(default_factory=tuple)
@@ -91,10 +72,9 @@ class ConfigSweep:
         impls = list(impls)
         if impls == ["reference"]:
             impls += list(self.also_with_default)
-        impl_fmts = [f"{i}|{f}" for i in impls for f in IMPL_FORMATS.get(i, tuple(FORMATS))
-                     if formats is None or f in set(formats)]
-        scens = [s for s in SCENARIOS if scenarios is None or s in set(scenarios)]
-        meshes = [m for m in MESHES if world_sizes is None or world_and_mesh(m)[0] in set(world_sizes)]
+        impl_fmts = [f"{i}|{f}" for i in impls for f in narrow(IMPL_FORMATS.get(i, FORMATS), formats)]
+        scens = narrow(SCENARIOS, scenarios)
+        meshes = narrow(MESHES, world_sizes, key=lambda m: world_and_mesh(m)[0])
         if not (impl_fmts and scens and meshes):
             return []
         factors = (impl_fmts, SHAPES, DTYPES, MP, RAF, meshes, SHARD_DIMS, scens)

@@ -1,11 +1,23 @@
-"""A covering design for the default run: every pair of dimension values at least once.
+"""Covering designs for the default run: every pair of dimension values at least once.
 
-A sweep's *rows* (implementation, format, shape, world size, scenario) all run: they carry the
-regimes that harness.shape_space promises. The *free* dimensions (dtype, seed, FSDP2
-configuration) are not crossed with every row; each row gets one (dtype, seed) under the sweep's
-first configuration, chosen greedily so that every pair of values of two dimensions (free with
-free, free with a row's format, world size, scenario or regime) occurs, then cases of the other
-configurations are added until their pairs occur too. `--exhaustive` runs the full product.
+Two problems, two greedy generators over one vocabulary (a label is (dimension, value); a pair is
+two labels in sorted order):
+
+`pairwise(factors)`: a covering array of strength 2 over independent factors (harness.config_sweep).
+Each new case starts from the first pair not yet covered and fills the other factors one by one with
+the value that covers the most uncovered pairs.
+
+`pairwise_over_rows(rows, combos, ...)`: a sweep's *rows* (implementation, format, shape, world
+size, scenario) all run: they carry the regimes that harness.shape_space promises, so a row has
+several labels of one dimension and is not a choice of one value per factor. The *free* dimensions
+(dtype, seed, FSDP2 configuration) are not crossed with every row; each row gets one (dtype, seed)
+under the sweep's first configuration, chosen greedily so that every pair of values of two
+dimensions (free with free, free with a row's format, world size, scenario or regime) occurs, then
+cases of the other configurations are added until their pairs occur too (harness.suite.Sweep).
+
+The two choose differently (per factor vs. whole free combinations, with validity, pinned rows and
+primary configurations), so their designs differ even where both apply; each suite's case ids are
+its generator's. `--exhaustive` runs the full product.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from itertools import combinations
 
-Label = tuple[str, Hashable]  # (dimension, value)
+Label = tuple[Hashable, Hashable]  # (dimension, value); pairwise names a factor by its index
 Pair = tuple[Label, Label]
 
 
@@ -28,7 +40,27 @@ def _pairs(fixed: frozenset[Label], free: tuple[Label, ...]) -> frozenset[Pair]:
     return frozenset(out)
 
 
-def pairwise(
+def pairwise(factors: Sequence[Sequence[Hashable]]) -> list[tuple[Hashable, ...]]:
+    """Rows of a covering array of strength 2 over `factors` (deterministic, greedy); factor i's
+    value v is the label (i, v)."""
+    uncovered = set()
+    for i, j in combinations(range(len(factors)), 2):
+        uncovered |= {((i, a), (j, b)) for a in factors[i] for b in factors[j]}
+    rows = []
+    while uncovered:
+        (i, a), (j, b) = min(uncovered)
+        row: dict[int, Hashable] = {i: a, j: b}
+        for k in range(len(factors)):
+            if k not in row:
+                labels = frozenset(row.items())
+                row[k] = max(factors[k], key=lambda v, k=k: len(_pairs(labels, ((k, v),)) & uncovered))
+        full = tuple(row[k] for k in range(len(factors)))
+        uncovered -= _pairs(frozenset(), tuple(enumerate(full)))
+        rows.append(full)
+    return rows
+
+
+def pairwise_over_rows(
     rows: Sequence[Hashable],
     combos: Sequence[tuple],
     fixed_labels: Callable[[Hashable], frozenset[Label]],

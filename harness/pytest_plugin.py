@@ -2,8 +2,8 @@
 runs a case and records its verdict, and the verdict summary at the end of the session.
 
 Test modules under cases/ (harness/suite_cases/ of an install) declare
-`SWEEP = harness.suite.Sweep(...)` and one test taking `case` and `qgather`; the command-line
-options narrow every sweep.
+`SWEEP = harness.suite.Sweep(...)` (or another harness.suite.SuiteSweep) and one test taking `case`
+and `qgather`; the command-line options narrow every sweep.
 """
 
 from __future__ import annotations

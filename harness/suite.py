@@ -11,14 +11,45 @@ until every promised regime of every buffer occurs (RULE_SHAPES, the sweeps' def
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import product
+from typing import Protocol, TypeVar, runtime_checkable
 
 from harness import covering, shape_space
 from harness.cases import CaseSpec
 from harness.formats import FORMATS
 from harness.fsdp_config import DEFAULT, FsdpConfig
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class SuiteSweep(Protocol):
+    """A case module's SWEEP, as the pytest plugin, `qgather list --cases` and `qgather coverage` use
+    it: Sweep, CaseSet and harness.config_sweep.ConfigSweep declare it; a library's own test file
+    may answer it without inheriting."""
+
+    marks: Sequence[str]  # pytest marks on every case of the sweep
+    world_sizes: Sequence[int]  # every world size it has cases at: --world-sizes is checked against these
+    scenarios: Sequence[str]
+
+    def cases(self, impls: Iterable[str], formats: Iterable[str] | None = None,
+              world_sizes: Iterable[int] | None = None, scenarios: Iterable[str] | None = None,
+              exhaustive: bool = False) -> list[CaseSpec]:
+        """The default run's cases of `impls` (a covering design), or with `exhaustive` the full product,
+        narrowed to the selected formats, world sizes and scenarios (None: all)."""
+        ...
+
+
+def narrow(values: Iterable[T], selection: Iterable[Hashable] | None,
+           key: Callable[[T], Hashable] = lambda v: v) -> list[T]:
+    """The values whose key a command-line selection names (None: all of them), in their order."""
+    if selection is None:
+        return list(values)
+    chosen = set(selection)
+    return [v for v in values if key(v) in chosen]
+
 
 CPU_WORLD_SIZES = (1, 2, 3, 4, 8)
 DTYPES = ("bf16", "fp32")
@@ -72,7 +103,7 @@ def _shapes_at(shapes, fmt: str, world_size: int) -> list[tuple[int, ...]]:
 
 
 @dataclass(frozen=True)
-class Sweep:
+class Sweep(SuiteSweep):
     """Cases of formats x shapes x world sizes x scenarios (the rows, all run), with dtypes, seeds and
     FSDP2 configurations crossed pairwise (harness.covering), or fully with `exhaustive`; narrowed by
     the session's command-line options."""
@@ -115,9 +146,9 @@ class Sweep:
 
     def rows(self, impls, formats=None, world_sizes=None, scenarios=None) -> list[tuple]:
         """(impl, format, shape, world size, scenario) of every row, in the suite's order."""
-        fmts = [f for f in (self.formats or FORMATS) if formats is None or f in set(formats)]
-        sizes = [w for w in self.world_sizes if world_sizes is None or w in set(world_sizes)]
-        scens = [s for s in self.scenarios if scenarios is None or s in set(scenarios)]
+        fmts = narrow(self.formats or FORMATS, formats)
+        sizes = narrow(self.world_sizes, world_sizes)
+        scens = narrow(self.scenarios, scenarios)
         out = []
         for impl in impls:
             for fmt in fmts:
@@ -140,17 +171,16 @@ class Sweep:
             dtype, seed, config = combo
             return (("dtype", dtype), ("seed", seed), ("config", config.token))
 
-        return covering.pairwise(rows, combos, fixed_labels, free_labels, valid,
-                                 pinned=lambda row: row[2] in legacy[row[1]],
-                                 primary=lambda c: c[2] == self.configs[0])
+        return covering.pairwise_over_rows(rows, combos, fixed_labels, free_labels, valid,
+                                           pinned=lambda row: row[2] in legacy[row[1]],
+                                           primary=lambda c: c[2] == self.configs[0])
 
 
 @dataclass(frozen=True)
-class CaseSet:
-    """Several sweeps as one SWEEP (harness.suite.Sweep's protocol: `cases`, `marks`, `world_sizes`,
-    `scenarios`)."""
+class CaseSet(SuiteSweep):
+    """Several sweeps as one SWEEP; a case id two of them generate runs once (the first's)."""
 
-    sweeps: Sequence[Sweep]
+    sweeps: Sequence[SuiteSweep]
     marks: Sequence[str] = field(default_factory=tuple)
 
     @property

@@ -9,7 +9,8 @@ import torch
 
 from harness import fsdp_setup
 from harness.cases import CaseSpec, ColumnShardLayout, shard_layout
-from harness.config_sweep import ConfigSweep, pairwise
+from harness.config_sweep import ConfigSweep
+from harness.covering import pairwise
 from harness.engine import RunOptions, run_case
 from harness.impls import get_impl
 from harness.verdicts import Verdict, expectation

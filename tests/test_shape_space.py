@@ -10,9 +10,10 @@ import pytest
 from harness import coverage, shape_space
 from harness.cases import ShardLayout
 from harness.cli import suite_sweeps
+from harness.config_sweep import world_and_mesh
 from harness.formats import FORMATS, FormatError
 from harness.formats.base import flat_dims
-from harness.suite import CPU_WORLD_SIZES, RULE_SHAPES, Sweep, alignment_shapes
+from harness.suite import CPU_WORLD_SIZES, RULE_SHAPES, SuiteSweep, Sweep, alignment_shapes, narrow
 
 Axis = shape_space.Axis
 
@@ -187,3 +188,17 @@ def test_a_narrowed_selection_runs_the_same_ids():
     assert narrow and {c.id for c in narrow} <= full
     assert {c.id.removeprefix("reference") for c in sweep.cases(["reference"])} == {
         i.removeprefix("torchao") for i in full}
+
+
+def test_every_suite_sweep_answers_the_protocol():
+    sweeps = suite_sweeps()
+    for module, sweep, _impls in sweeps:
+        assert isinstance(sweep, SuiteSweep), module
+    assert {type(sweep).__name__ for _m, sweep, _i in sweeps} >= {"Sweep", "CaseSet", "ConfigSweep"}
+    assert not isinstance(object(), SuiteSweep)
+
+
+def test_narrow_keeps_the_selected_values_in_their_order():
+    assert narrow((3, 1, 2), None) == [3, 1, 2]
+    assert narrow((3, 1, 2), [2, 3, 9]) == [3, 2]
+    assert narrow(("ws2", "hsdp-2x2", "hsdp-1x2"), [4], key=lambda m: world_and_mesh(m)[0]) == ["hsdp-2x2"]
