@@ -14,6 +14,7 @@ TransformerEngine imports, else `reference`.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -72,19 +73,45 @@ def _profiled(ctx, case_id: str) -> str:
 
     from harness.scenarios import run_on_rank
 
-    if ctx.rank != 0:
-        run_on_rank(ctx, case_id)
+    if ctx.rank != 0:  # runs along: once for the memory steps (on CUDA), once under the profiler
+        for _ in range(2 if ctx.device.type == "cuda" else 1):
+            run_on_rank(ctx, case_id)
         return ""
+    steps = _memory_steps(ctx, case_id) if ctx.device.type == "cuda" else ""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     python = cProfile.Profile()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, profile_memory=True) as prof:
         python.enable()
         run_on_rank(ctx, case_id)
         python.disable()
     sort = "cuda_time_total" if ctx.device.type == "cuda" else "cpu_time_total"
     out = io.StringIO()
     pstats.Stats(python, stream=out).sort_stats("cumulative").print_stats(PROFILE_ROWS)
-    return prof.key_averages().table(sort_by=sort, row_limit=PROFILE_ROWS) + "\n" + out.getvalue()
+    memory = "self_cuda_memory_usage" if ctx.device.type == "cuda" else "self_cpu_memory_usage"
+    averages = prof.key_averages()
+    return "\n".join((steps, averages.table(sort_by=sort, row_limit=PROFILE_ROWS),
+                      averages.table(sort_by=memory, row_limit=PROFILE_ROWS), out.getvalue()))
+
+
+def _memory_steps(ctx, case_id: str) -> str:
+    """The case once more with the peak device memory of each of its steps recorded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from harness import memory_waypoints, scenarios
+    from harness.impls import get_impl
+
+    spec = CaseSpec.parse(case_id)
+    impl_type, fmt_type = type(get_impl(spec.impl)), type(FORMATS[spec.fmt])
+    targets = [(scenarios, n) for n in ("make_weight", "golden_for", "build_sharded_module", "inspect", "module_check",
+                                        "compare_buffers", "compare_values", "digest")]
+    targets += [(fmt_type, n) for n in ("quantize", "dequantize")] + [(FSDPModule, "unshard")]
+    targets += [(impl_type, n) for n in ("own_quantization", "own_dequantize", "forward", "read_buffers",
+                                         "single_device_output", "module_output", "make_sharded_module")
+                if hasattr(impl_type, n)]
+    torch.cuda.synchronize(ctx.device)
+    with memory_waypoints.recording(ctx.device, targets) as points:
+        scenarios.run_on_rank(ctx, case_id)
+    return points.table(math.prod(spec.shape) * 2, "bf16 weights")
 
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single; torch 2.11 (the GPU hosts) lacks the latter.

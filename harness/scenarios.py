@@ -43,11 +43,21 @@ def _generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _randn(shape, seed: int, device: torch.device | str | None) -> torch.Tensor:
+def _randn_scaled(spec: CaseSpec, seed: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """randn(shape) * row_scales, in `dtype` (each value rounded once, from float32)."""
     device = torch.device(device or "cpu")
-    if math.prod(shape) <= LARGE_WEIGHT or device.type == "cpu":
-        return torch.randn(shape, generator=_generator(seed)).to(device)
-    return torch.randn(shape, generator=_generator(seed, device), device=device)
+    if math.prod(spec.shape) <= LARGE_WEIGHT or device.type == "cpu":
+        values = torch.randn(spec.shape, generator=_generator(seed)) * row_scales(spec)
+        return values.to(device=device, dtype=dtype)
+    # Row by row blocks from one device generator: the float32 draw never exists at full size.
+    out = torch.empty(spec.shape, dtype=dtype, device=device)
+    generator, scales = _generator(seed, device), row_scales(spec, device)
+    step = max(1, LARGE_WEIGHT // max(1, math.prod(spec.shape[1:])))
+    for start in range(0, spec.shape[0], step):
+        rows = out[start:start + step]
+        block = torch.randn(rows.shape, generator=generator, device=device)
+        rows.copy_(block.mul_(scales[start:start + step]))
+    return out
 
 
 def row_scales(spec: CaseSpec, device: torch.device | str | None = None) -> torch.Tensor:
@@ -57,13 +67,15 @@ def row_scales(spec: CaseSpec, device: torch.device | str | None = None) -> torc
     return torch.exp2(exponents).reshape(-1, *([1] * (len(spec.shape) - 1))).to(device or "cpu")
 
 
-def make_weight(spec: CaseSpec, device: torch.device | str | None = None) -> torch.Tensor:
-    """The full-precision master weight (float32, on `device`, default the CPU), identical on every rank."""
-    return _randn(spec.shape, spec.seed, device).mul_(row_scales(spec, device))
+def make_weight(spec: CaseSpec, device: torch.device | str | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The master weight (default float32; `dtype`: the same values rounded to it) on `device`
+    (default the CPU), identical on every rank."""
+    return _randn_scaled(spec, spec.seed, device, dtype)
 
 
 def make_gradient(spec: CaseSpec, step: int, device: torch.device | str | None = None) -> torch.Tensor:
-    return _randn(spec.shape, spec.seed * 1000 + step, device).mul_(row_scales(spec, device))
+    return _randn_scaled(spec, spec.seed * 1000 + step, device, torch.float32)
 
 
 def make_input(spec: CaseSpec) -> torch.Tensor:
@@ -189,10 +201,12 @@ def _forward_checks(stage: Stage, impl: Implementation, fmt: Format, param, x, y
 
 
 def module_check(impl: Implementation, spec: CaseSpec, module: torch.nn.Module, weight: torch.Tensor,
-                 x: torch.Tensor) -> ModuleCheck | None:
-    """The library's own forward with the gathered weight against its one-device twin. Runs the
-    one-device module first: a shape it cannot run either is a note, not the gather's fault."""
-    x = x.to(device=weight.device, dtype=spec.torch_dtype)
+                 x: torch.Tensor, compute_dtype: torch.dtype) -> ModuleCheck | None:
+    """The library's own forward with the gathered weight against its one-device twin, both fed
+    `x` in the dtype the layer computes in (the mixed-precision policy's param_dtype: FSDP2 casts a
+    root's inputs to it). Runs the one-device module first: a shape it cannot run either is a
+    note, not the gather's fault."""
+    x = x.to(device=weight.device, dtype=compute_dtype)
     try:
         expected = impl.single_device_output(spec, weight, x)
     except Exception as exc:  # noqa: BLE001 - the library's own limit, recorded as a note
@@ -258,10 +272,11 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
         raise HarnessFault("a dcp-wsA case runs with the checkpoint its runner saved (harness.checkpoint_reshard)")
     setup = fsdp_setup.prepare(ctx, spec)  # the configuration's fully_shard kwargs, mesh and shard layout
     device = ctx.device
-    master = make_weight(spec, device)
-    weight = master.to(spec.torch_dtype)
-    if spec.scenario not in ("steps", "reshard"):
-        master = weight  # nothing steps the masters: a float32 copy would only hold memory
+    if spec.scenario in ("steps", "reshard"):
+        master = make_weight(spec, device)
+        weight = master.to(spec.torch_dtype)
+    else:  # nothing steps the masters: a float32 copy would only hold memory
+        master = weight = make_weight(spec, device, spec.torch_dtype)
     golden = golden_for(fmt, weight, impl)
     x = make_input(spec).to(device)
     shards = setup.shards
@@ -282,11 +297,12 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
             module.unshard()
     with phases.at(Phase.INSPECTION):
         stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1", setup.param_dtype))
-        stages[-1].module = module_check(impl, spec, module, weight, x)
+        stages[-1].module = module_check(impl, spec, module, weight, x, setup.param_dtype)
     stages[0].note = loaded
     module.reshard()
     if spec.config.compile:
         stages.append(compiled_forward.compiled_stage(impl, spec, module, x.to(spec.torch_dtype), ctx.group, phases))
+        module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases))
     return RankResult(ctx.rank, stages, summarize_wire(wire, fmt, weight, shards, golden, impl), quantizer)
@@ -335,7 +351,8 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases:
             module.unshard()
         with phases.at(Phase.INSPECTION):
             stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label, setup.param_dtype))
-            stages[-1].module = module_check(impl, spec, module, full_param.detach().to(spec.torch_dtype), x)
+            stages[-1].module = module_check(impl, spec, module, full_param.detach().to(spec.torch_dtype), x,
+                                             setup.param_dtype)
         module.reshard()
     return stages
 

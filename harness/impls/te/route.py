@@ -88,6 +88,12 @@ class TransformerEngineRoute(TEAdapter):
             module.reset_parameters()
         return module
 
+    def config_skip_reason(self, spec: CaseSpec) -> str | None:
+        if spec.config.compile:
+            return (f"{self.name}: te.Linear's forward runs with torch._dynamo disabled (TE 2.20's @no_torch_dynamo, "
+                    "transformer_engine/pytorch/jit.py): torch.compile captures no graph of it")
+        return None
+
     def forward_context(self, spec: CaseSpec):
         import transformer_engine.pytorch as te
 
