@@ -14,6 +14,7 @@ TransformerEngine imports, else `reference`.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import time
@@ -37,10 +38,9 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     spec = CaseSpec.parse(case_id)
     cuda = ctx.device.type == "cuda"
     result = run_on_rank(ctx, case_id)  # warm-up: kernels, allocator, communicators
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(ctx.device)
+    baseline = _settle(ctx.device)
     full = [_timed(lambda: run_on_rank(ctx, case_id), cuda) for _ in range(reps)]
-    peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else 0
+    peak = torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0
     nbytes = max(int(result.wire.collective_bytes), 1)
     weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
     fmt = FORMATS[spec.fmt]
@@ -108,10 +108,21 @@ def _memory_steps(ctx, case_id: str) -> str:
     targets += [(impl_type, n) for n in ("own_quantization", "own_dequantize", "forward", "read_buffers",
                                          "single_device_output", "module_output", "make_sharded_module")
                 if hasattr(impl_type, n)]
-    torch.cuda.synchronize(ctx.device)
-    with memory_waypoints.recording(ctx.device, targets) as points:
+    baseline = _settle(ctx.device)
+    with memory_waypoints.recording(ctx.device, targets, baseline) as points:
         scenarios.run_on_rank(ctx, case_id)
     return points.table(math.prod(spec.shape) * 2, "bf16 weights")
+
+
+def _settle(device: torch.device) -> int:
+    """Free what earlier runs left in reference cycles (a sharded module's hooks) and start the peak
+    counter; returns the bytes still allocated, which the case's peak is measured above."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single; torch 2.11 (the GPU hosts) lacks the latter.

@@ -19,6 +19,7 @@ import torch
 @dataclass
 class Waypoints:
     device: torch.device
+    baseline: int = 0  # bytes allocated before the recording started: peaks are reported above it
     peaks: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     _running: list[int] = field(default_factory=list)
@@ -31,7 +32,7 @@ class Waypoints:
 
     def leave(self, name: str) -> None:
         peak = max(self._running.pop(), torch.cuda.max_memory_allocated(self.device))
-        self.peaks[name] = max(self.peaks.get(name, 0), peak)
+        self.peaks[name] = max(self.peaks.get(name, 0), peak - self.baseline)
         self.calls[name] = self.calls.get(name, 0) + 1
         if self._running:
             self._running[-1] = max(self._running[-1], peak)
@@ -39,15 +40,15 @@ class Waypoints:
 
     def table(self, unit_bytes: int, unit: str) -> str:
         rows = sorted(self.peaks.items(), key=lambda kv: -kv[1])
-        return "\n".join([f"  peak device memory while each step ran, in {unit}:"] +
+        return "\n".join([f"  peak device memory while each step ran (above what was allocated before), in {unit}:"] +
                          [f"    {peak / unit_bytes:6.2f}  {name} (x{self.calls[name]})" for name, peak in rows])
 
 
 @contextlib.contextmanager
-def recording(device: torch.device, targets: Sequence[tuple[object, str]]) -> Iterator[Waypoints]:
+def recording(device: torch.device, targets: Sequence[tuple[object, str]], baseline: int = 0) -> Iterator[Waypoints]:
     """Record the peaks of `targets` ((owner, attribute name): a module's function or a class's
     method) while the block runs; the originals are restored after it."""
-    points = Waypoints(device)
+    points = Waypoints(device, baseline)
     originals = [(owner, name, getattr(owner, name), name in vars(owner)) for owner, name in targets]
     for owner, name, original, _ in originals:
         setattr(owner, name, _wrapped(points, f"{getattr(owner, '__name__', owner)}.{name}", original))

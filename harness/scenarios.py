@@ -20,7 +20,7 @@ from harness.cases import CaseSpec, ShardLayout, shard_layout
 from harness.compare import compare_buffers, compare_values, digest, locate
 from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
 from harness.impls import get_impl
-from harness.impls.base import HarnessFault, Implementation
+from harness.impls.base import HarnessFault, Implementation, NoSingleDeviceTwin
 from harness.phases import Phase, PhaseTracker
 from harness.records import Comparison, ModuleCheck, RankResult, Stage
 from harness.wire import record_wire, summarize_wire
@@ -209,6 +209,8 @@ def module_check(impl: Implementation, spec: CaseSpec, module: torch.nn.Module, 
     x = x.to(device=weight.device, dtype=compute_dtype)
     try:
         expected = impl.single_device_output(spec, weight, x)
+    except NoSingleDeviceTwin as exc:
+        return ModuleCheck(note=str(exc))
     except Exception as exc:  # noqa: BLE001 - the library's own limit, recorded as a note
         return ModuleCheck(note=f"the one-device module cannot run this case either: {_one_line(exc)}")
     if expected is None:

@@ -23,6 +23,11 @@ class HarnessFault(RuntimeError):
     bookkeeping): never counted as the implementation rejecting a shape."""
 
 
+class NoSingleDeviceTwin(HarnessFault):
+    """`single_device_output` cannot build a one-device module that holds the same quantized weight
+    as the sharded one (its message says why); the library's forward is then not compared."""
+
+
 class Implementation:
     """Base class for adapters. Subclasses set the class attributes and override the methods.
 

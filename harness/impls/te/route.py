@@ -25,7 +25,7 @@ import torch
 
 from harness import fsdp_setup
 from harness.cases import CaseSpec
-from harness.impls.base import HarnessFault
+from harness.impls.base import HarnessFault, NoSingleDeviceTwin
 from harness.impls.te.adapter import NVFP4, TEAdapter
 from harness.impls.te.environment import has_nvfp4_kernels, sm_name
 from harness.impls.te.tensors import read_te_buffers
@@ -103,7 +103,15 @@ class TransformerEngineRoute(TEAdapter):
     def single_device_output(self, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The same te.Linear and recipe on this GPU alone, initialized with the full weight (so the
         recipe's amax is the full weight's, as the all-reduced one is on the sharded route)."""
-        module = self._linear_on_meta(spec, weight.to(device=x.device, dtype=spec.torch_dtype))
+        dtype = spec.torch_dtype
+        if x.dtype != dtype:  # a mixed-precision policy: the sharded layer computes in x's dtype
+            lifted = weight.to(x.dtype)
+            if not torch.equal(lifted.to(dtype), weight):
+                raise NoSingleDeviceTwin(
+                    f"the sharded layer quantized {dtype} masters and computes in {x.dtype}; a one-device te.Linear "
+                    f"computes in its params_dtype, and these masters are not exactly representable in {x.dtype}")
+            weight, dtype = lifted, x.dtype  # the same values, so TE quantizes them to the same bits
+        module = self._linear_on_meta(spec, weight.to(device=x.device, dtype=dtype), dtype)
         with torch.enable_grad():
             module.reset_parameters()
         return self.module_output(spec, module, x)
@@ -114,12 +122,12 @@ class TransformerEngineRoute(TEAdapter):
         with torch.no_grad(), self.forward_context(spec):
             return module(x).float()
 
-    def _linear_on_meta(self, spec: CaseSpec, rows: torch.Tensor) -> torch.nn.Module:
+    def _linear_on_meta(self, spec: CaseSpec, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
         import transformer_engine.pytorch as te
 
         out_features, in_features = spec.shape
         with te.quantized_model_init(enabled=True, recipe=make_recipe(spec.fmt, self.recipes)):
-            module = te.Linear(in_features, out_features, bias=False, params_dtype=spec.torch_dtype,
+            module = te.Linear(in_features, out_features, bias=False, params_dtype=dtype or spec.torch_dtype,
                                device="meta", init_method=_writes(rows))
         if spec.fmt in NVFP4 and not has_nvfp4_kernels():
             _install_reference_bits_quantizer(module, spec.fmt)
