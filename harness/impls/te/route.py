@@ -80,6 +80,7 @@ class TransformerEngineRoute(TEAdapter):
         (which reduces the amax over the mesh's "shard" dimension under HSDP)."""
         from torch.distributed.fsdp import fully_shard
 
+        _check_no_leaked_autocast()
         setup = setup or fsdp_setup.prepare(ctx, spec)
         rows = setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype)
         module = self._linear_on_meta(spec, rows)
@@ -132,6 +133,16 @@ class TransformerEngineRoute(TEAdapter):
         if spec.fmt in NVFP4 and not has_nvfp4_kernels():
             _install_reference_bits_quantizer(module, spec.fmt)
         return module
+
+
+def _check_no_leaked_autocast() -> None:
+    """TE reads its global FP8 state when a module is built (e.g. whether `_extra_state` will be
+    saved): a state left enabled by an earlier case on this rank would change this case."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    if FP8GlobalStateManager.is_fp8_enabled() or FP8GlobalStateManager.with_fp8_parameters():
+        raise HarnessFault("TE's global FP8 state is still enabled on this rank when the case starts "
+                           "(te.autocast or quantized_model_init left open by an earlier case)")
 
 
 def _writes(rows: torch.Tensor):
