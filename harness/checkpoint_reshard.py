@@ -69,20 +69,13 @@ def load(ctx, spec: CaseSpec, module: torch.nn.Module, checkpoint: str | None, p
 
 def save_on_rank(ctx, case_id: str, checkpoint: str) -> dict[str, str]:
     """On every rank of the A pool: build and shard the case's module at world size A and save its
-    state dict as training code saves it, after a forward of the library's own layer where it has
-    one (TE's DelayedScaling keeps its amax history in `_extra_state` from its first forward on).
-    Returns what was saved (the state dict's types), as evidence."""
-    from harness.impls import get_impl
-    from harness.scenarios import build_sharded_module, make_input
+    state dict. Returns what was saved (the state dict's types), as evidence."""
+    from harness.scenarios import build_sharded_module
 
     phases = PhaseTracker()
     with phases.tagging():
         spec = saved_spec(CaseSpec.parse(case_id))
         module = build_sharded_module(ctx, spec, phases)
-        with phases.at(Phase.FORWARD):
-            x = make_input(spec).to(device=ctx.device, dtype=spec.torch_dtype)
-            if get_impl(spec.impl).module_output(spec, module, x) is not None:
-                module.reshard()  # a root's forward leaves its weight unsharded
         import torch.distributed.checkpoint as dcp
 
         with phases.at(Phase.SAVE):

@@ -35,3 +35,22 @@ def mxfp8_unavailable_reason() -> str | None:
 
     available, reason = is_mxfp8_available(return_reason=True)
     return None if available else f"TE: {reason}"
+
+
+#: recipe class name -> TE's availability check for it (transformer_engine.pytorch.quantization)
+_RECIPE_CHECKS = {"MXFP8BlockScaling": "is_mxfp8_available", "Float8BlockScaling": "is_fp8_block_scaling_available",
+                  "NVFP4BlockScaling": "is_nvfp4_available"}
+
+
+def recipe_unavailable_reason(recipe) -> str | None:
+    """TE's own reason why `recipe` cannot run under te.autocast on this GPU, or None. Asked before
+    entering te.autocast: TE 2.20's autocast_enter enables its global FP8 state and only then
+    asserts availability, so a refused autocast leaves the process in FP8 mode (docs/findings.md)."""
+    from transformer_engine.pytorch import quantization
+
+    checks = ["is_fp8_available", _RECIPE_CHECKS.get(type(recipe).__name__)]
+    for name in filter(None, checks):
+        available, reason = getattr(quantization, name)(return_reason=True)
+        if not available:
+            return reason
+    return None

@@ -150,9 +150,13 @@ def _train(route, spec: CaseSpec, model: TinyTEModel, x: torch.Tensor, phases: P
     """Yields (parameters after the gather, output) before the first step and after each step."""
     import transformer_engine.pytorch as te
 
+    from harness.impls.te.environment import recipe_unavailable_reason
     from harness.impls.te.route import make_recipe
 
     recipe = make_recipe(spec.fmt, route.recipes)
+    reason = recipe_unavailable_reason(recipe)  # before te.autocast: a refused one leaves FP8 enabled
+    if reason:
+        raise RuntimeError(reason)
     optimizer = _optimizer(model)
     autocast = getattr(te, "autocast", None) or te.fp8_autocast
     for step in range(MODEL_STEPS + 1):

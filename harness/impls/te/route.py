@@ -27,7 +27,7 @@ from harness import fsdp_setup
 from harness.cases import CaseSpec
 from harness.impls.base import HarnessFault, NoSingleDeviceTwin
 from harness.impls.te.adapter import NVFP4, TEAdapter
-from harness.impls.te.environment import has_nvfp4_kernels, sm_name
+from harness.impls.te.environment import has_nvfp4_kernels, recipe_unavailable_reason, sm_name
 from harness.impls.te.tensors import read_te_buffers
 from harness.records import RankResult
 
@@ -96,10 +96,16 @@ class TransformerEngineRoute(TEAdapter):
         return None
 
     def forward_context(self, spec: CaseSpec):
+        """te.autocast with the case's recipe; raises TE's own reason, without entering it, where
+        the GPU cannot run the recipe (see environment.recipe_unavailable_reason)."""
         import transformer_engine.pytorch as te
 
+        recipe = make_recipe(spec.fmt, self.recipes)
+        reason = recipe_unavailable_reason(recipe)
+        if reason:
+            raise RuntimeError(reason)
         autocast = getattr(te, "autocast", None) or te.fp8_autocast
-        return autocast(enabled=True, recipe=make_recipe(spec.fmt, self.recipes))
+        return autocast(enabled=True, recipe=recipe)
 
     def single_device_output(self, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The same te.Linear and recipe on this GPU alone, initialized with the full weight (so the
