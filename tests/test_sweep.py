@@ -95,7 +95,7 @@ def test_shrink_goes_from_a_large_case_to_the_minimal_one():
         group = sweep.Group(key, "steps", [start])
         sweep.shrink(runner, lattice, group, sweep.Deadline(60))
     finally:
-        shutdown_pools()
+        shutdown_pools(keep_helpers=True)
     minimal = group.minimal.spec
     assert group.shrink_complete
     assert minimal.scenario == "steps" and sweep.group_key(group.minimal) == key
