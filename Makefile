@@ -29,10 +29,13 @@ run: $(SETUP)
 	$(PY) -m harness run -n $(PYTEST_WORKERS)
 
 # pytest's exit 5 ("no tests collected") would be a broken suite: fail loudly on it.
+# --dist loadgroup: tests spread one at a time as with the default, except that an xdist_group (a module
+# whose module-scoped fixture or memo is expensive: the wheel build, the selftest's cases) runs on one
+# worker, and groups are handed out first, so no long unit starts at the end.
 # The runner-kill tests run alone afterwards: next to another xdist worker, a SIGKILLed runner's
 # pool and pymp dirs were left behind (a harness race, not yet understood).
 test: $(SETUP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not gpu and not slow and not isolated" -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not gpu and not slow and not isolated" -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc; \
 	  $(PY) -m pytest -m "isolated and not gpu" -p no:cacheprovider -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: no isolated tests collected" >&2; exit 1; fi; exit $$rc

@@ -54,7 +54,7 @@ def cmd_run(extra: list[str]) -> int:
     """The harness's main job: the case suite on whatever hardware is present."""
     if "-h" in extra or "--help" in extra:
         return _run_help()
-    problem = _world_sizes_problem(extra)
+    problem = _case_timeout_problem(extra) or _world_sizes_problem(extra)
     if problem:
         return _usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
@@ -72,6 +72,17 @@ def _option_value(args: list[str], name: str) -> str | None:
         if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _case_timeout_problem(args: list[str]) -> str | None:
+    """A bad --case-timeout, refused before pytest (and torch) load; the plugin checks it the same way."""
+    from harness.options import options_problem
+
+    try:
+        timeout = _option_value(args, "--case-timeout")
+        return options_problem(None if timeout is None else float(timeout), "cpu", "gloo")
+    except ValueError:
+        return None  # pytest's option check reports it
 
 
 def _world_sizes_problem(args: list[str]) -> str | None:
@@ -140,13 +151,14 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def _run_options(command: str, args: argparse.Namespace):
     """The checked RunOptions, or None after printing the one-line reason to stderr."""
-    from harness.engine import RunOptions
-    from harness.pytest_plugin import options_problem
+    from harness.options import options_problem
 
     problem = options_problem(args.case_timeout, args.device, args.backend)
     if problem:
         _usage(command, problem)
         return None
+    from harness.engine import RunOptions  # after the check: a bad option is refused without importing torch
+
     # A hung case is re-run under TORCH_DISTRIBUTED_DEBUG=DETAIL; QGATHER_HANG_DETAIL=0 skips that.
     detail = command in ("case", "repro") and os.environ.get("QGATHER_HANG_DETAIL", "1") != "0"
     return RunOptions(args.backend, args.device, args.case_timeout, detail_on_hang=detail)
@@ -154,10 +166,6 @@ def _run_options(command: str, args: argparse.Namespace):
 
 def cmd_case(argv: list[str]) -> int:
     """Run single cases by id and print their reports: the one-command reproduction."""
-    from harness.cases import CaseSpec, CaseSpecError
-    from harness.engine import CaseInputError, run_case
-    from harness.impls import UnknownImplementationError
-
     parser = argparse.ArgumentParser(prog="qgather case", description=cmd_case.__doc__)
     parser.add_argument("case_ids", nargs="+", metavar="CASE_ID",
                         help="e.g. reference:nvfp4_2d:136x64:bf16:ws8:gather:s0")
@@ -166,6 +174,10 @@ def cmd_case(argv: list[str]) -> int:
     options = _run_options("case", args)
     if options is None:
         return 2
+    from harness.cases import CaseSpec, CaseSpecError
+    from harness.engine import CaseInputError, run_case
+    from harness.impls import UnknownImplementationError
+
     failed = 0
     try:
         for case_id in args.case_ids:
@@ -310,10 +322,6 @@ def _usage(command: str, message: str) -> int:
 
 def cmd_repro(argv: list[str]) -> int:
     """Run one case and print its full report, the environment, and the command that reproduces it."""
-    from harness.cases import CaseSpec, CaseSpecError
-    from harness.engine import CaseInputError, run_case
-    from harness.impls import UnknownImplementationError
-
     parser = argparse.ArgumentParser(prog="qgather repro", description=cmd_repro.__doc__)
     parser.add_argument("case_id", metavar="CASE_ID")
     _add_run_options(parser)
@@ -321,6 +329,10 @@ def cmd_repro(argv: list[str]) -> int:
     options = _run_options("repro", args)
     if options is None:
         return 2
+    from harness.cases import CaseSpec, CaseSpecError
+    from harness.engine import CaseInputError, run_case
+    from harness.impls import UnknownImplementationError
+
     try:
         spec = CaseSpec.parse(args.case_id)
         report = run_case(spec, options)
@@ -433,6 +445,8 @@ def cmd_gpu_check(argv: list[str]) -> int:
 
 
 def _shutdown_pools() -> None:
+    if "harness.runtime.registry" not in sys.modules:
+        return  # no pool was ever made (e.g. a bad option refused early): nothing to import torch for
     try:
         from harness.runtime import shutdown_pools
     except ImportError:

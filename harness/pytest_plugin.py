@@ -21,6 +21,7 @@ import pytest
 from harness.baseline import match
 from harness.cases import CaseSpec
 from harness.engine import RunOptions, run_case
+from harness.options import options_problem
 from harness.report import case_record
 from harness.runtime.launch import default_world_sizes, detect_launch
 from harness.suite import Sweep
@@ -134,21 +135,6 @@ def _validate_options(config: pytest.Config) -> None:
             get_impl(name)
         except UnknownImplementationError as exc:
             raise pytest.UsageError(f"--impl: {exc}") from None
-
-
-def options_problem(case_timeout: float | None, device: str, backend: str) -> str | None:
-    """Why these run options cannot work on this host, checked before anything runs (None: fine)."""
-    import math
-
-    if case_timeout is not None and not (math.isfinite(case_timeout) and case_timeout > 0):
-        return f"--case-timeout must be a finite number of seconds > 0, got {case_timeout}"
-    if device == "cuda" or backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            asked = "--device cuda" if device == "cuda" else "--backend nccl"
-            return f"{asked}: no CUDA GPU on this host (torch.cuda.is_available() is False)"
-    return None
 
 
 _SWEEP_CASES = "qgather_sweep_cases"

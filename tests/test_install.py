@@ -20,6 +20,9 @@ SELECTION = ["--impl", "reference", "--formats", "fp8_tensor", "--world-sizes", 
 # The wheel is built offline with this interpreter's setuptools (bdist_wheel is built in from 70.1).
 pytest.importorskip("setuptools", minversion="70.1", reason="building the wheel offline needs setuptools >= 70.1")
 
+# One xdist worker runs the whole module (`make test` uses --dist loadgroup): the wheel is built and installed once.
+pytestmark = pytest.mark.xdist_group("install")
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:

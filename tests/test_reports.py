@@ -23,6 +23,9 @@ SELECT = ["cases/test_virtual.py::test_virtual", "--formats", "fp8_tensor", "--w
 FAILING = f"{MUTANT}:fp8_tensor:136x64:bf16:ws3:virtual:s0"
 PASSING = f"{MUTANT}:fp8_tensor:3x1x64:bf16:ws3:virtual:s0"
 
+# One xdist worker runs the whole module (`make test` uses --dist loadgroup): the xdist_run fixture runs once.
+pytestmark = pytest.mark.xdist_group("reports")
+
 
 def run(*args: str, module: str = "pytest") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": REPO}

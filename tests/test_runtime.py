@@ -33,7 +33,7 @@ GLOO4 = PoolSpec("gloo", 4, "cpu")
 @pytest.fixture(scope="module", autouse=True)
 def _stop_pools_after_module():
     yield
-    shutdown_pools()
+    shutdown_pools(keep_helpers=True)  # the next module's pools fork from the same warm forkserver
 
 
 # -- case functions (run on every rank) ---------------------------------------------------------

@@ -18,7 +18,7 @@ SHAPE = "nvfp4_2d:128x64:bf16:ws2:gather:s0"
 @pytest.fixture(scope="module", autouse=True)
 def _stop_pools_after_module():
     yield
-    shutdown_pools()
+    shutdown_pools(keep_helpers=True)  # the next module's pools fork from the same warm forkserver
 
 
 def _hang_report(adapter: str, detail: bool) -> str:

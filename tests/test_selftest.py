@@ -18,6 +18,10 @@ from harness.verdicts import CaseReport, Verdict
 FAILING_VERDICTS = {Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE, Verdict.DEGRADED, Verdict.ERROR,
                     Verdict.QUANTIZER_MISMATCH, Verdict.HANG, Verdict.CRASH}
 
+# One xdist worker runs the whole module (`make test` uses --dist loadgroup), so that the summary test
+# finds every mutant's cases memoized instead of re-running the ones another worker ran.
+pytestmark = pytest.mark.xdist_group("selftest")
+
 
 def test_one_registered_mutant_per_bug_class():
     assert sorted(m.bug_class for m in MUTANTS) == list(range(1, 21))

@@ -49,6 +49,15 @@ def _smallest_misaligned_rows(world_size: int, cols: int) -> int:
     raise AssertionError("no misaligned row count")
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_forkserver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sweep.main ends as the command does, stopping its pools and the forkserver; in this process the
+    next sweep would restart the forkserver (torch preloaded, ~4 s). The pools still stop; it stays."""
+    from harness.runtime import registry
+
+    monkeypatch.setattr(registry, "stop_helpers", lambda: None)
+
+
 def _sweep(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
     rc = sweep.main(list(argv), stream=out)
@@ -95,7 +104,7 @@ def test_shrink_goes_from_a_large_case_to_the_minimal_one():
         group = sweep.Group(key, "steps", [start])
         sweep.shrink(runner, lattice, group, sweep.Deadline(60))
     finally:
-        shutdown_pools()
+        shutdown_pools(keep_helpers=True)
     minimal = group.minimal.spec
     assert group.shrink_complete
     assert minimal.scenario == "steps" and sweep.group_key(group.minimal) == key

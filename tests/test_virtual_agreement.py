@@ -25,7 +25,7 @@ EXTERNAL = [f"tests._why_adapters:{case}" for case in (
 @pytest.fixture(scope="module", autouse=True)
 def _stop_pools_after_module():
     yield
-    shutdown_pools()
+    shutdown_pools(keep_helpers=True)  # the next module's pools fork from the same warm forkserver
 
 
 @pytest.mark.parametrize("case_id", ZOO + EXTERNAL)

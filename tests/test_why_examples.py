@@ -17,7 +17,7 @@ CPU = RunOptions("gloo", "cpu", 60.0)
 @pytest.fixture(scope="module", autouse=True)
 def _stop_pools_after_module():
     yield
-    shutdown_pools()
+    shutdown_pools(keep_helpers=True)  # the next module's pools fork from the same warm forkserver
 
 
 def run(case_id: str):

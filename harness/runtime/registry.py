@@ -32,11 +32,16 @@ def get_pool(spec: PoolSpec) -> RankPool | ExternalPool:
         return pool
 
 
-def shutdown_pools() -> None:
-    """Stop every pool's ranks, remove their temp dirs, and stop the forkserver if ours."""
+def shutdown_pools(keep_helpers: bool = False) -> None:
+    """Stop every pool's ranks, remove their temp dirs, and stop the forkserver if ours.
+
+    keep_helpers: leave the forkserver (torch preloaded) and resource tracker running, for a
+    process that starts pools again (a test module's clean slate; restarting costs seconds).
+    """
     with _lock:
         pools = list(_pools.values())
         _pools.clear()
     for pool in pools:
         pool.shutdown()
-    stop_helpers()
+    if not keep_helpers:
+        stop_helpers()
