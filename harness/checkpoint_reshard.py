@@ -37,7 +37,7 @@ DECOY_SCALE = 4.0  # another amax too: a per-tensor scale the load fails to writ
 
 def saved_spec(spec: CaseSpec) -> CaseSpec:
     """The case as it runs at the checkpoint's world size A (where the save happens)."""
-    config = replace(spec.config, saved_at_world_size=None, compile=False)
+    config = replace(spec.config, saved_at_world_size=None, saved_after_forward=False, compile=False)
     return replace(spec, world_size=spec.config.saved_at_world_size, config=config)
 
 
@@ -63,25 +63,45 @@ def load(ctx, spec: CaseSpec, module: torch.nn.Module, checkpoint: str | None, p
         module.load_state_dict(state)
     types = ", ".join(f"{name} {_type_name(t)}" for name, t in state.items())
     files = len([f for f in os.listdir(checkpoint) if f.endswith(".distcp")])
-    return (f"loaded through torch.distributed.checkpoint, saved at world size {spec.config.saved_at_world_size} "
+    trained = " after a training forward" if spec.config.saved_after_forward else ""
+    return (f"loaded through torch.distributed.checkpoint, saved at world size {spec.config.saved_at_world_size}"
+            f"{trained} "
             f"({files} .distcp files): {types}")
 
 
 def save_on_rank(ctx, case_id: str, checkpoint: str) -> dict[str, str]:
-    """On every rank of the A pool: build and shard the case's module at world size A and save its
-    state dict. Returns what was saved (the state dict's types), as evidence."""
+    """On every rank of the A pool: build and shard the case's module at world size A (for
+    `dcp-wsA-trained`: then run one training forward of it) and save its state dict. Returns what
+    was saved (the state dict's types), as evidence."""
     from harness.scenarios import build_sharded_module
 
     phases = PhaseTracker()
     with phases.tagging():
-        spec = saved_spec(CaseSpec.parse(case_id))
+        case = CaseSpec.parse(case_id)
+        spec = saved_spec(case)
         module = build_sharded_module(ctx, spec, phases)
+        if case.config.saved_after_forward:
+            with phases.at(Phase.FORWARD):
+                _training_forward(ctx, spec, module)
         import torch.distributed.checkpoint as dcp
 
         with phases.at(Phase.SAVE):
             state = module.state_dict()
             dcp.save(state, checkpoint_id=checkpoint, process_group=ctx.group)
         return {name: _type_name(t) for name, t in state.items()}
+
+
+def _training_forward(ctx, spec: CaseSpec, module: torch.nn.Module) -> None:
+    """One forward of the sharded module as a training step runs it (FSDP2's unshard, the library's
+    own forward under its context, e.g. te.autocast), then the reshard a root's forward skips."""
+    from harness.impls import get_impl
+    from harness.scenarios import make_input
+
+    impl = get_impl(spec.impl)
+    x = make_input(spec).to(device=ctx.device, dtype=spec.torch_dtype)
+    with impl.gather_context(ctx.group), impl.forward_context(spec):
+        module(x)
+    module.reshard()
 
 
 def _type_name(t: object) -> str:

@@ -11,6 +11,8 @@ with its defaults (so every id written before this dimension existed still means
   dim1        shard_placement_fn puts Shard(1) on the weight (shards along K)
   compile     torch.compile of the module's forward around the gathered weight
   dcp-wsA     the sharded weight saved with torch.distributed.checkpoint at world size A, loaded here
+  dcp-wsA-trained   the same, saved after one training forward of the module at A (as a training
+              run saves it: e.g. TE's DelayedScaling then carries its amax history in _extra_state)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class FsdpConfig:
     shard_dim: int = 0
     compile: bool = False
     saved_at_world_size: int | None = None
+    saved_after_forward: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -48,6 +51,8 @@ class FsdpConfig:
             raise ConfigError(f"hsdp mesh {self.hsdp} needs positive sizes")
         if self.saved_at_world_size is not None and self.saved_at_world_size < 1:
             raise ConfigError(f"dcp-ws{self.saved_at_world_size}: a world size is >= 1")
+        if self.saved_after_forward and self.saved_at_world_size is None:
+            raise ConfigError("saved after a forward needs a checkpoint (dcp-wsA-trained)")
         raf = self.reshard_after_forward
         if not isinstance(raf, bool) and raf < 1:
             raise ConfigError(f"reshard_after_forward={raf}: an int must be >= 1")
@@ -74,7 +79,7 @@ class FsdpConfig:
         if self.compile:
             parts.append("compile")
         if self.saved_at_world_size is not None:
-            parts.append(f"dcp-ws{self.saved_at_world_size}")
+            parts.append(f"dcp-ws{self.saved_at_world_size}" + ("-trained" if self.saved_after_forward else ""))
         return "+".join(parts)
 
     def check_world_size(self, world_size: int) -> str | None:
@@ -101,7 +106,8 @@ _PATTERNS: list[tuple[re.Pattern, object]] = [
     (re.compile(r"hsdp-(\d+)x(\d+)"), lambda m: {"hsdp": (int(m[1]), int(m[2]))}),
     (re.compile(r"dim1"), lambda m: {"shard_dim": 1}),
     (re.compile(r"compile"), lambda m: {"compile": True}),
-    (re.compile(r"dcp-ws(\d+)"), lambda m: {"saved_at_world_size": int(m[1])}),
+    (re.compile(r"dcp-ws(\d+)(-trained)?"),
+     lambda m: {"saved_at_world_size": int(m[1]), "saved_after_forward": m[2] is not None}),
 ]
 
 
@@ -115,4 +121,4 @@ def _parse_part(part: str, fields: dict) -> None:
             fields.update(values)
             return
     raise ConfigError(f"configuration token {part!r} is not one of mp-P[-rR], raf-no, raf-N, hsdp-RxS, dim1, "
-                      "compile, dcp-wsA")
+                      "compile, dcp-wsA[-trained]")

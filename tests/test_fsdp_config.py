@@ -3,7 +3,7 @@
 import pytest
 
 from harness.cases import CaseSpec, CaseSpecError
-from harness.fsdp_config import FsdpConfig
+from harness.fsdp_config import ConfigError, FsdpConfig
 
 BASE = "reference:nvfp4_2d:136x64:bf16:ws4:gather:s0"
 
@@ -41,3 +41,12 @@ def test_impl_names_with_colons_still_parse_with_a_config():
 def test_bad_configuration_tokens_name_the_problem(token, message):
     with pytest.raises(CaseSpecError, match=message):
         CaseSpec.parse(f"{BASE}:{token}")
+
+
+def test_a_checkpoint_saved_after_a_training_forward_has_its_own_token():
+    config = FsdpConfig.parse("mp-bf16+dcp-ws3-trained")
+    assert config.saved_at_world_size == 3 and config.saved_after_forward
+    assert config.token == "mp-bf16+dcp-ws3-trained"
+    assert not FsdpConfig.parse("dcp-ws3").saved_after_forward
+    with pytest.raises(ConfigError, match="needs a checkpoint"):
+        FsdpConfig(saved_after_forward=True)

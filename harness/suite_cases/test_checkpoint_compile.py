@@ -3,6 +3,7 @@ torch.distributed.checkpoint (`dcp-wsA`: saved at world size A, loaded at the ca
 compared with the golden) and torch.compile around the gathered weight (`compile`: the compiled
 forward bit for bit against the eager one). See harness.checkpoint_reshard, harness.compiled_forward.
 
+`dcp-wsA-trained` saves after one training forward at A (what a training run's checkpoint holds).
 The default run is a covering set: every class of (A, B) pair (A < B, A > B, A = B, A = 1, B = 1,
 uneven shards at A, uneven at B), each for two formats, every format twice, on an aligned and an
 uneven shape; compile for every format. torchao (and its precomputed scales) runs its own sets
@@ -21,6 +22,7 @@ from harness.suite import CaseSet, K, Sweep, alignment_shapes
 
 PAIRS = ((2, 4), (4, 2), (2, 2), (1, 3), (4, 1), (3, 2), (2, 3))  # (A saved, B loaded)
 COMPILE = FsdpConfig(compile=True)
+TRAINED = FsdpConfig(saved_at_world_size=2, saved_after_forward=True)  # saved after a training forward
 TORCHAO_IMPLS = ("torchao", "torchao:precompute")
 
 
@@ -63,6 +65,8 @@ def _covering() -> list[Sweep]:
                         formats=("fp8_tensor",), configs=(COMPILE,)))
     sweeps.append(Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(2,), shapes=aligned_shape,
                         formats=("fp8_tensor",), configs=(FsdpConfig(compile=True, saved_at_world_size=4),)))
+    sweeps.append(Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(4,), shapes=aligned_shape,
+                        configs=(TRAINED,)))
     return sweeps
 
 
@@ -74,6 +78,8 @@ TORCHAO = CaseSet([
     *dcp_sweeps(((2, 4), (4, 2), (2, 2), (1, 2), (4, 1), (3, 2)), shapes=aligned_shape, formats=("fp8_tensor",)),
     Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(1, 2), shapes=aligned_shape,
           formats=("fp8_tensor",), configs=(COMPILE,)),
+    Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(4,), shapes=aligned_shape,
+          formats=("fp8_tensor",), configs=(TRAINED,)),
 ])
 
 EXHAUSTIVE = CaseSet([

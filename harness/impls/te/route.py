@@ -93,6 +93,10 @@ class TransformerEngineRoute(TEAdapter):
         if spec.config.compile:
             return (f"{self.name}: te.Linear's forward runs with torch._dynamo disabled (TE 2.20's @no_torch_dynamo, "
                     "transformer_engine/pytorch/jit.py): torch.compile captures no graph of it")
+        if spec.config.saved_after_forward:
+            reason = recipe_unavailable_reason(make_recipe(spec.fmt, self.recipes))
+            if reason:
+                return f"{self.name}: the training forward before the save cannot run here: TE: {reason}"
         return None
 
     def forward_context(self, spec: CaseSpec):
