@@ -72,14 +72,17 @@ class ConfigSweep(SuiteSweep):
         impls = list(impls)
         if impls == ["reference"]:
             impls += list(self.also_with_default)
-        impl_fmts = [f"{i}|{f}" for i in impls for f in narrow(IMPL_FORMATS.get(i, FORMATS), formats)]
-        scens = narrow(SCENARIOS, scenarios)
-        meshes = narrow(MESHES, world_sizes, key=lambda m: world_and_mesh(m)[0])
-        if not (impl_fmts and scens and meshes):
-            return []
-        factors = (impl_fmts, SHAPES, DTYPES, MP, RAF, meshes, SHARD_DIMS, scens)
+        impl_fmts = [f"{i}|{f}" for i in impls for f in IMPL_FORMATS.get(i, FORMATS)]
+        # The design is built over every value, then narrowed (as Sweep does): a run narrowed to some
+        # formats, world sizes or scenarios runs a subset of the full run's ids, so a baseline written
+        # from one applies to the other.
+        factors = (impl_fmts, SHAPES, DTYPES, MP, RAF, MESHES, SHARD_DIMS, SCENARIOS)
         rows = itertools.product(*factors) if self.product or exhaustive else pairwise(factors)
-        return [self._case(*row) for row in rows]
+        keep_fmts = set(narrow(FORMATS, formats))
+        keep_scens = set(narrow(SCENARIOS, scenarios))
+        keep_meshes = set(narrow(MESHES, world_sizes, key=lambda m: world_and_mesh(m)[0]))
+        return [self._case(*row) for row in rows
+                if row[0].split("|")[1] in keep_fmts and row[7] in keep_scens and row[5] in keep_meshes]
 
     @staticmethod
     def _case(impl_fmt, shape, dtype, mp, raf, mesh, dim, scenario) -> CaseSpec:

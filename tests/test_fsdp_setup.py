@@ -111,3 +111,12 @@ def test_an_own_route_gets_the_configuration_only_when_it_takes_setup():
     default = run_case(CaseSpec.parse(
         "tests._own_route_adapters:UnconfiguredOwnRoute:nvfp4_2d:128x64:fp32:ws2:gather:s0"), CPU)
     assert default.verdict is Verdict.EXACT, default.render()
+
+
+def test_a_narrowed_configuration_run_is_a_subset_of_the_full_run():
+    """A baseline written from the full run must name the cases a run narrowed by world size,
+    format or scenario has (the README splits the GPU gate by world size)."""
+    full = {c.id for c in ConfigSweep().cases(["reference"])}
+    for narrowed in (ConfigSweep().cases(["reference"], world_sizes=[2]),
+                     ConfigSweep().cases(["reference"], formats=["nvfp4_2d"], scenarios=["steps"])):
+        assert narrowed and {c.id for c in narrowed} <= full
