@@ -71,12 +71,9 @@ def param_dtype(spec: CaseSpec) -> torch.dtype:
     return DTYPES[spec.config.param_dtype] if spec.config.param_dtype else spec.torch_dtype
 
 
-def _own_route(impl: Implementation) -> bool:
-    return type(impl).make_sharded_module is not Implementation.make_sharded_module
-
-
 def takes_setup(impl: Implementation) -> bool:
-    """Whether the adapter's make_sharded_module takes the configuration (a `setup` parameter)."""
+    """Whether the adapter's make_sharded_module takes the configuration (a `setup` parameter; the
+    base class's does, so only an own route written without it does not)."""
     return "setup" in inspect.signature(impl.make_sharded_module).parameters
 
 
@@ -88,7 +85,7 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
     if spec.scenario in UNCONFIGURABLE:
         return (f"the {spec.scenario} scenario calls the hooks without fully_shard: configuration "
                 f"{config.token} has nothing to apply to")
-    if _own_route(impl) and not takes_setup(impl):
+    if not takes_setup(impl):
         return f"{impl.name} shards on its own route (make_sharded_module), which takes no FSDP2 configuration"
     reason = impl.config_skip_reason(spec)
     if reason:
