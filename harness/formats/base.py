@@ -12,6 +12,11 @@ from . import numerics as nx
 #: Input dtypes every format accepts (TE's high-precision dtypes).
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+#: Tensors with more elements than this are quantized and dequantized in blocks of whole rows, so
+#: that the float32 temporaries stay bounded (a GPU rank holds the golden of an 8192x28672 weight
+#: next to the gathered one); the bits are the same as from one pass (tests/test_row_blocks.py).
+ROW_BLOCK_ELEMENTS = 1 << 24
+
 
 class FormatError(ValueError):
     """A tensor (or a rebuilt buffer set) that a format cannot hold; the message is one line that
@@ -107,6 +112,9 @@ class Format:
     m_multiple: int = 1
     #: whether K == 0 is allowed (M == 0 always is: FSDP2 ranks may hold zero rows)
     allow_empty_k: bool = False
+    #: the buffers dequantize() reads that follow the rows: name -> (axis, rows per entry); the
+    #: others it reads are per tensor (glob_keys). Empty: no row blocks (one pass, any size).
+    rowwise_rows: dict[str, tuple[int, int]] = {}
 
     # ---------------------------------------------------------------- validation
 
@@ -161,12 +169,47 @@ class Format:
                 amax = self._check_amax(amax, x.device)
             else:
                 amax = local
+            if m * k > ROW_BLOCK_ELEMENTS and self.rows_per_entry and self.rowwise_rows:
+                return self._quantize_in_row_blocks(x2, amax, shape)
             return self._quantize(x2, amax, shape)
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         """float32 tensor of q.shape from the rowwise buffers."""
         self._check_q(q)
         return self._dequantize(q).reshape(q.shape)
+
+    def row_blocks(self, shape) -> list[tuple[int, int]]:
+        """(start, stop) of the row blocks a tensor of `shape` is quantized and dequantized in: one
+        block up to ROW_BLOCK_ELEMENTS elements (or without rowwise_rows), else blocks of whole
+        scale blocks (every block starts at a multiple of `row_block_multiple`)."""
+        m, k = flat_dims(tuple(shape))
+        if m * k <= ROW_BLOCK_ELEMENTS or not self.rowwise_rows:
+            return [(0, m)]
+        unit = self.row_block_multiple
+        step = max(unit, ROW_BLOCK_ELEMENTS // max(1, k) // unit * unit)
+        return [(start, min(m, start + step)) for start in range(0, m, step)]
+
+    @property
+    def row_block_multiple(self) -> int:
+        """Rows every block but the last holds a multiple of: no scale block, row-layout entry or
+        padded tile straddles two blocks."""
+        per_entry = [*self.rows_per_entry.values(), *(r for _, r in self.rowwise_rows.values())]
+        return math.lcm(self.row_block, self.m_multiple, *per_entry)
+
+    def dequantize_rows(self, q: QuantizedTensor, start: int, stop: int) -> torch.Tensor:
+        """float32 rows [start, stop) of the flattened (M, K) dequantized tensor, reading only those
+        rows' buffers (start: a multiple of row_block_multiple)."""
+        m, k = self._check_q(q)
+        if (start, stop) == (0, m) or not self.rowwise_rows:
+            return self._dequantize(q).reshape(m, k)[start:stop]
+        if start % self.row_block_multiple or not 0 <= start < stop <= m:
+            raise FormatError(f"{self.name}: rows [{start}, {stop}) are not a row block of a {m}-row tensor")
+        buffers = {name: q.buffers[name] for name in self.glob_keys}
+        for name, (axis, per_entry) in self.rowwise_rows.items():
+            first, last = start // per_entry, -(-stop // per_entry)
+            buffers[name] = q.buffers[name].narrow(axis, first, last - first)
+        rows = QuantizedTensor(self.name, (stop - start, k), buffers, self.valid_regions((stop - start, k)))
+        return self._dequantize(rows).reshape(stop - start, k)
 
     def dequantize_columnwise(self, q: QuantizedTensor) -> torch.Tensor:
         """float32 tensor of q.shape from the columnwise buffers."""
@@ -234,6 +277,21 @@ class Format:
                 desc = f"{t.dtype}{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise FormatError(f"{self.name}: {what}[{key!r}] is {desc}, expected "
                                   f"{dtype}{tuple(shape)}")
+
+    def _quantize_in_row_blocks(self, x2: torch.Tensor, amax: torch.Tensor, shape) -> QuantizedTensor:
+        """The row layout of each block (quantized with the whole tensor's amax), concatenated and
+        laid out as one tensor: the same bits as one pass, with block-sized temporaries."""
+        k = x2.shape[1]
+        pieces: dict[str, list[torch.Tensor]] = {name: [] for name in self.rows_per_entry}
+        glob: dict[str, torch.Tensor] = {}
+        for start, stop in self.row_blocks(shape):
+            rows, glob = self._to_rows(self._quantize(x2[start:stop], amax, (stop - start, k)))
+            for name in pieces:
+                pieces[name].append(rows[name].contiguous())
+        joined = {}
+        for name in list(pieces):
+            joined[name] = torch.cat(pieces.pop(name))
+        return self.from_rows(joined, glob, shape)
 
     def _make(self, shape: tuple[int, ...], buffers: dict[str, torch.Tensor]) -> QuantizedTensor:
         return QuantizedTensor(self.name, tuple(shape), buffers, self.valid_regions(shape))

@@ -36,6 +36,7 @@ class Fp8Block2DFormat(Format):
     name = "fp8_block"
     row_block = BLOCK
     rows_per_entry = {"rowwise_data": 1, "rowwise_scale_inv": BLOCK}
+    rowwise_rows = {"rowwise_data": (0, 1), "rowwise_scale_inv": (0, BLOCK)}
 
 
     def buffer_specs(self, shape):
@@ -108,6 +109,7 @@ class Fp8Block1DFormat(Format):
     row_block = BLOCK  # the columnwise 128x1 blocks run along M
     rows_per_entry = {"rowwise_data": 1, "rowwise_scale_inv": 1, "columnwise_data": 1,
                       "columnwise_scale_inv": BLOCK}
+    rowwise_rows = {"rowwise_data": (0, 1), "rowwise_scale_inv": (1, 1)}  # the scales hold M in dim 1
 
 
     def buffer_specs(self, shape):

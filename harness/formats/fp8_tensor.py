@@ -19,6 +19,7 @@ class Fp8TensorFormat(Format):
     has_columnwise = False
     allow_empty_k = True
     rows_per_entry = {"data": 1}
+    rowwise_rows = {"data": (0, 1)}
     glob_keys = ("scale_inv",)
 
     def __init__(self, name: str, fp8_dtype: torch.dtype, fp8_max: float):

@@ -30,6 +30,7 @@ class Mxfp8Format(Format):
     m_multiple = BLOCK
     rows_per_entry = {"rowwise_data": 1, "rowwise_scale_inv": 1, "columnwise_data": 1,
                       "columnwise_scale_inv": BLOCK}
+    rowwise_rows = {"rowwise_data": (0, 1), "rowwise_scale_inv": (0, 1)}
 
     def buffer_specs(self, shape):
         m, k = flat_dims(tuple(shape))

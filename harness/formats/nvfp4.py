@@ -35,6 +35,7 @@ class _Nvfp4Base(Format):
     k_multiple = BLOCK
     m_multiple = 2
     glob_keys = ("amax_rowwise", "amax_columnwise")
+    rowwise_rows = {"rowwise_data": (0, 1), "rowwise_scale_inv": (0, 1)}
 
     def _dims(self, shape):
         m, k = flat_dims(tuple(shape))

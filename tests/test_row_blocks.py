@@ -1,0 +1,101 @@
+"""Large tensors are quantized and dequantized in row blocks (harness.formats.base.ROW_BLOCK_ELEMENTS):
+the bits must be those of one pass, padding included, for every format and for shapes whose last
+block is partial, whose scale tiles are partial, and with more than two dimensions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.cases import CaseSpec
+from harness.formats import FORMATS, FormatError
+from harness.formats import base as format_base
+
+SHAPES = [(448, 64), (450, 96), (2, 320, 64), (1000, 128)]
+SMALL_BLOCKS = 128 * 64  # elements: blocks of 128 rows for K=64, several blocks per shape
+
+
+def _weight(shape, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(shape))
+    rows = torch.exp2(torch.linspace(-6, 6, shape[-2])).reshape(-1, 1)
+    return (torch.randn(shape, generator=g) * rows).to(dtype)
+
+
+def _holdable(fmt, shape) -> bool:
+    try:
+        fmt.check(shape, torch.bfloat16)
+    except FormatError:
+        return False
+    return True
+
+
+CASES = [(name, shape) for name, fmt in FORMATS.items() for shape in SHAPES if _holdable(fmt, shape)]
+
+
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
+def test_row_blocks_give_the_bits_of_one_pass(name, shape, monkeypatch):
+    fmt, weight = FORMATS[name], _weight(shape)
+    whole = fmt.quantize(weight)
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    blocks = fmt.row_blocks(shape)
+    assert len(blocks) > 1, "the shape must span several blocks, or the test proves nothing"
+    blocked = fmt.quantize(weight)
+    assert blocked.mismatches(whole) == []
+    dequantized = torch.cat([fmt.dequantize_rows(blocked, start, stop) for start, stop in blocks])
+    expected = fmt.dequantize(whole).reshape(dequantized.shape)
+    assert torch.equal(dequantized.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if f.per_tensor and _holdable(f, (448, 64))])
+def test_row_blocks_scale_with_the_given_amax(name, monkeypatch):
+    fmt, weight = FORMATS[name], _weight((448, 64))
+    amax = torch.tensor(3.0 * float(weight.float().abs().max()))
+    whole = fmt.quantize(weight, amax=amax)
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    assert fmt.quantize(weight, amax=amax).mismatches(whole) == []
+
+
+def test_blocks_start_on_whole_scale_blocks(monkeypatch):
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 1000)
+    for fmt in FORMATS.values():
+        starts = [start for start, _ in fmt.row_blocks((1024, 16))]
+        assert all(start % fmt.row_block_multiple == 0 for start in starts), fmt.name
+        assert fmt.row_blocks((1024, 16))[-1][1] == 1024
+
+
+def test_a_block_that_splits_a_scale_block_is_refused(monkeypatch):
+    fmt = FORMATS["fp8_block"]
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    q = fmt.quantize(_weight((448, 64)))
+    with pytest.raises(FormatError, match=r"rows \[64, 192\) are not a row block"):
+        fmt.dequantize_rows(q, 64, 192)
+
+
+BLOCKED_CASES = [
+    "reference:fp8_block:1024x64:bf16:ws4:gather:s0",
+    "reference:nvfp4_1d:512x64:bf16:ws2:gather:s0",
+    "mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0",
+    "mutant:scale_padding:nvfp4_2d:512x64:bf16:ws2:gather:s0",
+    "mutant:trim_to_fit:nvfp4_1d:520x64:bf16:ws8:gather:s0",
+    "mutant:hp_fallback:nvfp4_2d:512x64:bf16:ws2:gather:s0",
+]
+
+
+@pytest.mark.parametrize("case_id", BLOCKED_CASES)
+def test_a_case_judged_in_row_blocks_gets_the_same_records(case_id, monkeypatch):
+    """Every comparison of a case (values, dequantized weight, outputs, the map of differing rows)
+    is the same whether the golden is dequantized whole or in row blocks."""
+    from harness.scenarios import run_virtual
+
+    whole = run_virtual(CaseSpec.parse(case_id))
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    blocked = run_virtual(CaseSpec.parse(case_id))
+    assert [repr(r) for r in blocked] == [repr(r) for r in whole]
+
+
+def test_the_blocked_comparison_counts_what_differs(monkeypatch):
+    from harness.scenarios import run_virtual
+
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    stage = run_virtual(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0"))[0].stages[0]
+    assert stage.dequantized.n_diff > 0 and not stage.dequantized.equal
