@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 #: being copied to the host and hashed there, which costs more than the gather itself for large
 #: weights. CPU buffers are always hashed byte by byte (sha256 is the faster of the two there).
 LARGE_BUFFER_BYTES = 1 << 22
-_FINGERPRINT_CHUNK = 1 << 22  # int32 words per chunk: bounds the temporaries on the device
+_DEVICE_CHUNK = 1 << 22  # elements per chunk of the device-side loops below: bounds their temporaries
 
 
 def digest(buffers: dict[str, torch.Tensor], valid: dict[str, tuple[slice, ...]]) -> str:
@@ -63,8 +64,8 @@ def _fingerprint(t: torch.Tensor) -> bytes:
     A single differing word always changes both sums (an odd multiplier is invertible mod 2^64)."""
     words = _words(t)
     sums = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
-        chunk = words[start:start + _FINGERPRINT_CHUNK].to(torch.int64)
+    for start in range(0, words.numel(), _DEVICE_CHUNK):
+        chunk = words[start:start + _DEVICE_CHUNK].to(torch.int64)
         for k, salt in enumerate(_SALTS):
             sums[k] += (chunk * _multipliers(start, chunk.numel(), salt, t.device)).sum()
     return tensor_bytes(sums) + str(words.numel()).encode()
@@ -123,10 +124,22 @@ def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> li
             continue
         region = golden.valid[name]
         a, b = _bits(have.to(want.device)[region]), _bits(want[region]).view(_bits(have).dtype)
-        n_diff = int((a != b).sum())
+        n_diff = _count_differing(a, b)
         if n_diff:
             diffs.append(BufferDiff(name, "bytes", n_diff=n_diff, n_valid=a.numel()))
     return diffs
+
+
+def _count_differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bits differ, counted in blocks of rows: the boolean mask of a large buffer
+    would be as large as the buffer itself."""
+    if a.dim() == 0 or a.numel() <= _DEVICE_CHUNK:
+        return int((a != b).sum())
+    step = max(1, _DEVICE_CHUNK // max(1, a[0].numel()))
+    total = torch.zeros((), dtype=torch.int64, device=a.device)
+    for start in range(0, a.shape[0], step):
+        total += (a[start:start + step] != b[start:start + step]).sum()
+    return int(total)
 
 
 def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> Comparison:
@@ -147,6 +160,18 @@ def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None 
         return Comparison(n_diff == 0, n_diff, max_abs)
     bound = rel_tol * float(want.abs().max()) if want.numel() else 0.0
     return Comparison(max_abs <= bound, n_diff, max_abs, f"|diff| <= {rel_tol:g} * max|golden| = {bound:.3g}")
+
+
+def compare_value_blocks(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Comparison:
+    """compare_values over (got, want) blocks of one tensor, as one comparison (bitwise; the
+    first block of another shape decides)."""
+    n_diff, max_abs = 0, 0.0
+    for got, want in pairs:
+        block = compare_values(got, want)
+        if block.n_diff < 0:
+            return block
+        n_diff, max_abs = n_diff + block.n_diff, max(max_abs, block.max_abs)
+    return Comparison(n_diff == 0, n_diff, max_abs)
 
 
 def locate(

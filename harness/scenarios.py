@@ -9,7 +9,8 @@ results in `harness.verdicts`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from inspect import signature
 
 import torch
@@ -17,8 +18,9 @@ import torch.distributed as dist
 
 from harness import fsdp_setup
 from harness.cases import CaseSpec, ShardLayout, shard_layout
-from harness.compare import compare_buffers, compare_values, digest, locate
+from harness.compare import compare_buffers, compare_value_blocks, compare_values, digest, locate
 from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
+from harness.formats.base import flat_dims
 from harness.impls import get_impl
 from harness.impls.base import HarnessFault, Implementation, NoSingleDeviceTwin
 from harness.phases import Phase, PhaseTracker
@@ -104,9 +106,32 @@ class Golden:
 
     q: QuantizedTensor | None
     error: str | None
-    dequantized: torch.Tensor | None = None
+    fmt: Format | None = None  # the format that dequantizes q
     source: str = "reference formats"
     quantizer_diffs: list[str] | None = None  # own quantizer vs reference; None: no own quantizer
+    _whole: torch.Tensor | None = field(default=None, repr=False)
+
+    def dequantized_blocks(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """The golden's float32 values as (rows, block) over the flattened (M, K) weight: one block
+        (computed once, kept) up to the format's block size, else row blocks computed as they are
+        asked for, so that a large golden is never held dequantized whole."""
+        m, _ = flat_dims(self.q.shape)
+        blocks = self.fmt.row_blocks(self.q.shape)
+        if len(blocks) == 1:
+            if self._whole is None:
+                self._whole = self.fmt.dequantize(self.q).reshape(m, -1)
+            yield slice(0, m), self._whole
+            return
+        for start, stop in blocks:
+            yield slice(start, stop), self.fmt.dequantize_rows(self.q, start, stop)
+
+    def dequantized_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The golden's values rounded to `dtype`, in the weight's shape."""
+        m, k = flat_dims(self.q.shape)
+        out = torch.empty((m, k), dtype=dtype, device=self.q.device)
+        for rows, values in self.dequantized_blocks():
+            out[rows] = values
+        return out.reshape(self.q.shape)
 
 
 def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = None) -> Golden:
@@ -120,15 +145,15 @@ def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = 
     if ref is None:
         return _own_golden_only(fmt, weight, impl, own)
     if own is None:
-        return Golden(ref, None, fmt.dequantize(ref))
+        return Golden(ref, None, fmt)
     diffs = compare_buffers(own, ref)
     lines = [d.line() for d in diffs]
     if any(d.problem in ("missing", "shape", "dtype") for d in diffs):
         # Its own quantization does not even have the format's layout: judge against the reference.
-        return Golden(ref, None, fmt.dequantize(ref), quantizer_diffs=lines)
+        return Golden(ref, None, fmt, quantizer_diffs=lines)
     buffers = {name: own[name].to(t.device) for name, t in ref.buffers.items()}
     q = QuantizedTensor(fmt.name, ref.shape, buffers, ref.valid)
-    return Golden(q, None, fmt.dequantize(q), f"{impl.name}'s own quantizer", lines)
+    return Golden(q, None, fmt, f"{impl.name}'s own quantizer", lines)
 
 
 def _own_golden_only(fmt: Format, weight: torch.Tensor, impl: Implementation | None, own) -> Golden:
@@ -140,7 +165,7 @@ def _own_golden_only(fmt: Format, weight: torch.Tensor, impl: Implementation | N
                            "there is nothing to judge the gather against")
     shape = tuple(weight.shape)
     q = QuantizedTensor(fmt.name, shape, dict(own), fmt.valid_regions(shape))
-    return Golden(q, None, fmt.dequantize(q), f"{impl.name}'s own quantizer (no reference quantizer)")
+    return Golden(q, None, fmt, f"{impl.name}'s own quantizer (no reference quantizer)")
 
 
 # ------------------------------------------------------------------ inspection of a gathered weight
@@ -166,10 +191,11 @@ def inspect(
     if golden.q is None:
         stage.accepted_unholdable = golden.error or "the format cannot hold this shape"
         return stage
-    y_ref = torch.matmul(x.to(param.dtype), golden.dequantized.to(param.dtype).transpose(-1, -2))
+    m, k = flat_dims(golden.q.shape)
+    y_ref = torch.matmul(x.to(param.dtype), golden.dequantized_as(param.dtype).transpose(-1, -2))
     if not stage.quantized:
-        values = param.detach().float().reshape(golden.dequantized.shape)
-        stage.values = compare_values(values, golden.dequantized)
+        values = param.detach().float().reshape(golden.q.shape)
+        stage.values = _against_golden(values.reshape(m, k), golden)
         stage.digest = digest({"values": values}, {})
         return stage
     got = impl.read_buffers(param)
@@ -181,13 +207,21 @@ def inspect(
         stage.dequantized = Comparison(True, detail=IDENTICAL_BUFFERS)
     elif not any(d.problem in ("missing", "shape", "dtype") for d in diffs):
         gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
-        stage.dequantized = compare_values(fmt.dequantize(gathered), golden.dequantized)
+        stage.dequantized = compare_value_blocks(
+            (fmt.dequantize_rows(gathered, rows.start, rows.stop), want) for rows, want in golden.dequantized_blocks())
         stage.where = locate(fmt, gathered, golden.q, shards)
-    own = impl.own_dequantize(param)
+    own = impl.own_dequantize_blocks(param, fmt, fmt.row_blocks(golden.q.shape))
     if own is not None:
-        stage.own_dequantized = compare_values(own.reshape(golden.dequantized.shape), golden.dequantized)
+        # strict: an implementation yielding fewer blocks than the golden's would compare only some rows
+        pairs = zip(own, (want for _, want in golden.dequantized_blocks()), strict=True)
+        stage.own_dequantized = compare_value_blocks(pairs)
     _forward_checks(stage, impl, fmt, param, x, y_ref)
     return stage
+
+
+def _against_golden(values: torch.Tensor, golden: Golden) -> Comparison:
+    """`values` (the flattened (M, K) weight) against the golden's, block of rows by block."""
+    return compare_value_blocks((values[rows], want) for rows, want in golden.dequantized_blocks())
 
 
 def _forward_checks(stage: Stage, impl: Implementation, fmt: Format, param, x, y_ref) -> None:
@@ -200,26 +234,40 @@ def _forward_checks(stage: Stage, impl: Implementation, fmt: Format, param, x, y
     stage.output_digest = digest({"output": y}, {})
 
 
-def module_check(impl: Implementation, spec: CaseSpec, module: torch.nn.Module, weight: torch.Tensor,
-                 x: torch.Tensor, compute_dtype: torch.dtype) -> ModuleCheck | None:
-    """The library's own forward with the gathered weight against its one-device twin, both fed
-    `x` in the dtype the layer computes in (the mixed-precision policy's param_dtype: FSDP2 casts a
-    root's inputs to it). Runs the one-device module first: a shape it cannot run either is a
-    note, not the gather's fault."""
+@dataclass
+class TwinOutput:
+    """What the library's module on one device, holding the full weight, computed (`output`), or
+    why it computed nothing (`note`)."""
+
+    output: torch.Tensor | None = None
+    note: str = ""
+
+
+def twin_output(impl: Implementation, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor,
+                compute_dtype: torch.dtype) -> TwinOutput | None:
+    """The one-device twin's forward of `x` in the dtype the layer computes in (the mixed-precision
+    policy's param_dtype: FSDP2 casts a root's inputs to it); None when the library has no module
+    of its own. A shape the twin cannot run either is a note, not the gather's fault."""
     x = x.to(device=weight.device, dtype=compute_dtype)
     try:
         expected = impl.single_device_output(spec, weight, x)
     except NoSingleDeviceTwin as exc:
-        return ModuleCheck(note=str(exc))
+        return TwinOutput(note=str(exc))
     except Exception as exc:  # noqa: BLE001 - the library's own limit, recorded as a note
-        return ModuleCheck(note=f"the one-device module cannot run this case either: {_one_line(exc)}")
-    if expected is None:
-        return None
+        return TwinOutput(note=f"the one-device module cannot run this case either: {_one_line(exc)}")
+    return None if expected is None else TwinOutput(expected)
+
+
+def module_check(impl: Implementation, spec: CaseSpec, module: torch.nn.Module, twin: TwinOutput | None,
+                 x: torch.Tensor, compute_dtype: torch.dtype) -> ModuleCheck | None:
+    """The library's own forward with the gathered weight against its one-device twin's output."""
+    if twin is None or twin.output is None:
+        return None if twin is None else ModuleCheck(note=twin.note)
     try:
-        got = impl.module_output(spec, module, x)
+        got = impl.module_output(spec, module, x.to(device=twin.output.device, dtype=compute_dtype))
     except Exception as exc:  # noqa: BLE001 - evidence: the same forward ran on one device
         return ModuleCheck(error=_one_line(exc))
-    return ModuleCheck(output=compare_values(got, expected))
+    return ModuleCheck(output=compare_values(got, twin.output))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -279,16 +327,20 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
         weight = master.to(spec.torch_dtype)
     else:  # nothing steps the masters: a float32 copy would only hold memory
         master = weight = make_weight(spec, device, spec.torch_dtype)
-    golden = golden_for(fmt, weight, impl)
     x = make_input(spec).to(device)
+    if spec.scenario == "hooks":
+        golden = golden_for(fmt, weight, impl)
+        stages, wire_summary = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, setup.shards, phases)
+        return RankResult(ctx.rank, stages, wire_summary, golden.quantizer_diffs or None)
+    # The one-device twin first: its full-size module is gone before the golden and the shards exist.
+    twin = twin_output(impl, spec, weight, x, setup.param_dtype)
+    golden = golden_for(fmt, weight, impl)
     shards = setup.shards
     quantizer = golden.quantizer_diffs or None
-
-    if spec.scenario == "hooks":
-        stages, wire_summary = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, shards, phases)
-        return RankResult(ctx.rank, stages, wire_summary, quantizer)
-
     module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
+    weight_shape = weight.to("meta")  # what the wire summary reads of the weight (shape, dtype)
+    if spec.scenario == "gather":
+        del master, weight  # the module holds its shard; a large weight's full copy would only hold memory
     loaded = checkpoint_reshard.load(ctx, spec, module, checkpoint, phases)
     if spec.scenario == "steps":
         _requantize_unchanged(ctx, impl, spec, module, master, setup, phases)
@@ -299,7 +351,7 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
             module.unshard()
     with phases.at(Phase.INSPECTION):
         stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1", setup.param_dtype))
-        stages[-1].module = module_check(impl, spec, module, weight, x, setup.param_dtype)
+        stages[-1].module = module_check(impl, spec, module, twin, x, setup.param_dtype)
     stages[0].note = loaded
     module.reshard()
     if spec.config.compile:
@@ -307,7 +359,7 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
         module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases))
-    return RankResult(ctx.rank, stages, summarize_wire(wire, fmt, weight, shards, golden, impl), quantizer)
+    return RankResult(ctx.rank, stages, summarize_wire(wire, fmt, weight_shape, shards, golden, impl), quantizer)
 
 
 def _requantize_unchanged(ctx, impl, spec, module, master, setup, phases: PhaseTracker) -> None:
@@ -353,8 +405,8 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases:
             module.unshard()
         with phases.at(Phase.INSPECTION):
             stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label, setup.param_dtype))
-            stages[-1].module = module_check(impl, spec, module, full_param.detach().to(spec.torch_dtype), x,
-                                             setup.param_dtype)
+            twin = twin_output(impl, spec, full_param.detach().to(spec.torch_dtype), x, setup.param_dtype)
+            stages[-1].module = module_check(impl, spec, module, twin, x, setup.param_dtype)
         module.reshard()
     return stages
 

@@ -56,3 +56,17 @@ def test_small_and_cpu_weights_come_from_the_cpu_generator():
     expected = torch.randn(spec.shape, generator=torch.Generator().manual_seed(3)) * row_scales(spec)
     assert torch.equal(make_weight(spec), expected)
     assert torch.equal(make_weight(spec, "cpu"), expected)
+
+
+def test_differences_are_counted_in_blocks_of_rows(monkeypatch):
+    from harness import compare
+    from harness.formats import QuantizedTensor
+
+    want = torch.arange(64 * 48, dtype=torch.int32).reshape(64, 48).to(torch.uint8)
+    have = want.clone()
+    have[3, 5] ^= 1
+    have[40:42, :] ^= 2  # rows that straddle a block boundary below
+    golden = QuantizedTensor("x", (64, 48), {"data": want}, {"data": (slice(0, 64), slice(0, 48))})
+    monkeypatch.setattr(compare, "_DEVICE_CHUNK", 48 * 5)  # blocks of 5 rows
+    (diff,) = compare.compare_buffers({"data": have}, golden)
+    assert (diff.n_diff, diff.n_valid) == (1 + 2 * 48, 64 * 48)
