@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -137,6 +138,17 @@ class Implementation:
         """The implementation's own dequantization of a gathered weight (compared with the golden's
         dequantized values on every rank), or None when it has none of its own."""
         return None
+
+    def own_dequantize_blocks(self, param: torch.Tensor, fmt, blocks: list[tuple[int, int]]) -> Iterator[torch.Tensor] | None:
+        """`own_dequantize` of the rows [start, stop) of each block of the flattened (M, K) weight, in
+        order (harness.formats.Format.row_blocks), or None when it has none. The default cuts one
+        whole dequantization; an adapter whose tensors can be cut by rows overrides it, so that a
+        large gathered weight is never held dequantized whole."""
+        own = self.own_dequantize(param)
+        if own is None:
+            return None
+        rows = own.reshape(blocks[-1][1], -1)
+        return (rows[start:stop] for start, stop in blocks)
 
     def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The layer's output with this (unsharded) weight: y = x @ W^T (batched over experts)."""

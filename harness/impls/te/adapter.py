@@ -9,7 +9,7 @@ import torch
 from harness.cases import CaseSpec
 from harness.impls.base import Implementation
 from harness.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
-from harness.impls.te.tensors import read_te_buffers
+from harness.impls.te.tensors import read_te_buffers, row_slice
 
 NVFP4 = ("nvfp4_1d", "nvfp4_2d")
 
@@ -56,6 +56,13 @@ class TEAdapter(Implementation):
 
     def own_dequantize(self, param: torch.Tensor) -> torch.Tensor:
         return param.dequantize(dtype=torch.float32)
+
+    def own_dequantize_blocks(self, param: torch.Tensor, fmt, blocks: list[tuple[int, int]]):
+        """TE's own dequantization of each row block, run on a TE tensor of the same class holding
+        only those rows (tensors.row_slice); one whole dequantization where TE's layout cannot be cut."""
+        if len(blocks) == 1 or row_slice(param, fmt, *blocks[0]) is None:
+            return super().own_dequantize_blocks(param, fmt, blocks)
+        return (row_slice(param, fmt, start, stop).dequantize(dtype=torch.float32) for start, stop in blocks)
 
     def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, param.dequantize(dtype=x.dtype).transpose(-1, -2))

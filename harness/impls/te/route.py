@@ -158,14 +158,19 @@ def _check_no_leaked_autocast() -> None:
 def _writes(rows: torch.Tensor):
     """TE's init_method for the weight: write this rank's part of the master weight (its rows; its
     columns under Shard(1)) into the local shard TE materialized (a shard of any other shape means
-    FSDP2 split differently than the harness's golden assumes)."""
+    FSDP2 split differently than the harness's golden assumes). It lets go of the rows once written:
+    the module keeps its init_method, and the rows are a view of the case's full weight."""
+    held = [rows]
 
     def init_method(local: torch.Tensor) -> None:
-        if tuple(local.shape) != tuple(rows.shape):
+        if not held:
+            raise HarnessFault("TE called the weight's init_method a second time; the harness writes the master rows once")
+        source = held.pop()
+        if tuple(local.shape) != tuple(source.shape):
             raise HarnessFault(f"TE's reset_parameters handed init_method a local shard of shape "
-                               f"{tuple(local.shape)}; this rank's part of the master weight is {tuple(rows.shape)}")
+                               f"{tuple(local.shape)}; this rank's part of the master weight is {tuple(source.shape)}")
         with torch.no_grad():
-            local.copy_(rows)
+            local.copy_(source)
 
     return init_method
 

@@ -56,3 +56,30 @@ def nvfp4_tensor_from_bits(fmt: str, weight: torch.Tensor, quantizer, amax: torc
         amax_rowwise=b["amax_rowwise"], amax_columnwise=b["amax_columnwise"],
         quantizer=quantizer, requires_grad=False, with_gemm_swizzled_scales=False,
         device=b["rowwise_data"].device)
+
+
+#: buffers of TE's storages that hold the columnwise (transposed) copy: a row slice leaves them out
+COLUMNWISE_METADATA = ("columnwise_data", "columnwise_scale_inv", "data_transpose", "amax_columnwise")
+
+
+def row_slice(param: torch.Tensor, fmt, start: int, stop: int):
+    """A TE storage of `param`'s own class holding only the rows [start, stop) of its rowwise buffers
+    (views, cut where harness.formats says each buffer follows the rows: `fmt.rowwise_rows`), so
+    that TE's own dequantize runs on one block of rows; None where TE's layout cannot be cut so
+    (no rowwise buffers, scales swizzled for the GEMM, no storage class)."""
+    storage = next((c for c in type(param).__mro__ if c.__name__.endswith("TensorStorage")), None)
+    if storage is None or not fmt.rowwise_rows or getattr(param, "_with_gemm_swizzled_scales", False):
+        return None
+    meta = dict(param.get_metadata())
+    rows = math.prod(param.shape[:-1])
+    for name, (axis, per_entry) in fmt.rowwise_rows.items():
+        buffer = meta.get(name)
+        if buffer is None:
+            return None
+        # the last block keeps the buffer's padding rows: TE checks scale shapes against padded sizes
+        first, last = start // per_entry, buffer.shape[axis] if stop == rows else -(-stop // per_entry)
+        meta[name] = buffer.narrow(axis, first, last - first).contiguous()
+    for name in COLUMNWISE_METADATA:
+        if name in meta:
+            meta[name] = None
+    return storage(**meta)

@@ -1,0 +1,64 @@
+"""TE's own dequantization of a large gathered weight runs block of rows by block
+(harness.impls.te.tensors.row_slice): each block must be bit for bit the same rows of TE's whole
+dequantization, for every TE tensor class this GPU can build, with a partial last block.
+
+    python -m pytest tests/gpu/test_te_row_blocks.py -q -p no:cacheprovider -m gpu
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.formats import FORMATS
+from harness.formats import base as format_base
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = (1000, 256)  # 1000 rows: blocks of 128 rows and a partial last one
+FORMAT_NAMES = ("fp8_tensor", "fp8_block", "fp8_block_1x128", "mxfp8", "nvfp4_2d", "nvfp4_1d")
+
+
+@pytest.fixture(scope="module")
+def te_ready():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from harness.impls.te.environment import te_import_error
+
+    error = te_import_error()
+    if error:
+        pytest.skip(error)
+
+
+def _te_tensor(fmt: str, x: torch.Tensor):
+    from harness.impls.te.quantizers import TEUnavailable, make_quantizer
+
+    if fmt.startswith("nvfp4"):
+        from transformer_engine.pytorch.tensor import NVFP4Quantizer
+
+        from harness.impls.te.tensors import nvfp4_tensor_from_bits
+
+        return nvfp4_tensor_from_bits(fmt, x, NVFP4Quantizer(with_2d_quantization=fmt == "nvfp4_2d"))
+    try:
+        return make_quantizer(fmt)(x)
+    except TEUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_te_dequantizes_row_blocks_as_the_whole(fmt, te_ready, monkeypatch):
+    from harness.impls.te.adapter import TEAdapter
+    from harness.impls.te.tensors import row_slice
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(SHAPE, generator=gen, device="cuda")
+         * torch.exp2(torch.linspace(-6, 6, SHAPE[0], device="cuda")).reshape(-1, 1)).to(torch.bfloat16)
+    param = _te_tensor(fmt, x)
+    whole = param.dequantize(dtype=torch.float32)
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 128 * SHAPE[1])
+    blocks = FORMATS[fmt].row_blocks(SHAPE)
+    assert len(blocks) == 8 and blocks[-1] == (896, 1000)
+    assert row_slice(param, FORMATS[fmt], *blocks[0]) is not None, "the tensor was not cut: nothing tested"
+    pieces = list(TEAdapter().own_dequantize_blocks(param, FORMATS[fmt], blocks))
+    assert [p.shape[0] for p in pieces] == [stop - start for start, stop in blocks]
+    assert torch.equal(torch.cat(pieces).view(torch.int32), whole.view(torch.int32))
