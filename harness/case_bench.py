@@ -55,8 +55,7 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     bare_s = [_timed(bare, cuda) for _ in range(reps)]
     table = _profiled(ctx, case_id) if profile else ""
     return {"full_s": statistics.median(full), "bare_s": statistics.median(bare_s), "peak_bytes": peak,
-            "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes,
-            "buffer_diffs": [s.buffer_diffs for s in result.stages], "profile": table}
+            "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "result": result, "profile": table}
 
 
 PROFILE_ROWS = 30
@@ -102,9 +101,9 @@ def _memory_steps(ctx, case_id: str) -> str:
 
     spec = CaseSpec.parse(case_id)
     impl_type, fmt_type = type(get_impl(spec.impl)), type(FORMATS[spec.fmt])
-    targets = [(scenarios, n) for n in ("make_weight", "golden_for", "build_sharded_module", "inspect", "module_check",
-                                        "compare_buffers", "compare_values", "digest")]
-    targets += [(fmt_type, n) for n in ("quantize", "dequantize")] + [(FSDPModule, "unshard")]
+    targets = [(scenarios, n) for n in ("make_weight", "twin_output", "golden_for", "build_sharded_module", "inspect",
+                                        "module_check", "compare_buffers", "compare_values", "digest")]
+    targets += [(fmt_type, n) for n in ("quantize", "dequantize", "dequantize_rows")] + [(FSDPModule, "unshard")]
     targets += [(impl_type, n) for n in ("own_quantization", "own_dequantize", "forward", "read_buffers",
                                          "single_device_output", "module_output", "make_sharded_module")
                 if hasattr(impl_type, n)]
@@ -175,20 +174,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = get_pool(PoolSpec(backend=backend, world_size=args.world_size, device=args.device))
     print(f"bench gpu: {impl}, {args.shape} bf16, {args.world_size} ranks over {backend} on {args.device}, "
           f"median of {args.reps}")
-    worst = 0.0
+    worst, judged = 0.0, True
     try:
         for fmt in args.formats.split(","):
             case_id = f"{impl}:{fmt}:{args.shape}:bf16:ws{args.world_size}:gather:s0"
             outcome = pool.run(measure_on_rank, case_id, args.reps, args.profile, timeout=args.timeout)
             if outcome.status != "ok":
                 print(f"  {fmt}: the case did not run: {outcome.summary()}")
-                return 1
+                print(_traceback_tail(outcome))
+                judged = False
+                continue
             worst = max(worst, _print_row(fmt, outcome.results, args.device))
             if args.profile:
                 print(outcome.results[0]["profile"])
+            judged &= _print_verdict(case_id, outcome.results)
     finally:
         shutdown_pools()
-    return 0 if worst <= TIME_GOAL else 1
+    return 0 if worst <= TIME_GOAL and judged else 1
+
+
+def _traceback_tail(outcome, lines: int = 12) -> str:
+    first = next(iter(outcome.errors.values()), None)
+    if first is None or not first.traceback_text:
+        return ""
+    return "\n".join("    " + line for line in first.traceback_text.rstrip().splitlines()[-lines:])
+
+
+def _print_verdict(case_id: str, results: list[dict]) -> bool:
+    """The measured case's own verdict: timings of a case that does not pass measure another path."""
+    from harness.verdicts import Verdict, classify_results
+
+    verdict, reason, _ = classify_results(CaseSpec.parse(case_id), [r["result"] for r in results])
+    print(f"    {case_id}: {verdict.value}" + (f" ({reason})" if reason else ""))
+    return verdict is Verdict.EXACT
 
 
 def _print_row(fmt: str, results: list[dict], device: str) -> float:

@@ -17,6 +17,14 @@ def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
     for fmt in ("nvfp4_2d", "fp8_tensor"):
         line = next(line for line in out.splitlines() if line.strip().startswith(f"{fmt}:"))
         assert "full case" in line and "ratio" in line
+    assert "reference:nvfp4_2d:128x64:bf16:ws2:gather:s0: EXACT" in out
+
+
+def test_a_case_that_does_not_pass_fails_the_benchmark(capsys):
+    rc = case_bench.main(["--device", "cpu", "--shape", "128x64", "--impl", "mutant:nibble_swap", "--reps", "1",
+                          "--formats", "nvfp4_2d"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0: SILENT_MISMATCH" in out, out
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host has the GPUs the benchmark needs")
