@@ -16,6 +16,8 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: that the float32 temporaries stay bounded (a GPU rank holds the golden of an 8192x28672 weight
 #: next to the gathered one); the bits are the same as from one pass (tests/test_row_blocks.py).
 ROW_BLOCK_ELEMENTS = 1 << 24
+#: rows TE pads the per-row scale buffers of MXFP8 and NVFP4 to (their GEMM's swizzle unit)
+SCALE_ROW_PADDING = 128
 
 
 class FormatError(ValueError):
@@ -191,10 +193,11 @@ class Format:
 
     @property
     def row_block_multiple(self) -> int:
-        """Rows every block but the last holds a multiple of: no scale block, row-layout entry or
-        padded tile straddles two blocks."""
+        """Rows every block but the last holds a multiple of: no scale block or row-layout entry
+        straddles two blocks, and every block is a tensor TE accepts (TE pads per-row scale
+        buffers to SCALE_ROW_PADDING rows and checks that shape)."""
         per_entry = [*self.rows_per_entry.values(), *(r for _, r in self.rowwise_rows.values())]
-        return math.lcm(self.row_block, self.m_multiple, *per_entry)
+        return math.lcm(SCALE_ROW_PADDING, self.row_block, self.m_multiple, *per_entry)
 
     def dequantize_rows(self, q: QuantizedTensor, start: int, stop: int) -> torch.Tensor:
         """float32 rows [start, stop) of the flattened (M, K) dequantized tensor, reading only those

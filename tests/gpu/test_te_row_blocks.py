@@ -15,7 +15,7 @@ from harness.formats import base as format_base
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = (1000, 256)  # 1000 rows: blocks of 128 rows and a partial last one
+SHAPE = (1000, 256)  # 1000 rows: blocks of 256 rows and a partial last one
 FORMAT_NAMES = ("fp8_tensor", "fp8_block", "fp8_block_1x128", "mxfp8", "nvfp4_2d", "nvfp4_1d")
 
 
@@ -55,10 +55,30 @@ def test_te_dequantizes_row_blocks_as_the_whole(fmt, te_ready, monkeypatch):
          * torch.exp2(torch.linspace(-6, 6, SHAPE[0], device="cuda")).reshape(-1, 1)).to(torch.bfloat16)
     param = _te_tensor(fmt, x)
     whole = param.dequantize(dtype=torch.float32)
-    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 128 * SHAPE[1])
+    # 300 rows' worth: blocks round down to whole 128-row scale groups (TE checks NVFP4/MXFP8 scale
+    # shapes against 128-row padding; a 16-row multiple such as 288 made TE refuse a block)
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 300 * SHAPE[1])
     blocks = FORMATS[fmt].row_blocks(SHAPE)
-    assert len(blocks) == 8 and blocks[-1] == (896, 1000)
+    assert blocks == [(0, 256), (256, 512), (512, 768), (768, 1000)]
     assert row_slice(param, FORMATS[fmt], *blocks[0]) is not None, "the tensor was not cut: nothing tested"
     pieces = list(TEAdapter().own_dequantize_blocks(param, FORMATS[fmt], blocks))
     assert [p.shape[0] for p in pieces] == [stop - start for start, stop in blocks]
     assert torch.equal(torch.cat(pieces).view(torch.int32), whole.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_the_blocked_forward_weight_is_tes_own_rounding(fmt, te_ready, monkeypatch):
+    """The te adapter's forward rounds float32 row blocks into the layer's dtype: the same bits as
+    TE's own dequantize(dtype=bfloat16) of the whole tensor."""
+    from harness.impls.te.adapter import TEAdapter
+
+    x = torch.randn(SHAPE, generator=torch.Generator(device="cuda").manual_seed(9), device="cuda").to(torch.bfloat16)
+    param = _te_tensor(fmt, x)
+    whole = param.dequantize(dtype=torch.bfloat16)
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 300 * SHAPE[1])
+    from harness.impls.te.tensors import row_layout_of
+
+    layout = row_layout_of(param)
+    assert layout is not None and layout.rowwise_rows == FORMATS[fmt].rowwise_rows, "not cut: nothing tested"
+    blocked = TEAdapter()._dequantized_in(param, torch.bfloat16)
+    assert torch.equal(blocked.view(torch.int16), whole.view(torch.int16))

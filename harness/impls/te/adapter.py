@@ -9,7 +9,7 @@ import torch
 from harness.cases import CaseSpec
 from harness.impls.base import Implementation
 from harness.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
-from harness.impls.te.tensors import read_te_buffers, row_slice
+from harness.impls.te.tensors import read_te_buffers, row_layout_of, row_slice
 
 NVFP4 = ("nvfp4_1d", "nvfp4_2d")
 
@@ -65,4 +65,18 @@ class TEAdapter(Implementation):
         return (row_slice(param, fmt, start, stop).dequantize(dtype=torch.float32) for start, stop in blocks)
 
     def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(x, param.dequantize(dtype=x.dtype).transpose(-1, -2))
+        return torch.matmul(x, self._dequantized_in(param, x.dtype).transpose(-1, -2))
+
+    def _dequantized_in(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """TE's dequantization of the weight in the layer's dtype. A large weight is dequantized to
+        float32 row block by row block and rounded into one buffer: TE's own dequantize(dtype=...)
+        of some classes goes through a whole float32 copy first (the same rounding, 3x the memory)."""
+        fmt = row_layout_of(param)
+        blocks = fmt.row_blocks(tuple(param.shape)) if fmt is not None else []
+        if len(blocks) <= 1:
+            return param.dequantize(dtype=dtype)
+        out = torch.empty(tuple(param.shape), dtype=dtype, device=param.device)
+        rows = out.view(blocks[-1][1], -1)
+        for (start, stop), values in zip(blocks, self.own_dequantize_blocks(param, fmt, blocks), strict=True):
+            rows[start:stop] = values
+        return out

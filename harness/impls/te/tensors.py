@@ -58,6 +58,20 @@ def nvfp4_tensor_from_bits(fmt: str, weight: torch.Tensor, quantizer, amax: torc
         device=b["rowwise_data"].device)
 
 
+#: the harness format whose row layout (Format.rowwise_rows) each TE storage class's rowwise buffers have
+ROW_LAYOUTS = {"Float8TensorStorage": "fp8_tensor", "MXFP8TensorStorage": "mxfp8", "NVFP4TensorStorage": "nvfp4_2d"}
+
+
+def row_layout_of(param: torch.Tensor):
+    """The harness format that says how `param`'s rowwise buffers follow its rows, or None."""
+    for cls in type(param).__mro__:
+        if cls.__name__ == "Float8BlockwiseQTensorStorage":
+            return FORMATS["fp8_block" if param._is_2D_scaled else "fp8_block_1x128"]
+        if cls.__name__ in ROW_LAYOUTS:
+            return FORMATS[ROW_LAYOUTS[cls.__name__]]
+    return None
+
+
 #: buffers of TE's storages that hold the columnwise (transposed) copy: a row slice leaves them out
 COLUMNWISE_METADATA = ("columnwise_data", "columnwise_scale_inv", "data_transpose", "amax_columnwise")
 
