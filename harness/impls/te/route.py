@@ -114,6 +114,9 @@ class TransformerEngineRoute(TEAdapter):
     def single_device_output(self, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The same te.Linear and recipe on this GPU alone, initialized with the full weight (so the
         recipe's amax is the full weight's, as the all-reduced one is on the sharded route)."""
+        reason = recipe_unavailable_reason(make_recipe(spec.fmt, self.recipes))
+        if reason:  # the forward would refuse: not worth a full-size module first
+            raise RuntimeError(reason)
         dtype = spec.torch_dtype
         if x.dtype != dtype:  # a mixed-precision policy: the sharded layer computes in x's dtype
             lifted = weight.to(x.dtype)
