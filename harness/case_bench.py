@@ -38,9 +38,11 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     spec = CaseSpec.parse(case_id)
     cuda = ctx.device.type == "cuda"
     result = run_on_rank(ctx, case_id)  # warm-up: kernels, allocator, communicators
-    baseline = _settle(ctx.device)
-    full = [_timed(lambda: run_on_rank(ctx, case_id), cuda) for _ in range(reps)]
-    peak = torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0
+    full, peak = [], 0
+    for _ in range(reps):  # each rep measured above what the one before left once collected
+        baseline = _settle(ctx.device)
+        full.append(_timed(lambda: run_on_rank(ctx, case_id), cuda))
+        peak = max(peak, torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0)
     nbytes = max(int(result.wire.collective_bytes), 1)
     weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
     fmt = FORMATS[spec.fmt]
