@@ -139,7 +139,8 @@ class Implementation:
         dequantized values on every rank), or None when it has none of its own."""
         return None
 
-    def own_dequantize_blocks(self, param: torch.Tensor, fmt, blocks: list[tuple[int, int]]) -> Iterator[torch.Tensor] | None:
+    def own_dequantize_blocks(self, param: torch.Tensor, fmt,
+                              blocks: list[tuple[int, int]]) -> Iterator[torch.Tensor] | None:
         """`own_dequantize` of the rows [start, stop) of each block of the flattened (M, K) weight, in
         order (harness.formats.Format.row_blocks), or None when it has none. The default cuts one
         whole dequantization; an adapter whose tensors can be cut by rows overrides it, so that a

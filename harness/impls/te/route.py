@@ -167,7 +167,8 @@ def _writes(rows: torch.Tensor):
 
     def init_method(local: torch.Tensor) -> None:
         if not held:
-            raise HarnessFault("TE called the weight's init_method a second time; the harness writes the master rows once")
+            raise HarnessFault("TE called the weight's init_method a second time; "
+                               "the harness writes the master rows once")
         source = held.pop()
         if tuple(local.shape) != tuple(source.shape):
             raise HarnessFault(f"TE's reset_parameters handed init_method a local shard of shape "
