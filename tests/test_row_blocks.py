@@ -99,3 +99,4 @@ def test_the_blocked_comparison_counts_what_differs(monkeypatch):
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
     stage = run_virtual(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0"))[0].stages[0]
     assert stage.dequantized.n_diff > 0 and not stage.dequantized.equal
+

@@ -1,0 +1,48 @@
+"""What a case holds on a rank while it inspects the gathered weight: a gather case lets go of the
+full weight once the sharded module exists (on a GPU rank the weight's full copy would sit next to
+the gathered one; `qgather bench gpu --profile` shows the step peaks)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def weight_alive_at_inspection(ctx, case_id: str) -> list[bool]:
+    """On a pool rank: run the case and say, at each inspection, whether the full weight the case
+    drew is still alive (after a collection)."""
+    import gc
+    import weakref
+
+    from harness import scenarios
+
+    refs, alive = [], []
+    make_weight, inspect = scenarios.make_weight, scenarios.inspect
+
+    def recording_make_weight(*args, **kwargs):
+        weight = make_weight(*args, **kwargs)
+        refs.append(weakref.ref(weight))
+        return weight
+
+    def checking_inspect(*args, **kwargs):
+        gc.collect()
+        alive.append(any(ref() is not None for ref in refs))
+        return inspect(*args, **kwargs)
+
+    scenarios.make_weight, scenarios.inspect = recording_make_weight, checking_inspect
+    try:
+        scenarios.run_on_rank(ctx, case_id)
+    finally:
+        scenarios.make_weight, scenarios.inspect = make_weight, inspect
+    return alive
+
+
+@pytest.mark.parametrize("scenario,kept", [("gather", False), ("steps", True)])
+def test_a_gather_case_lets_go_of_its_full_weight(scenario, kept):
+    """A large weight's full copy would sit next to the gathered one on a GPU rank: a gather case
+    holds only its shard once the module exists (a steps case keeps the masters it steps)."""
+    from harness.runtime import PoolSpec, get_pool
+
+    case_id = f"reference:fp8_tensor:128x64:bf16:ws2:{scenario}:s0"
+    outcome = get_pool(PoolSpec("gloo", 2, "cpu")).run(weight_alive_at_inspection, case_id, timeout=120)
+    assert outcome.status == "ok", outcome.summary()
+    assert all(alive == [kept] * len(alive) and alive for alive in outcome.results), outcome.results
