@@ -50,8 +50,9 @@ def config_token(mp: str, raf: str, mesh: str, dim: str) -> str:
 @dataclass(frozen=True)
 class ConfigSweep(SuiteSweep):
     """The configuration dimensions as one covering array, impl x format a factor of it: unlike
-    harness.suite.Sweep, not every (format, shape, world size, scenario) runs, and the array is made
-    over the selection (a narrowed run covers the pairs of what it selects)."""
+    harness.suite.Sweep, not every (format, shape, world size, scenario) runs. The array is made over
+    every value and then narrowed to the selection, so a narrowed run's ids are a subset of the full
+    run's (one known-issues baseline serves both)."""
 
     product: bool = False
     marks: Sequence[str] = field(default_factory=tuple)

@@ -47,6 +47,7 @@ class Mutant(ReferenceImplementation):
     bug: str = ""
     bug_class: int = 0
     expected: Verdict = Verdict.EXACT
+    #: verdicts that count as caught besides `expected`, which every mutant's set includes
     verdicts: frozenset[Verdict] = frozenset()
     catching_cases: tuple[str, ...] = ()
 
@@ -157,7 +158,6 @@ class MissingUsageParam(QuantizedParam):
 
 class MissingUsage(Mutant):
     bug, bug_class = "missing_usage", 4
-    verdicts = frozenset({Verdict.ERROR})
     param_class = MissingUsageParam
     expected = Verdict.ERROR
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
@@ -181,7 +181,6 @@ class ColumnwiseNotTransposedParam(QuantizedParam):
 
 class ColumnwiseNotTransposed(Mutant):
     bug, bug_class = "columnwise_not_transposed", 5
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = ColumnwiseNotTransposedParam
     formats = ("nvfp4_1d",)  # the format whose columnwise data is gathered
     expected = Verdict.SILENT_MISMATCH
@@ -232,7 +231,6 @@ class DeriveColumnwise1DParam(QuantizedParam):
 
 class DeriveColumnwise1D(Mutant):
     bug, bug_class = "derive_columnwise_1d", 7
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = DeriveColumnwise1DParam
     formats = ("nvfp4_1d",)
     expected = Verdict.SILENT_MISMATCH
@@ -286,7 +284,6 @@ class ScalePaddingParam(QuantizedParam):
 
 class ScalePadding(Mutant):
     bug, bug_class = "scale_padding", 8
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = ScalePaddingParam
     formats = ("nvfp4_1d", "nvfp4_2d")
     expected = Verdict.SILENT_MISMATCH
@@ -336,7 +333,6 @@ class StaleOutParam(QuantizedParam):
 
 class StaleOut(Mutant):
     bug, bug_class = "stale_out", 10
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = StaleOutParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:reshard:s0")
@@ -372,7 +368,6 @@ class HpFallbackParam(QuantizedParam):
 
 class HpFallback(Mutant):
     bug, bug_class = "hp_fallback", 11
-    verdicts = frozenset({Verdict.DEGRADED})
     param_class = HpFallbackParam
     expected = Verdict.DEGRADED
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
@@ -410,7 +405,6 @@ class NibbleSwapParam(QuantizedParam):
 
 class NibbleSwap(Mutant):
     bug, bug_class = "nibble_swap", 12
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = NibbleSwapParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_2d:128x64:bf16:ws2:gather:s0")
@@ -436,7 +430,6 @@ class Ws1PathParam(QuantizedParam):
 
 class Ws1Path(Mutant):
     bug, bug_class = "ws1_path", 13
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = Ws1PathParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws1:gather:s0")
@@ -451,7 +444,6 @@ class StaleDerived(Mutant):
     and the amax are new."""
 
     bug, bug_class = "stale_derived", 14
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_1d:128x64:bf16:ws2:steps:s0")
 
@@ -474,7 +466,6 @@ class IgnoresParamDtypeParam(QuantizedParam):
 
 class IgnoresParamDtype(Mutant):
     bug, bug_class = "ignores_param_dtype", 15
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = IgnoresParamDtypeParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "nvfp4_2d:128x64:fp32:ws2:gather:s0:mp-bf16")
@@ -498,7 +489,6 @@ class AssumesDim0Param(QuantizedParam):
 
 class AssumesDim0(Mutant):
     bug, bug_class = "assumes_dim0", 16
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = AssumesDim0Param
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:gather:s0:dim1")
@@ -550,7 +540,6 @@ class CheckpointDropsScaleParam(QuantizedParam):
 
 class CheckpointDropsScale(Mutant):
     bug, bug_class = "checkpoint_drops_scale", 18
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = CheckpointDropsScaleParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:gather:s0:dcp-ws4")
@@ -574,7 +563,6 @@ class UnflattenDropsScaleParam(QuantizedParam):
 
 class UnflattenDropsScale(Mutant):
     bug, bug_class = "unflatten_drops_scale", 19
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = UnflattenDropsScaleParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:gather:s0:compile")
@@ -626,7 +614,6 @@ class NoReshardStaleLayoutParam(QuantizedParam):
 
 class NoReshardStaleLayout(Mutant):
     bug, bug_class = "no_reshard_stale_layout", 20
-    verdicts = frozenset({Verdict.SILENT_MISMATCH})
     param_class = NoReshardStaleLayoutParam
     expected = Verdict.SILENT_MISMATCH
     catching_cases = _cases(bug, "fp8_tensor:128x64:bf16:ws2:steps:s0:raf-no")
