@@ -9,7 +9,7 @@ results in `harness.verdicts`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from inspect import signature
 
@@ -210,13 +210,27 @@ def inspect(
         stage.dequantized = compare_value_blocks(
             (fmt.dequantize_rows(gathered, rows.start, rows.stop), want) for rows, want in golden.dequantized_blocks())
         stage.where = locate(fmt, gathered, golden.q, shards)
-    own = impl.own_dequantize_blocks(param, fmt, fmt.row_blocks(golden.q.shape))
+    blocks = fmt.row_blocks(golden.q.shape)
+    own = impl.own_dequantize_blocks(param, fmt, blocks)
     if own is not None:
-        # strict: an implementation yielding fewer blocks than the golden's would compare only some rows
-        pairs = zip(own, (want for _, want in golden.dequantized_blocks()), strict=True)
-        stage.own_dequantized = compare_value_blocks(pairs)
+        stage.own_dequantized = compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks)))
     _forward_checks(stage, impl, fmt, param, x, y_ref)
     return stage
+
+
+def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden, n_blocks: int):
+    """(own block, golden block) pairs; an implementation that yields another number of blocks than
+    it was asked for would have some rows compared twice or not at all: said, with the counts."""
+    own = iter(own)
+    for count, (_, want) in enumerate(golden.dequantized_blocks()):
+        got = next(own, None)
+        if got is None:
+            raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded {count} blocks for the {n_blocks} "
+                               "row blocks it was asked for")
+        yield got, want
+    if next(own, None) is not None:
+        raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded more than the {n_blocks} row blocks "
+                           "it was asked for")
 
 
 def _against_golden(values: torch.Tensor, golden: Golden) -> Comparison:

@@ -100,3 +100,21 @@ def test_the_blocked_comparison_counts_what_differs(monkeypatch):
     stage = run_virtual(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0"))[0].stages[0]
     assert stage.dequantized.n_diff > 0 and not stage.dequantized.equal
 
+
+
+@pytest.mark.parametrize("yielded", [3, 5])
+def test_an_adapter_yielding_another_number_of_blocks_is_named(yielded, monkeypatch):
+    """A case whose implementation dequantizes into too few or too many row blocks ERRORs with the
+    counts, rather than comparing some rows twice or not at all."""
+    from harness.impls.reference import ReferenceImplementation
+    from harness.scenarios import run_virtual
+
+    def wrong_count(self, param, fmt, blocks):
+        start, stop = blocks[0]
+        return (torch.zeros(stop - start, param.shape[-1]) for _ in range(yielded))
+
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(ReferenceImplementation, "own_dequantize_blocks", wrong_count)
+    results = run_virtual(CaseSpec.parse("reference:fp8_tensor:512x64:bf16:ws2:gather:s0"))
+    assert all(isinstance(r, Exception) for r in results)
+    assert "own_dequantize_blocks yielded" in str(results[0]) and "4 row blocks" in str(results[0])
