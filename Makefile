@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 run: $(SETUP)
-	$(PY) -m harness run -n $(PYTEST_WORKERS)
+	$(PY) -m qgather run -n $(PYTEST_WORKERS)
 
 # pytest's exit 5 ("no tests collected") would be a broken suite: fail loudly on it.
 # --dist loadgroup: tests spread one at a time as with the default, except that an xdist_group (a module
@@ -43,18 +43,18 @@ test: $(SETUP)
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
 test-multigpu: $(SETUP)
-	$(PY) -m harness gpu-check
+	$(PY) -m qgather gpu-check
 	$(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) --case-timeout $(GPU_CASE_TIMEOUT) \
 	  -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
 
 selftest: $(SETUP)
-	$(PY) -m harness selftest
+	$(PY) -m qgather selftest
 
 bench: $(SETUP)
-	$(PY) -m harness bench
+	$(PY) -m qgather bench
 
 golden: $(SETUP)
-	$(PY) -m harness golden
+	$(PY) -m qgather golden
 
 lint: $(SETUP)
 	$(PY) -m ruff check harness tests cases conftest.py setup.py

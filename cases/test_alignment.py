@@ -1,5 +1,5 @@
 """Alignment sweep: every format, shapes that respect and that violate its row block.
 
-Defined in harness.suite_cases.test_alignment, so that an installed qgather carries it."""
+Defined in qgather.suite.cases.test_alignment, so that an installed qgather carries it."""
 
-from harness.suite_cases.test_alignment import SWEEP, test_gather  # noqa: F401 - pytest collects them here
+from qgather.suite.cases.test_alignment import SWEEP, test_gather  # noqa: F401 - pytest collects them here

@@ -10,7 +10,7 @@ import os
 
 import torch.distributed as dist
 
-from harness.runtime import PoolSpec, get_pool
+from qgather.runtime import PoolSpec, get_pool
 
 SPEC = PoolSpec("gloo", 2, "cpu")
 CASE_TIMEOUT_S = 4.0  # the watchdog needs WAIT_EVIDENCE_S (1 s) of it to see rank 0 waiting

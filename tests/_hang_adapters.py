@@ -11,7 +11,7 @@ import threading
 
 import torch.distributed as dist
 
-from harness.impls.reference import ReferenceImplementation
+from qgather.impls.reference import ReferenceImplementation
 
 
 def _mark_reached() -> None:

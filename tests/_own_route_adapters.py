@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch.distributed.fsdp import fully_shard
 
-from harness.impls.reference import ReferenceImplementation
-from harness.scenarios import QuantizedLinear
+from qgather.impls.reference import ReferenceImplementation
+from qgather.scenarios.core import QuantizedLinear
 
 
 class ConfiguredOwnRoute(ReferenceImplementation):

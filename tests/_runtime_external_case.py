@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.runtime import ExternalPool, PoolSpec, PoolSpecError, external_world, get_pool, is_reporting_rank
+from qgather.runtime import ExternalPool, PoolSpec, PoolSpecError, external_world, get_pool, is_reporting_rank
 
 WORLD_SIZE = 4
 SPEC = PoolSpec("gloo", WORLD_SIZE, "cpu")

@@ -10,9 +10,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness.formats import FORMATS
-from harness.impls.mutants import NibbleSwap
-from harness.impls.reference import QuantizedParam, ReferenceImplementation
+from qgather.formats import FORMATS
+from qgather.impls.mutants import NibbleSwap
+from qgather.impls.reference import QuantizedParam, ReferenceImplementation
 
 
 class WrongBytesThenRaisingForward(NibbleSwap):

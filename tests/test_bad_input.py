@@ -18,7 +18,7 @@ CASE = "reference:nvfp4_2d:64x64:bf16:ws2:gather:s0"
 def qgather(*args: str, cwd: str | None = None, pythonpath: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, pythonpath) if p)
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "qgather", *args], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env, timeout=300)
 
 
@@ -36,7 +36,7 @@ def adapters(tmp_path):
     (tmp_path / "bad_syntax.py").write_text("def broken(:\n")
     (tmp_path / "bad_import.py").write_text("raise RuntimeError('adapter exploded at import')\n")
     (tmp_path / "bad_ctor.py").write_text(
-        "from harness.impls.reference import ReferenceImplementation\n"
+        "from qgather.impls.reference import ReferenceImplementation\n"
         "class Adapter(ReferenceImplementation):\n"
         "    def __init__(self):\n"
         "        raise ValueError('constructor exploded')\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import case_bench
+from qgather.tools import case_bench
 
 
 def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):

@@ -13,7 +13,7 @@ def weight_alive_at_inspection(ctx, case_id: str) -> list[bool]:
     import gc
     import weakref
 
-    from harness import scenarios
+    from qgather.scenarios import core as scenarios
 
     refs, alive = [], []
     make_weight, inspect = scenarios.make_weight, scenarios.inspect
@@ -40,7 +40,7 @@ def weight_alive_at_inspection(ctx, case_id: str) -> list[bool]:
 def test_a_gather_case_lets_go_of_its_full_weight(scenario, kept):
     """A large weight's full copy would sit next to the gathered one on a GPU rank: a gather case
     holds only its shard once the module exists (a steps case keeps the masters it steps)."""
-    from harness.runtime import PoolSpec, get_pool
+    from qgather.runtime import PoolSpec, get_pool
 
     case_id = f"reference:fp8_tensor:128x64:bf16:ws2:{scenario}:s0"
     outcome = get_pool(PoolSpec("gloo", 2, "cpu")).run(weight_alive_at_inspection, case_id, timeout=120)

@@ -1,6 +1,6 @@
 import pytest
 
-from harness.cases import CaseSpec, CaseSpecError, ShardLayout, shard_layout
+from qgather.model.case import CaseSpec, CaseSpecError, ShardLayout, shard_layout
 
 
 def test_id_round_trip():

@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def qgather(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "qgather", *args], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=300)
 
 
@@ -52,7 +52,7 @@ def test_list_cases_empty_selection_is_a_usage_error():
 
 
 def test_a_closed_pipe_ends_the_listing_quietly():
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "list", "--cases", "--impl", "reference"],
+    proc = subprocess.Popen([sys.executable, "-m", "qgather", "list", "--cases", "--impl", "reference"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
     proc.stdout.readline()
     proc.stdout.close()  # as `| head -1` does

@@ -17,7 +17,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_torchao_library_warnings_are_one_line_at_most():
     pytest_torchao = __import__("pytest").importorskip("torchao")
     del pytest_torchao
-    result = run("-c", "import harness.pytest_plugin, torchao")
+    result = run("-c", "import qgather.pytest_plugin, torchao")
     noisy = [line for line in result.stderr.splitlines() if line.strip()]
     assert not [line for line in noisy if "Failed to load" in line or "register_constant" in line], noisy
     assert len(noisy) <= 1, noisy
@@ -26,7 +26,7 @@ def test_torchao_library_warnings_are_one_line_at_most():
 def test_filter_keeps_one_summary_line():
     import logging
 
-    from harness.quiet import _TorchaoLibraryFilter
+    from qgather.quiet import _TorchaoLibraryFilter
 
     f = _TorchaoLibraryFilter()
     records = [logging.LogRecord("torchao", logging.WARNING, "x", 1, f"Failed to load lib{i}.so: nope", (), None)
@@ -38,7 +38,7 @@ def test_filter_keeps_one_summary_line():
 
 
 def test_run_quiet_keeps_final_line():
-    result = run("-m", "harness", "run", "-q", "--formats", "nvfp4_2d", "--world-sizes", "1",
+    result = run("-m", "qgather", "run", "-q", "--formats", "nvfp4_2d", "--world-sizes", "1",
                  "--scenarios", "gather", "-k", "alignment")
     assert result.returncode == 0, result.stdout[-2000:]
     last = [line for line in result.stdout.splitlines() if line.strip()][-1]
@@ -46,7 +46,7 @@ def test_run_quiet_keeps_final_line():
 
 
 def test_run_help_shows_qgather_options_first():
-    result = run("-m", "harness", "run", "--help")
+    result = run("-m", "qgather", "run", "--help")
     assert result.returncode == 0
     lines = result.stdout.splitlines()
     assert lines[0].startswith("usage: qgather run")
@@ -56,7 +56,7 @@ def test_run_help_shows_qgather_options_first():
 
 def test_rank_processes_add_no_torchao_warnings():
     # torchao is imported in every rank that runs a torchao case; only the runner's summary line remains.
-    result = run("-m", "harness", "case", "torchao:fp8_tensor:64x64:bf16:ws2:gather:s0")
+    result = run("-m", "qgather", "case", "torchao:fp8_tensor:64x64:bf16:ws2:gather:s0")
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if "torchao" in line.lower() or "Failed to load" in line]
     assert len(lines) <= 1, "\n".join(lines[:10])

@@ -13,7 +13,7 @@ CASE = "reference:nvfp4_2d:64x64:bf16:ws2:gather:s0"
 
 def qgather(*args: str, pythonpath: str = REPO, cwd: str = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "qgather", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=300)
 
 
@@ -41,7 +41,7 @@ def test_repro_external_adapter_command_works_from_fresh_shell(tmp_path):
     pkg = tmp_path / "adapters"
     pkg.mkdir()
     (pkg / "my_adapter.py").write_text(
-        "from harness.impls.reference import ReferenceImplementation\n"
+        "from qgather.impls.reference import ReferenceImplementation\n"
         "class Adapter(ReferenceImplementation):\n    pass\n")
     case = CASE.replace("reference", "my_adapter:Adapter", 1)
     result = qgather("repro", case, pythonpath=os.pathsep.join([REPO, str(pkg)]))

@@ -5,9 +5,9 @@ import hashlib
 import pytest
 import torch
 
-from harness.cases import CaseSpec
-from harness.compare import _fingerprint, compare_values, digest, tensor_bytes
-from harness.scenarios import make_weight, row_scales
+from qgather.check.compare import _fingerprint, compare_values, digest, tensor_bytes
+from qgather.model.case import CaseSpec
+from qgather.scenarios.core import make_weight, row_scales
 
 
 def test_fingerprint_sees_one_changed_word_and_swapped_rows():
@@ -59,8 +59,8 @@ def test_small_and_cpu_weights_come_from_the_cpu_generator():
 
 
 def test_differences_are_counted_in_blocks_of_rows(monkeypatch):
-    from harness import compare
-    from harness.formats import QuantizedTensor
+    from qgather.check import compare
+    from qgather.formats import QuantizedTensor
 
     want = torch.arange(64 * 48, dtype=torch.int32).reshape(64, 48).to(torch.uint8)
     have = want.clone()

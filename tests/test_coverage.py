@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 
-from harness import coverage, shape_space
-from harness.cases import CaseSpec
+from qgather.model.case import CaseSpec
+from qgather.suite import coverage, shape_space
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def test_bad_selection_is_a_usage_error(capsys):
 
 
 def test_configurations_are_a_dimension_and_only_the_first_is_promised():
-    from harness.fsdp_config import FsdpConfig
+    from qgather.model.config import FsdpConfig
 
     spec = CaseSpec("reference", "nvfp4_2d", (136, 64), "bf16", 8, "gather")
     other = CaseSpec("reference", "nvfp4_2d", (136, 64), "bf16", 8, "gather", 0, FsdpConfig(compile=True))
@@ -65,7 +65,7 @@ def test_the_suite_summary_prints_the_coverage():
 def test_bench_suite_prints_cases_per_second():
     env = {**os.environ, "PYTHONPATH": REPO, "QGATHER_BENCH_WORKERS": "0"}
     result = subprocess.run(
-        [sys.executable, "-m", "harness.suite_bench", "-k", "test_gather and not fp32", "--formats", "nvfp4_2d",
+        [sys.executable, "-m", "qgather.tools.suite_bench", "-k", "test_gather and not fp32", "--formats", "nvfp4_2d",
          "--world-sizes", "2", "--scenarios", "gather"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     line = result.stdout.strip().splitlines()[-1]

@@ -1,4 +1,4 @@
-"""The dcp-wsA and compile configurations (harness.checkpoint_reshard, harness.compiled_forward):
+"""The dcp-wsA and compile configurations (qgather.scenarios.checkpoint, qgather.scenarios.compiled):
 each would fail if the scenarios ignored the dimension (the zoo's mutants for it are caught only
 when the checkpoint really is saved at A and loaded at B, or the forward really is compiled)."""
 
@@ -10,12 +10,12 @@ import tempfile
 
 import torch
 
-from harness import selftest
-from harness.cases import CaseSpec
-from harness.checkpoint_reshard import initial_master, saved_spec
-from harness.engine import expectation
-from harness.scenarios import make_weight
-from harness.verdicts import Verdict
+from qgather.engine.run import expectation
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict
+from qgather.scenarios.checkpoint import initial_master, saved_spec
+from qgather.scenarios.core import make_weight
+from qgather.tools import selftest
 
 DCP = "fp8_tensor:128x64:bf16:ws2:gather:s0:dcp-ws4"
 COMPILED = "fp8_tensor:128x64:bf16:ws2:gather:s0:compile"
@@ -58,7 +58,7 @@ def test_compiled_forward_is_bitwise_and_an_unflatten_that_drops_the_scale_is_ca
 
 
 def test_reference_subclass_round_trips_flatten_and_weights_only_load(tmp_path):
-    from harness.impls import get_impl
+    from qgather.impls import get_impl
 
     param = get_impl("reference").make_param("nvfp4_1d", torch.randn(32, 64).to(torch.bfloat16))
     names, meta = param.__tensor_flatten__()

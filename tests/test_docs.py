@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import re
 
-from harness.formats import FORMATS
-from harness.impls.mutants import MUTANTS
+from qgather.formats import FORMATS
+from qgather.impls.mutants import MUTANTS
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
@@ -45,14 +45,14 @@ def test_every_repro_in_bug_classes_is_a_catching_case_of_its_mutant():
     sections = _class_sections()
     for mutant in MUTANTS:
         _, body = sections[mutant.bug_class]
-        repros = re.findall(r"python -m harness case (\S+?)`", body)
+        repros = re.findall(r"python -m qgather case (\S+?)`", body)
         assert repros, f"class {mutant.bug_class} has no repro command"
         assert set(repros) <= set(mutant.catching_cases), f"class {mutant.bug_class}: {repros} not catching cases"
 
 
 def test_every_reference_format_has_a_section_listing_its_buffers():
     sections = _sections("formats.md")
-    builtin = {name: fmt for name, fmt in FORMATS.items() if type(fmt).__module__.startswith("harness.formats")}
+    builtin = {name: fmt for name, fmt in FORMATS.items() if type(fmt).__module__.startswith("qgather.formats")}
     assert builtin, "no reference format registered"
 
     def section(name: str) -> str:

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from harness.cases import CaseSpec
-from harness.engine import CaseInputError, RunOptions, run_case
-from harness.impls import UnknownImplementationError
-from harness.verdicts import Verdict
+from qgather.engine.run import CaseInputError, RunOptions, run_case
+from qgather.impls import UnknownImplementationError
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict
 
 CPU = RunOptions(backend="gloo", device="cpu")
 
@@ -50,7 +50,7 @@ def test_bad_cases_raise_one_clear_error(case_id, error):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "qgather", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_cli_case_reproduces_and_sets_the_exit_code():

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from harness.runtime.external_demo import REPO, _kill_group, clean_env
-from harness.runtime.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from qgather.runtime.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from qgather.tools.external_demo import REPO, _kill_group, clean_env
 
 BOUND_S = 90.0  # startup + two 3-s cases with their margins, on a loaded 2-core machine
 

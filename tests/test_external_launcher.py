@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness.runtime.external_demo import clean_env, compare, launch, placements, pool_run, verdicts
+from qgather.tools.external_demo import clean_env, compare, launch, placements, pool_run, verdicts
 
 RUN_TIMEOUT_S = 240.0
 RESULT_TAG = "QGATHER_EXTERNAL_RESULT "  # pytest's progress dots may precede it on the line

@@ -1,4 +1,4 @@
-"""harness.formats: public API, hand-checked vectors, padding, packing and error messages.
+"""qgather.formats: public API, hand-checked vectors, padding, packing and error messages.
 
 Expected bit patterns below are derived by hand (comments show the arithmetic) from
 docs/formats.md and TE 2.20.2's kernels/reference quantizers, not from the code under test.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.formats import FORMATS, Format, FormatError, QuantizedTensor
+from qgather.formats import FORMATS, Format, FormatError, QuantizedTensor
 
 ALL = list(FORMATS)
 F32 = torch.float32

@@ -1,4 +1,4 @@
-"""harness.formats against an independent, slow, per-block oracle written from docs/formats.md.
+"""qgather.formats against an independent, slow, per-block oracle written from docs/formats.md.
 
 The oracle uses numpy float32 scalar/array arithmetic (IEEE single, round to nearest even), its own
 FP8 rounding (nearest value of an enumerated code table, ties to the even code, so torch's float8
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.formats import FORMATS
+from qgather.formats import FORMATS
 
 F32 = np.float32
 np.seterr(over="ignore")

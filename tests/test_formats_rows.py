@@ -1,4 +1,4 @@
-"""harness.formats row layout (to_rows / from_rows): round trips, shard locality, simulated
+"""qgather.formats row layout (to_rows / from_rows): round trips, shard locality, simulated
 FSDP2 gathers, misaligned shards, strict shape checks, and the columnwise derivations."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from harness.formats import FORMATS, FormatError
+from qgather.formats import FORMATS, FormatError
 
 ALL = list(FORMATS)
 

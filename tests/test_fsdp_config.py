@@ -2,8 +2,8 @@
 
 import pytest
 
-from harness.cases import CaseSpec, CaseSpecError
-from harness.fsdp_config import ConfigError, FsdpConfig
+from qgather.model.case import CaseSpec, CaseSpecError
+from qgather.model.config import ConfigError, FsdpConfig
 
 BASE = "reference:nvfp4_2d:136x64:bf16:ws4:gather:s0"
 

@@ -1,4 +1,4 @@
-"""harness.fsdp_setup: a configuration reaches fully_shard (dtype of the unsharded weight, 2-D mesh,
+"""qgather.scenarios.fsdp_setup: a configuration reaches fully_shard (dtype of the unsharded weight, 2-D mesh,
 Shard(1) layout), the covering design covers every pair, and configs that cannot apply are SKIPPED."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import itertools
 
 import torch
 
-from harness import fsdp_setup
-from harness.cases import CaseSpec, ColumnShardLayout, shard_layout
-from harness.config_sweep import ConfigSweep
-from harness.covering import pairwise
-from harness.engine import RunOptions, run_case
-from harness.impls import get_impl
-from harness.verdicts import Verdict, expectation
+from qgather.engine.run import RunOptions, run_case
+from qgather.impls import get_impl
+from qgather.model.case import CaseSpec, ColumnShardLayout, shard_layout
+from qgather.model.verdict import Verdict, expectation
+from qgather.scenarios import fsdp_setup
+from qgather.suite.config_sweep import ConfigSweep
+from qgather.suite.covering import pairwise
 
 CPU = RunOptions(backend="gloo", device="cpu")
 

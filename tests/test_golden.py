@@ -10,7 +10,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from harness import golden
+from qgather.tools import golden
 
 MANIFEST = golden.load_manifest()
 ENTRIES = MANIFEST["entries"]

@@ -5,16 +5,16 @@ import textwrap
 
 import pytest
 
-from harness import impls
-from harness.impls import UnknownImplementationError, get_impl
-from harness.impls.reference import ReferenceImplementation
+from qgather import impls
+from qgather.impls import UnknownImplementationError, get_impl
+from qgather.impls.reference import ReferenceImplementation
 
 
 @pytest.fixture
 def plugin_package(tmp_path, monkeypatch):
     """A tiny installed distribution that registers an adapter in the qgather.impls group."""
     (tmp_path / "myqlib.py").write_text(textwrap.dedent("""
-        from harness.impls.reference import ReferenceImplementation
+        from qgather.impls.reference import ReferenceImplementation
 
         class MyImpl(ReferenceImplementation):
             name = "myqlib"
@@ -44,7 +44,7 @@ def test_module_object_path(plugin_package):
 @pytest.mark.parametrize("name, words", [
     ("nosuch", "unknown implementation 'nosuch'"),
     ("no.such.module:Impl", "cannot load it"),
-    ("harness.cases:CaseSpec", "not a harness.impls.base.Implementation"),
+    ("qgather.model.case:CaseSpec", "not a qgather.impls.base.Implementation"),
 ])
 def test_bad_names_say_why(name, words):
     with pytest.raises(UnknownImplementationError) as info:

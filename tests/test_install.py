@@ -1,6 +1,7 @@
 """`pip install .` (not editable) gives a qgather that runs the whole suite and checks the golden
-corpus from any directory: the wheel carries harness/suite_cases/ and golden/ (as
-harness/golden_data/), and an installed copy finds them there, with the same case ids as cases/."""
+corpus from any directory: the wheel carries the source folder harness/ as the import package
+qgather (its suite/cases/, and golden/ as qgather/golden_data/), installs no top-level `harness`, and
+an installed copy finds them there, with the same case ids as cases/."""
 
 from __future__ import annotations
 
@@ -57,19 +58,20 @@ def _manifest_files() -> list[str]:
 
 def test_wheel_carries_every_module_the_suite_and_the_golden_corpus(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "harness").rglob("*.py")}
-    assert sources - names == set(), "harness modules missing from the wheel"
+    sources = {"qgather/" + p.relative_to(REPO / "harness").as_posix() for p in (REPO / "harness").rglob("*.py")}
+    assert sources - names == set(), "modules of harness/ missing from the wheel's qgather/"
+    assert not any(n.startswith("harness/") for n in names), "the wheel installs a top-level harness"
     suite = {p.name for p in (REPO / "cases").glob("test_*.py")}
-    assert suite and {f"harness/suite_cases/{n}" for n in suite} <= names, "the packaged suite lacks a case module"
+    assert suite and {f"qgather/suite/cases/{n}" for n in suite} <= names, "the packaged suite lacks a case module"
     golden = {p.relative_to(REPO / "golden").as_posix() for p in (REPO / "golden").rglob("*") if p.is_file()}
-    packaged = {n.removeprefix("harness/golden_data/") for n in names if n.startswith("harness/golden_data/")}
+    packaged = {n.removeprefix("qgather/golden_data/") for n in names if n.startswith("qgather/golden_data/")}
     assert "manifest.json" in packaged and set(_manifest_files()) <= packaged
     assert packaged == golden, "the wheel's golden corpus is not golden/"
     with zipfile.ZipFile(wheel) as zf:
-        assert zf.read("harness/golden_data/manifest.json") == (REPO / "golden" / "manifest.json").read_bytes()
+        assert zf.read("qgather/golden_data/manifest.json") == (REPO / "golden" / "manifest.json").read_bytes()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         text = zf.read(entry_points).decode()
-    assert "qgather = harness.cli:main" in text and "harness.pytest_plugin = harness.pytest_plugin" in text
+    assert "qgather = qgather.cli:main" in text and "qgather = qgather.pytest_plugin" in text
 
 
 def _run(args: list[str], cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
@@ -79,7 +81,7 @@ def _run(args: list[str], cwd: Path, pythonpath: Path) -> subprocess.CompletedPr
 
 
 def _case_ids(pytest_output: str) -> list[str]:
-    from harness.cases import CaseSpec, CaseSpecError
+    from qgather.model.case import CaseSpec, CaseSpecError
 
     params = [line.split("[", 1)[1].rstrip("]") for line in pytest_output.splitlines() if "::" in line and "[" in line]
     ids = []
@@ -93,7 +95,7 @@ def _case_ids(pytest_output: str) -> list[str]:
 
 def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(
         installed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    from harness.cli import main, suite_dir
+    from qgather.cli import main, suite_dir
 
     assert Path(suite_dir()) == REPO / "cases"
     assert main(["list", "--cases", *SELECTION]) == 0  # this checkout's cases/
@@ -101,28 +103,28 @@ def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
 
-    probe = _run(["-c", "import harness, harness.paths as p; print(harness.__file__, p.suite_dir(), p.golden_dir())"],
+    probe = _run(["-c", "import qgather, qgather.paths as p; print(qgather.__file__, p.suite_dir(), p.golden_dir())"],
                  elsewhere, installed)
     assert probe.returncode == 0, probe.stderr
     module, suite, golden = probe.stdout.split()
     assert all(Path(p).is_relative_to(installed) for p in (module, suite, golden)), probe.stdout
 
-    listed = _run(["-m", "harness", "list", "--cases", *SELECTION], elsewhere, installed)
+    listed = _run(["-m", "qgather", "list", "--cases", *SELECTION], elsewhere, installed)
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.split() and listed.stdout == in_checkout
     assert all(":fp8_tensor:" in c and ":ws2:" in c for c in listed.stdout.split())
 
-    collected = _run(["-m", "harness", "run", *SELECTION, "--collect-only"], elsewhere, installed)
+    collected = _run(["-m", "qgather", "run", *SELECTION, "--collect-only"], elsewhere, installed)
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
     assert _case_ids(collected.stdout) == sorted(listed.stdout.split())
     assert "Warning" not in collected.stdout + collected.stderr, collected.stdout[-3000:]
 
-    pyargs = _run(["-m", "pytest", "--pyargs", "harness.suite_cases", "--collect-only", "-q", "-p", "no:cacheprovider",
+    pyargs = _run(["-m", "pytest", "--pyargs", "qgather.suite.cases", "--collect-only", "-q", "-p", "no:cacheprovider",
                    *SELECTION], elsewhere, installed)
     assert pyargs.returncode == 0, pyargs.stdout[-3000:] + pyargs.stderr[-3000:]
     assert _case_ids(pyargs.stdout) == sorted(listed.stdout.split())
 
-    checked = _run(["-m", "harness", "golden", "--check"], elsewhere, installed)
+    checked = _run(["-m", "qgather", "golden", "--check"], elsewhere, installed)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
     assert checked.stdout.strip().splitlines()[-1] == f"golden: {len(_manifest_files())} entries, 0 problems"
     assert list(elsewhere.iterdir()) == [], "the installed harness wrote into the working directory"
@@ -130,13 +132,13 @@ def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(
 
 def test_an_install_runs_cases_and_the_sweep_from_any_directory(installed: Path, tmp_path: Path):
     """The commands a user reaches for after a failed training run, from an install, outside any checkout."""
-    case = _run(["-m", "harness", "case", "reference:nvfp4_2d:136x64:bf16:ws2:gather:s0", "--device", "cpu"],
+    case = _run(["-m", "qgather", "case", "reference:nvfp4_2d:136x64:bf16:ws2:gather:s0", "--device", "cpu"],
                 tmp_path, installed)
     assert case.returncode == 0 and ": REJECTED - ShardAlignmentError" in case.stdout, case.stdout + case.stderr
-    repro = _run(["-m", "harness", "repro", "reference:fp8_tensor:128x64:bf16:ws2:gather:s0", "--device", "cpu"],
+    repro = _run(["-m", "qgather", "repro", "reference:fp8_tensor:128x64:bf16:ws2:gather:s0", "--device", "cpu"],
                  tmp_path, installed)
     assert repro.returncode == 0 and "EXACT" in repro.stdout, repro.stdout + repro.stderr
-    sweep = _run(["-m", "harness", "sweep", "--impl", "mutant:nibble_swap", "--format", "nvfp4_2d",
+    sweep = _run(["-m", "qgather", "sweep", "--impl", "mutant:nibble_swap", "--format", "nvfp4_2d",
                   "--world-sizes", "1,2", "--max-rows", "34", "--budget-s", "60", "--device", "cpu"],
                  tmp_path, installed)
     assert sweep.returncode == 1 and "SILENT_MISMATCH" in sweep.stdout, sweep.stdout[-3000:] + sweep.stderr[-3000:]

@@ -12,14 +12,14 @@ import textwrap
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ADAPTER = '''
-from harness.impls.reference import ReferenceImplementation
+from qgather.impls.reference import ReferenceImplementation
 
 class MyImpl(ReferenceImplementation):
     """A library's subclass; here the reference under another name."""
 '''
 
 TEST_FILE = '''
-from harness.suite import Sweep
+from qgather.suite.sweeps import Sweep
 
 IMPLS = ["mylib_adapters:MyImpl"]
 SWEEP = Sweep(scenarios=("gather", "virtual"), formats=("nvfp4_2d",), world_sizes=(1, 2), dtypes=("bf16",),
@@ -36,7 +36,7 @@ def test_a_library_test_file_runs_its_cases_through_qgather(tmp_path):
     (tmp_path / "test_mylib.py").write_text(textwrap.dedent(TEST_FILE))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "test_mylib.py", "-p", "harness.pytest_plugin", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "test_mylib.py", "-p", "qgather", "-p", "no:cacheprovider",
          "-q", "--device", "cpu", "-rA"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

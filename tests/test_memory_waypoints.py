@@ -1,11 +1,11 @@
-"""harness.memory_waypoints: peaks per wrapped step, nested calls folded into their callers, and the
+"""qgather.tools.memory_waypoints: peaks per wrapped step, nested calls folded into their callers, and the
 wrapped functions restored afterwards (the allocator is emulated: the logic is the same on CUDA)."""
 
 import types
 
 import torch
 
-from harness import memory_waypoints
+from qgather.tools import memory_waypoints
 
 
 class FakeAllocator:

@@ -11,11 +11,11 @@ import re
 
 import torch
 
-from harness import selftest
-from harness.cases import CaseSpec
-from harness.formats import FORMATS
-from harness.scenarios import LEARNING_RATE, make_gradient, make_weight
-from harness.verdicts import Verdict
+from qgather.formats import FORMATS
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict
+from qgather.scenarios.core import LEARNING_RATE, make_gradient, make_weight
+from qgather.tools import selftest
 
 NVFP4_2D = FORMATS["nvfp4_2d"]
 BLOCK = 16

@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from harness import selftest
-from harness.cases import CaseSpec
-from harness.engine import expectation
-from harness.impls.mutants import FACTORIES, MUTANTS
-from harness.verdicts import CaseReport, Verdict
+from qgather.engine.run import expectation
+from qgather.impls.mutants import FACTORIES, MUTANTS
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import CaseReport, Verdict
+from qgather.tools import selftest
 
 SUMMARY = re.compile(r"^mutants killed: (\d+)/(\d+), wrong-class verdicts: (\d+)$")
 
@@ -109,7 +109,7 @@ def test_hp_fallback_steps_are_degraded_not_an_adapter_error():
 def test_scale_padding_injects_its_bug_in_the_gather_not_at_construction():
     import torch
 
-    from harness.impls import get_impl
+    from qgather.impls import get_impl
 
     weight = torch.randn(128, 64, dtype=torch.bfloat16)
     built = get_impl("mutant:scale_padding").make_param("nvfp4_2d", weight)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch  # noqa: I001 - after the harness, as the other tests
 
-from harness.cases import CaseSpec
-from harness.engine import RunOptions, run_case
-from harness.formats import FORMATS, QuantizedTensor
-from harness.formats.fp8_tensor import Fp8TensorFormat
-from harness.formats.numerics import FP8_E4M3_MAX
-from harness.impls import _CACHE
-from harness.impls.reference import QuantizedParam, ReferenceImplementation
-from harness.verdicts import Verdict
+from qgather.engine.run import RunOptions, run_case
+from qgather.formats import FORMATS, QuantizedTensor
+from qgather.formats.fp8_tensor import Fp8TensorFormat
+from qgather.formats.numerics import FP8_E4M3_MAX
+from qgather.impls import _CACHE
+from qgather.impls.reference import QuantizedParam, ReferenceImplementation
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict
 
 NAME = "fp8_layout_only"
 

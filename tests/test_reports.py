@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness import baseline
+from qgather.pytest_plugin import baseline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MUTANT = "mutant:unpadded_uneven"  # ERROR (would deadlock) on the uneven ws3 shapes, EXACT on the even ones
@@ -115,7 +115,7 @@ def test_a_bad_baseline_is_one_clear_line(tmp_path, command):
         result = run(*SELECT, "--baseline", str(bad))
         assert result.returncode == 4
     else:
-        result = run("run", "--baseline", str(bad), "--formats", "fp8_tensor", module="harness")
+        result = run("run", "--baseline", str(bad), "--formats", "fp8_tensor", module="qgather")
         assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -147,7 +147,7 @@ def test_baseline_update_round_trip(tmp_path):
         record("impl:f:4x64:bf16:ws2:gather:s0", "SILENT_MISMATCH", "rows differ\n  detail"),
         record("te:f:4x64:bf16:ws2:gather:s0", "SKIPPED", "no GPU"),
     ]}))
-    result = run("baseline", "update", "--from", str(run_json), "--file", known, module="harness")
+    result = run("baseline", "update", "--from", str(run_json), "--file", known, module="qgather")
     assert result.returncode == 0, result.stderr
     assert "3 entries (1 new, 1 kept, 1 dropped as passing, 1 not covered by this run)" in result.stdout
     assert {i.case: (i.reason, i.link) for i in baseline.load(known)} == {
@@ -156,14 +156,14 @@ def test_baseline_update_round_trip(tmp_path):
         "other:*": ("not run this time", "https://example/9"),
     }
     before = open(known).read()
-    assert run("baseline", "update", "--from", str(run_json), "--file", known, module="harness").returncode == 0
+    assert run("baseline", "update", "--from", str(run_json), "--file", known, module="qgather").returncode == 0
     assert open(known).read() == before  # a second update from the same run changes nothing
 
 
 def test_baseline_update_from_a_file_that_is_not_a_run_is_one_line(tmp_path):
     (tmp_path / "x.json").write_text('{"what": 1}')
     result = run("baseline", "update", "--from", str(tmp_path / "x.json"), "--file", str(tmp_path / "k.toml"),
-                 module="harness")
+                 module="qgather")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "not a qgather verdicts.json" in result.stderr
 

@@ -1,4 +1,4 @@
-"""Large tensors are quantized and dequantized in row blocks (harness.formats.base.ROW_BLOCK_ELEMENTS):
+"""Large tensors are quantized and dequantized in row blocks (qgather.formats.base.ROW_BLOCK_ELEMENTS):
 the bits must be those of one pass, padding included, for every format and for shapes whose last
 block is partial, whose scale tiles are partial, and with more than two dimensions."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.cases import CaseSpec
-from harness.formats import FORMATS, FormatError
-from harness.formats import base as format_base
+from qgather.formats import FORMATS, FormatError
+from qgather.formats import base as format_base
+from qgather.model.case import CaseSpec
 
 SHAPES = [(448, 64), (450, 96), (2, 320, 64), (1000, 128)]
 SMALL_BLOCKS = 128 * 64  # elements: blocks of 128 rows for K=64, several blocks per shape
@@ -85,7 +85,7 @@ BLOCKED_CASES = [
 def test_a_case_judged_in_row_blocks_gets_the_same_records(case_id, monkeypatch):
     """Every comparison of a case (values, dequantized weight, outputs, the map of differing rows)
     is the same whether the golden is dequantized whole or in row blocks."""
-    from harness.scenarios import run_virtual
+    from qgather.scenarios.core import run_virtual
 
     whole = run_virtual(CaseSpec.parse(case_id))
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
@@ -94,7 +94,7 @@ def test_a_case_judged_in_row_blocks_gets_the_same_records(case_id, monkeypatch)
 
 
 def test_the_blocked_comparison_counts_what_differs(monkeypatch):
-    from harness.scenarios import run_virtual
+    from qgather.scenarios.core import run_virtual
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
     stage = run_virtual(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0"))[0].stages[0]
@@ -106,8 +106,8 @@ def test_the_blocked_comparison_counts_what_differs(monkeypatch):
 def test_an_adapter_yielding_another_number_of_blocks_is_named(yielded, monkeypatch):
     """A case whose implementation dequantizes into too few or too many row blocks ERRORs with the
     counts, rather than comparing some rows twice or not at all."""
-    from harness.impls.reference import ReferenceImplementation
-    from harness.scenarios import run_virtual
+    from qgather.impls.reference import ReferenceImplementation
+    from qgather.scenarios.core import run_virtual
 
     def wrong_count(self, param, fmt, blocks):
         start, stop = blocks[0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.runtime import (
+from qgather.runtime import (
     CaseOutcome,
     PoolSpec,
     PoolSpecError,
@@ -22,9 +22,9 @@ from harness.runtime import (
     is_reporting_rank,
     shutdown_pools,
 )
-from harness.runtime import spec as spec_module
-from harness.runtime.external import ExternalPool
-from harness.runtime.outcome import where_blocked
+from qgather.runtime import spec as spec_module
+from qgather.runtime.external import ExternalPool
+from qgather.runtime.outcome import where_blocked
 
 GLOO2 = PoolSpec("gloo", 2, "cpu")
 GLOO4 = PoolSpec("gloo", 4, "cpu")
@@ -336,7 +336,7 @@ Current thread 0x00007f0000000002 (most recent call first):
 
 
 def test_hang_report_shows_innermost_frames_then_the_implementation_frame():
-    from harness.engine import STACK_FRAMES, _stack_lines
+    from qgather.engine.run import STACK_FRAMES, _stack_lines
 
     lines = _stack_lines({0: ADAPTER_DUMP})
     assert lines[0] == "rank 0 stack (innermost first):"
@@ -357,7 +357,7 @@ def test_where_blocked_names_adapter_code_before_library_frames():
 # -- launcher detection: SLURM's meeting point, default world sizes, placement ---------------------
 
 def test_srun_tasks_meet_where_slurm_says():
-    from harness.runtime.launch import detect_launch
+    from qgather.runtime.launch import detect_launch
 
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)",
            "SLURM_NODEID": "1", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-09,12]"}
@@ -372,7 +372,7 @@ def test_srun_tasks_meet_where_slurm_says():
 
 
 def test_torchrun_numbering_is_read():
-    from harness.runtime.launch import detect_launch
+    from qgather.runtime.launch import detect_launch
 
     launch = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                             "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "x"})
@@ -381,7 +381,7 @@ def test_torchrun_numbering_is_read():
 
 
 def test_default_world_sizes_under_a_launcher():
-    from harness.runtime.launch import default_world_sizes
+    from qgather.runtime.launch import default_world_sizes
 
     assert default_world_sizes(1) == [1]
     assert default_world_sizes(4) == [1, 2, 4]
@@ -390,7 +390,7 @@ def test_default_world_sizes_under_a_launcher():
 
 
 def test_placement_within_and_across_nodes():
-    from harness.runtime.external import placement
+    from qgather.runtime.external import placement
 
     nodes = ["a", "a", "b", "b"]  # 2 nodes x 2 ranks
     assert placement(1, nodes, "x") == ((0,), "intra-node")

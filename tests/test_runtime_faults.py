@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.runtime import PoolSpec, RankPool, get_pool, shutdown_pools
+from qgather.runtime import PoolSpec, RankPool, get_pool, shutdown_pools
 
 WORLD_SIZE = 4
 SPEC = PoolSpec("gloo", WORLD_SIZE, "cpu")
@@ -202,7 +202,7 @@ def test_rank_killed_between_cases_does_not_fail_the_next_case(pool):
 
 
 def test_interrupted_run_does_not_leave_a_half_done_pool(pool, monkeypatch):
-    from harness.runtime import pool as pool_module
+    from qgather.runtime import pool as pool_module
 
     real_wait, calls = pool_module.wait, []
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cases import CaseSpec
-from harness.engine import RunOptions, run_case
-from harness.runtime import shutdown_pools
-from harness.verdicts import Verdict
+from qgather.engine.run import RunOptions, run_case
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict
+from qgather.runtime import shutdown_pools
 
 HANG_S = 6.0
 SHAPE = "nvfp4_2d:128x64:bf16:ws2:gather:s0"
@@ -60,7 +60,7 @@ def test_a_hang_report_says_what_each_waiting_rank_handed_the_gather():
 
 
 def test_hang_with_unequal_gather_sizes_says_so():
-    from harness.runtime.outcome import CaseOutcome
+    from qgather.runtime.outcome import CaseOutcome
 
     def hang(notes):
         return CaseOutcome("hang", [None, None], duration_s=30.0, unfinished=(0, 1), notes=notes)

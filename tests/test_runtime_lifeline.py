@@ -1,7 +1,7 @@
 """However the runner dies, nothing it started survives it by more than 5 s: ranks, forkserver,
 resource tracker, their ports, and the pool temp dirs.
 
-The runner is a real `python -m harness case` on a case whose ranks hang in adapter code. The test
+The runner is a real `python -m qgather case` on a case whose ranks hang in adapter code. The test
 waits (bounded) for marker files the hanging ranks write, records the runner's whole process tree,
 kills the runner, and polls (bounded) until every recorded process and temp dir is gone.
 """
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from harness.runtime.lifeline import start_time
+from qgather.runtime.lifeline import start_time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_CASE = "tests._hang_adapters:HangsInAdapter:nvfp4_2d:128x64:bf16:ws2:gather:s0"
@@ -90,7 +90,7 @@ def test_nothing_outlives_a_killed_runner(tmp_path, signum):
     marks.mkdir()
     env = dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(tmp), QGATHER_TEST_MARKER_DIR=str(marks),
                QGATHER_HANG_DETAIL="0")
-    runner = subprocess.Popen([sys.executable, "-m", "harness", "case", HANG_CASE, "--device", "cpu",
+    runner = subprocess.Popen([sys.executable, "-m", "qgather", "case", HANG_CASE, "--device", "cpu",
                                "--backend", "gloo", "--case-timeout", "600"],
                               env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -1,19 +1,19 @@
 """The bug zoo in `make test`: every mutant gets its expected verdict on its catching case while
 the reference passes the same case, and `qgather selftest` reports every mutant caught.
 
-Case reports are memoized per process (`harness.selftest.run`), so the summary test re-runs only
+Case reports are memoized per process (`qgather.tools.selftest.run`), so the summary test re-runs only
 the cases its xdist worker has not run yet."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness import selftest
-from harness.cases import CaseSpec
-from harness.engine import expectation
-from harness.impls import available, get_impl
-from harness.impls.mutants import MUTANTS
-from harness.verdicts import CaseReport, Verdict
+from qgather.engine.run import expectation
+from qgather.impls import available, get_impl
+from qgather.impls.mutants import MUTANTS
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import CaseReport, Verdict
+from qgather.tools import selftest
 
 FAILING_VERDICTS = {Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE, Verdict.DEGRADED, Verdict.ERROR,
                     Verdict.QUANTIZER_MISMATCH, Verdict.HANG, Verdict.CRASH}

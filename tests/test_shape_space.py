@@ -1,4 +1,4 @@
-"""harness.shape_space: layout facts probed from the formats, regimes, the generated cover, and the
+"""qgather.suite.shape_space: layout facts probed from the formats, regimes, the generated cover, and the
 promise that the default run hits every regime the space holds (a broken generator must fail it)."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from harness import coverage, shape_space
-from harness.cases import ShardLayout
-from harness.cli import suite_sweeps
-from harness.config_sweep import world_and_mesh
-from harness.formats import FORMATS, FormatError
-from harness.formats.base import flat_dims
-from harness.suite import CPU_WORLD_SIZES, RULE_SHAPES, SuiteSweep, Sweep, alignment_shapes, narrow
+from qgather.cli import suite_sweeps
+from qgather.formats import FORMATS, FormatError
+from qgather.formats.base import flat_dims
+from qgather.model.case import ShardLayout
+from qgather.suite import coverage, shape_space
+from qgather.suite.config_sweep import world_and_mesh
+from qgather.suite.sweeps import CPU_WORLD_SIZES, RULE_SHAPES, SuiteSweep, Sweep, alignment_shapes, narrow
 
 Axis = shape_space.Axis
 

@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from harness import sweep
-from harness.cases import CaseSpec
-from harness.engine import RunOptions
-from harness.formats import FORMATS
-from harness.impls import available
-from harness.runtime import shutdown_pools
-from harness.verdicts import expectation
+from qgather.engine.run import RunOptions
+from qgather.formats import FORMATS
+from qgather.impls import available
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import expectation
+from qgather.runtime import shutdown_pools
+from qgather.tools import explore as sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FMT = "nvfp4_2d"
@@ -25,7 +25,7 @@ FMT = "nvfp4_2d"
 
 def _misaligned_shard_mutant() -> str:
     """The zoo's mutant whose bug is a shard that starts inside a scale block."""
-    from harness.impls.mutants import MUTANTS
+    from qgather.impls.mutants import MUTANTS
 
     if "mutant:misaligned_shard" in available():
         return "mutant:misaligned_shard"
@@ -53,7 +53,7 @@ def _smallest_misaligned_rows(world_size: int, cols: int) -> int:
 def _keep_the_forkserver(monkeypatch: pytest.MonkeyPatch) -> None:
     """sweep.main ends as the command does, stopping its pools and the forkserver; in this process the
     next sweep would restart the forkserver (torch preloaded, ~4 s). The pools still stop; it stays."""
-    from harness.runtime import registry
+    from qgather.runtime import registry
 
     monkeypatch.setattr(registry, "stop_helpers", lambda: None)
 
@@ -138,7 +138,7 @@ def test_bad_input_exits_2_with_one_line(argv, says, capsys):
 
 def test_cli_dispatches_sweep_and_exits_2_on_bad_input():
     env = {**os.environ, "PYTHONPATH": REPO}
-    result = subprocess.run([sys.executable, "-m", "harness", "sweep", "--impl", "reference", "--format", "fp3"],
+    result = subprocess.run([sys.executable, "-m", "qgather", "sweep", "--impl", "reference", "--format", "fp3"],
                             capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("qgather sweep: ")]

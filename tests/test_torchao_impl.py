@@ -1,4 +1,4 @@
-"""The torchao adapter (harness/impls/torchao_impl.py) on gloo/CPU: what torchao 0.18's float8
+"""The torchao adapter (harness/impls/torchao/adapter.py) on gloo/CPU: what torchao 0.18's float8
 all-gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True)) does under FSDP2.
 
 Each expected verdict below is what torchao does, established by running it and reading its code;
@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao==0.18.0)")
 
-from harness.cases import CaseSpec  # noqa: E402
-from harness.engine import RunOptions, run_case  # noqa: E402
-from harness.formats import FORMATS  # noqa: E402
-from harness.impls import get_impl  # noqa: E402
-from harness.scenarios import make_weight  # noqa: E402
-from harness.verdicts import Verdict  # noqa: E402
+from qgather.engine.run import RunOptions, run_case  # noqa: E402
+from qgather.formats import FORMATS  # noqa: E402
+from qgather.impls import get_impl  # noqa: E402
+from qgather.model.case import CaseSpec  # noqa: E402
+from qgather.model.verdict import Verdict  # noqa: E402
+from qgather.scenarios.core import make_weight  # noqa: E402
 
 CPU = RunOptions(backend="gloo", device="cpu", case_timeout=30.0)
 

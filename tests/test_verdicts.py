@@ -1,9 +1,9 @@
 """Classification rules on synthetic rank results (the end-to-end paths are in test_engine.py)."""
 
-from harness.cases import CaseSpec
-from harness.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
-from harness.runtime import RankError
-from harness.verdicts import Verdict, classify_errors, classify_results, expectation
+from qgather.model.case import CaseSpec
+from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
+from qgather.model.verdict import Verdict, classify_errors, classify_results, expectation
+from qgather.runtime import RankError
 
 SPEC = CaseSpec("reference", "nvfp4_2d", (128, 64), "bf16", 2, "gather")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cases import CaseSpec
-from harness.engine import RunOptions, run_case
-from harness.impls.mutants import MUTANTS
-from harness.runtime import shutdown_pools
+from qgather.engine.run import RunOptions, run_case
+from qgather.impls.mutants import MUTANTS
+from qgather.model.case import CaseSpec
+from qgather.runtime import shutdown_pools
 
 CPU = RunOptions("gloo", "cpu", 60.0)
 # the virtual scenario has no fully_shard, so only cases in FSDP2's default configuration can agree with it

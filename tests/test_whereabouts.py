@@ -1,12 +1,12 @@
 """A rank counts as waiting for a failed one only inside a collective of its case."""
 
-from harness.runtime.whereabouts import in_collective
+from qgather.runtime.whereabouts import in_collective
 
 C10D = "/x/torch/distributed/distributed_c10d.py:4000 all_reduce"
 
 
 def test_a_collective_of_the_case_is_waiting():
-    frames = ["/x/harness/runtime/worker.py:200 run_case", "/x/harness/scenarios.py:150 _run_on_rank", C10D]
+    frames = ["/x/harness/runtime/worker.py:200 run_case", "/x/harness/scenarios/core.py:150 _run_on_rank", C10D]
     assert in_collective(frames) == "distributed_c10d.py:4000 all_reduce"
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cases import CaseSpec
-from harness.engine import RunOptions, run_case
-from harness.runtime import shutdown_pools
-from harness.verdicts import Verdict, classify_errors
+from qgather.engine.run import RunOptions, run_case
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict, classify_errors
+from qgather.runtime import shutdown_pools
 
 A = "tests._why_adapters:"
 CPU = RunOptions("gloo", "cpu", 60.0)
@@ -62,7 +62,7 @@ def test_a_pre_hook_checking_only_its_own_shard_would_deadlock(scenario):
 
 
 def test_the_harness_padded_size_rule_is_never_a_rejection():
-    from harness.scenarios import PaddedSizeRule
+    from qgather.scenarios.core import PaddedSizeRule
 
     errors = {r: PaddedSizeRule("fsdp_pre_all_gather must return all-gather inputs with the padded size")
               for r in (0, 1)}

@@ -1,6 +1,6 @@
 """Quantized weight formats, bit-exact with TransformerEngine 2.20.2 (see docs/formats.md).
 
-    from harness.formats import FORMATS, Format, QuantizedTensor, FormatError
+    from qgather.formats import FORMATS, Format, QuantizedTensor, FormatError
     fmt = FORMATS["nvfp4_2d"]
     q = fmt.quantize(x)                 # x: (..., K) float32/bfloat16, CPU or CUDA
     q = fmt.quantize(x, amax=t)         # per-tensor-scaled formats only (fp8_tensor*, nvfp4_*)

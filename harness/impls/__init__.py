@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from harness.impls.base import Implementation
+from qgather.impls.base import Implementation
 
 Factory = Callable[[], Implementation]
 
@@ -22,10 +22,10 @@ class UnknownImplementationError(LookupError):
 
 
 def _builtin() -> dict[str, Factory]:
-    from harness.impls.reference import ReferenceImplementation
+    from qgather.impls.reference import ReferenceImplementation
 
     factories: dict[str, Factory] = {"reference": ReferenceImplementation}
-    for module_name in ("harness.impls.mutants", "harness.impls.torchao_impl", "harness.impls.te"):
+    for module_name in ("qgather.impls.mutants", "qgather.impls.torchao.adapter", "qgather.impls.te"):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -72,7 +72,7 @@ def _instantiate(name: str, obj) -> Implementation:
         ) from None
     if not isinstance(impl, Implementation):
         raise UnknownImplementationError(
-            f"implementation {name!r} is a {type(impl).__name__}, not a harness.impls.base.Implementation"
+            f"implementation {name!r} is a {type(impl).__name__}, not a qgather.impls.base.Implementation"
         )
     return impl
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from harness.cases import CaseSpec
+from qgather.model.case import CaseSpec
 
 PACKED_SLACK = 1.1
 
@@ -40,7 +40,7 @@ class Implementation:
          weight (every rank builds the same one from the same seed), which the harness wraps in a
          linear layer and shards with `fully_shard` through the subclass's ops.
       3. after an unshard, `read_buffers(param)`: the gathered buffers under the format's
-         TransformerEngine names (see harness.formats), compared bit for bit with the golden.
+         TransformerEngine names (see qgather.formats), compared bit for bit with the golden.
       4. for the `steps` / `reshard` scenarios, `requantize_shard(local, master_rows, group)`:
          re-quantize the rank's shard from its updated high-precision master rows in place,
          as an optimizer step would.
@@ -78,7 +78,7 @@ class Implementation:
         """A module holding this rank's shard of the case's weight as `.weight`, already passed
         through `fully_shard` and initialized the library's way. For libraries with deferred or
         sharded initialization. `ctx` has rank, world_size, device, group and mesh; `master` is the
-        full master weight (cast it to spec.torch_dtype). `setup` (harness.fsdp_setup.Setup) is the
+        full master weight (cast it to spec.torch_dtype). `setup` (qgather.scenarios.fsdp_setup.Setup) is the
         case's FSDP2 configuration: `fully_shard(module, **setup.kwargs)` (mesh, mp_policy,
         reshard_after_forward, shard_placement_fn) and this rank's part of the master,
         `setup.master_slice(master)`. An adapter whose method takes no `setup` parameter runs
@@ -102,7 +102,7 @@ class Implementation:
 
     def config_skip_reason(self, spec: CaseSpec) -> str | None:
         """Why this implementation cannot run the case's FSDP2 configuration (SKIPPED), or None.
-        Called only for configured cases (harness.fsdp_config) that torch itself can run."""
+        Called only for configured cases (qgather.model.config) that torch itself can run."""
         return None
 
     def forward_context(self, spec: CaseSpec) -> contextlib.AbstractContextManager:
@@ -116,7 +116,7 @@ class Implementation:
 
     def reference_quantize(self, fmt, weight: torch.Tensor):
         """The reference format's quantization this implementation's recipe asks for (a
-        harness.formats.QuantizedTensor): by default the format's own semantics (current scaling,
+        qgather.formats.QuantizedTensor): by default the format's own semantics (current scaling,
         global amax). A recipe with other semantics names them here, e.g. delayed scaling's
         initial scale of 1 (`fmt.quantize(weight, amax=...)`)."""
         return fmt.quantize(weight)
@@ -128,7 +128,7 @@ class Implementation:
 
     def wire_allowance(self, fmt: str, shape: tuple[int, ...], shards, packed_bytes: int) -> tuple[str, int]:
         """How many bytes per rank its all-gather may move for a shard whose packed buffers take
-        `packed_bytes` (harness.wire.packed_shard_bytes), and the name of that wire mode. More
+        `packed_bytes` (qgather.check.wire.packed_shard_bytes), and the name of that wire mode. More
         than that is DEGRADED: the gather moved something bigger than the quantized shard (e.g.
         high-precision values, whatever dtype label they carry). Default: the packed size plus 10%
         for per-buffer alignment."""
@@ -142,7 +142,7 @@ class Implementation:
     def own_dequantize_blocks(self, param: torch.Tensor, fmt,
                               blocks: list[tuple[int, int]]) -> Iterator[torch.Tensor] | None:
         """`own_dequantize` of the rows [start, stop) of each block of the flattened (M, K) weight, in
-        order (harness.formats.Format.row_blocks), or None when it has none. The default cuts one
+        order (qgather.formats.Format.row_blocks), or None when it has none. The default cuts one
         whole dequantization; an adapter whose tensors can be cut by rows overrides it, so that a
         large gathered weight is never held dequantized whole."""
         own = self.own_dequantize(param)
@@ -157,7 +157,7 @@ class Implementation:
 
     def run_model(self, ctx, spec: CaseSpec, phases) -> object:
         """The `model` scenario: the library's own small model trained sharded against the same
-        model on one device (a harness.records.RankResult). Only libraries with layers of their own."""
+        model on one device (a qgather.model.records.RankResult). Only libraries with layers of their own."""
         raise HarnessFault(f"{self.name} has no model scenario")
 
     def module_output(self, spec: CaseSpec, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -172,7 +172,7 @@ class Implementation:
         return None
 
     def gather_context(self, group) -> contextlib.AbstractContextManager:
-        """Entered around every unshard; e.g. a transport shim for a backend (harness.transport)."""
+        """Entered around every unshard; e.g. a transport shim for a backend (qgather.impls.torchao.transport)."""
         return contextlib.nullcontext()
 
     def output_tolerance(self, fmt: str) -> float | None:

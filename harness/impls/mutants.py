@@ -7,13 +7,13 @@ that bug occurs in real FSDP2 hooks of TransformerEngine / torchao-style tensor 
 docstring of each says which real failure it models. Every mutant's implementation class carries
 
   bug_class       the number of the bug class in docs/bug-classes.md
-  expected        the verdict the harness must give it (harness.verdicts.Verdict)
+  expected        the verdict the harness must give it (qgather.model.verdict.Verdict)
   verdicts        every failing verdict consistent with the bug (`qgather selftest --suite` counts
                   any other failing verdict as a wrong-class verdict); defaults to {expected}
   catching_cases  case ids (with the mutant's own name) on which that verdict shows, while the
-                  reference passes the same case (see harness.selftest)
+                  reference passes the same case (see qgather.tools.selftest)
 
-`harness.impls` registers `FACTORIES`, so every mutant runs like any implementation:
+`qgather.impls` registers `FACTORIES`, so every mutant runs like any implementation:
 `qgather case mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0`.
 """
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map_only
 
-from harness.formats import FORMATS
-from harness.formats import numerics as nx
-from harness.formats.nvfp4 import Nvfp4_1DFormat, Nvfp4_2DFormat
-from harness.impls.reference import (
+from qgather.formats import FORMATS
+from qgather.formats import numerics as nx
+from qgather.formats.nvfp4 import Nvfp4_1DFormat, Nvfp4_2DFormat
+from qgather.impls.reference import (
     QuantizedParam,
     ReferenceImplementation,
     WireMeta,
@@ -36,7 +36,7 @@ from harness.impls.reference import (
     _unpack_planes,
     aten,
 )
-from harness.verdicts import Verdict
+from qgather.model.verdict import Verdict
 
 __all__ = ["FACTORIES", "MUTANTS", "Mutant"]
 

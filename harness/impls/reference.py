@@ -15,7 +15,7 @@ All-gather wire:
 After the gather, `Format.from_rows` rebuilds the TransformerEngine layout (re-padded scales,
 transposed and derived columnwise buffers); the unsharded parameter keeps both.
 
-Mutants in `harness.impls.mutants` subclass this class and override one small method each, so
+Mutants in `qgather.impls.mutants` subclass this class and override one small method each, so
 every method here does one thing.
 """
 
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from harness.cases import ShardLayout
-from harness.formats import FORMATS, Format, FormatError
-from harness.impls.base import PACKED_SLACK, Implementation
+from qgather.formats import FORMATS, Format, FormatError
+from qgather.impls.base import PACKED_SLACK, Implementation
+from qgather.model.case import ShardLayout
 
 aten = torch.ops.aten
 
@@ -195,7 +195,7 @@ class QuantizedParam(torch.Tensor):
         return start * width // k, math.ceil(end * width / k)
 
     def _check_col_alignment(self, start: int, what: str) -> None:
-        from harness.fsdp_setup import column_block
+        from qgather.scenarios.fsdp_setup import column_block
 
         block = column_block(self._fmt.name)
         if len(self._shape) != 2:

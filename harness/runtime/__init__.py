@@ -19,12 +19,12 @@ QGATHER_GPU_SPLIT=0 (no GPU sharing-out between xdist workers), QGATHER_PIN_CPUS
 of CPU ranks).
 """
 
-from harness.runtime.external import ExternalPool, external_world, is_reporting_rank
-from harness.runtime.outcome import CaseOutcome, RankError
-from harness.runtime.pool import RankPool
-from harness.runtime.registry import get_pool, shutdown_pools
-from harness.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
-from harness.runtime.worker import CaseContext
+from qgather.runtime.external import ExternalPool, external_world, is_reporting_rank
+from qgather.runtime.outcome import CaseOutcome, RankError
+from qgather.runtime.pool import RankPool
+from qgather.runtime.registry import get_pool, shutdown_pools
+from qgather.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
+from qgather.runtime.worker import CaseContext
 
 __all__ = [
     "CaseContext",

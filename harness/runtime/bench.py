@@ -1,6 +1,6 @@
 """What the warm rank pool saves: cold start, warm per-case cost, spawn-per-case, crash recovery.
 
-    python -m harness.runtime.bench [--world-sizes 2,4,8] [--cases 200] [--spawn-reps 3]
+    python -m qgather.runtime.bench [--world-sizes 2,4,8] [--cases 200] [--spawn-reps 3]
 
 The last line is the headline: `runtime overhead ratio (spawn-per-case / warm pool) at 4 ranks: N`.
 """
@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from harness.runtime import PoolSpec, RankPool, shutdown_pools
-from harness.runtime.probes import collectives_only, crash_rank, trivial
-from harness.runtime.spec import WORKER_ENV_DEFAULTS
+from qgather.runtime import PoolSpec, RankPool, shutdown_pools
+from qgather.runtime.probes import collectives_only, crash_rank, trivial
+from qgather.runtime.spec import WORKER_ENV_DEFAULTS
 
 WARMUP_CASES = 20
 RECOVERY_REPS = 3
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m harness.runtime.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m qgather.runtime.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2,4,8", help="comma-separated (default 2,4,8)")
     parser.add_argument("--cases", type=int, default=200, help="warm cases per world size (median)")
     parser.add_argument("--spawn-reps", type=int, default=3, help="spawn-per-case repetitions (0: skip)")

@@ -35,11 +35,11 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from harness.runtime import whereabouts
-from harness.runtime.launch import Launch, detect_launch, export_rendezvous
-from harness.runtime.outcome import CaseOutcome, RankError
-from harness.runtime.spec import PoolSpec, PoolSpecError
-from harness.runtime.worker import PICKLE_PROTOCOL, CaseContext, to_cpu
+from qgather.runtime import whereabouts
+from qgather.runtime.launch import Launch, detect_launch, export_rendezvous
+from qgather.runtime.outcome import CaseOutcome, RankError
+from qgather.runtime.spec import PoolSpec, PoolSpecError
+from qgather.runtime.worker import PICKLE_PROTOCOL, CaseContext, to_cpu
 
 PG_MARGIN_S = 2.0  # a case group's collectives time out this long after the case timeout
 REPORT_MARGIN_S = 5.0  # past the case timeout, a rank with no report is lost
@@ -300,7 +300,7 @@ class ExternalPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
             case_id: str = "", seed: int = 0) -> CaseOutcome:
-        from harness.runtime.pool import _check_timeout, _pickle_case
+        from qgather.runtime.pool import _check_timeout, _pickle_case
 
         _pickle_case(fn, args)  # the same one-line error as a RankPool for an unsendable case
         limit = _check_timeout(timeout, self.spec.case_timeout_s)

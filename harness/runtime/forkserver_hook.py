@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 
-from harness.runtime.lifeline import CLEAN_STOP_MARKER, remove_pool_dirs_of
+from qgather.runtime.lifeline import CLEAN_STOP_MARKER, remove_pool_dirs_of
 
 _RUNNER_PID = os.getppid()
 

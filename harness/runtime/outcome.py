@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import traceback
@@ -23,7 +24,7 @@ class RankError:
     type_name: str
     message: str
     traceback_text: str = ""
-    phase: str = ""  # where in the case it was raised (harness.phases), when the case tagged it
+    phase: str = ""  # where in the case it was raised (qgather.model.phases), when the case tagged it
     type_names: tuple[str, ...] = ()  # the exception's class and its bases, innermost first
 
     @classmethod
@@ -93,7 +94,9 @@ def describe_exit(code: int) -> str:
 
 
 Frame = tuple[str, int, str]  # (file, line, function)
-_LIBRARY_PARTS = ("/torch/", "/multiprocessing/", "/harness/runtime/", "/threading.py", "/selectors.py",
+# This package's own frames: harness/runtime/ in a checkout, qgather/runtime/ in an install.
+RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/"
+_LIBRARY_PARTS = ("/torch/", "/multiprocessing/", RUNTIME_DIR, "/threading.py", "/selectors.py",
                   "/queue.py", "/concurrent/", "/asyncio/", "/subprocess.py", "/socket.py", "<frozen ")
 
 

@@ -29,10 +29,10 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from harness.runtime import lifeline, whereabouts
-from harness.runtime.outcome import CaseOutcome, RankError
-from harness.runtime.spec import PoolSpec, rank_cpus, threads_per_rank, worker_env
-from harness.runtime.worker import PICKLE_PROTOCOL, WorkerConfig, worker_main
+from qgather.runtime import lifeline, whereabouts
+from qgather.runtime.outcome import CaseOutcome, RankError
+from qgather.runtime.spec import PoolSpec, rank_cpus, threads_per_rank, worker_env
+from qgather.runtime.worker import PICKLE_PROTOCOL, WorkerConfig, worker_main
 
 # After a first failure, how often the parent asks the other ranks where they are; a rank counts
 # as waiting for the failed one only when seen inside a collective of its case on every look for
@@ -51,7 +51,7 @@ PG_TIMEOUT_S = 4 * 3600.0
 # Preloaded by the forkserver, so a (re)spawned rank starts without paying the torch import.
 FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch._dynamo",
-    "harness.runtime.worker", "harness.runtime.forkserver_hook",
+    "qgather.runtime.worker", "qgather.runtime.forkserver_hook",
 ]
 
 _owned_helpers: dict[str, int | None] = {}  # multiprocessing helpers this runtime started
@@ -62,7 +62,7 @@ class _Rank:
     rank: int
     process: Any  # multiprocessing.process.BaseProcess
     conn: Connection
-    where: Connection | None = None  # asks where the rank's case is (harness.runtime.whereabouts)
+    where: Connection | None = None  # asks where the rank's case is (qgather.runtime.whereabouts)
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import atexit
 import threading
 
-from harness.runtime.external import ExternalPool, external_world
-from harness.runtime.pool import RankPool, stop_helpers
-from harness.runtime.spec import PoolSpec
+from qgather.runtime.external import ExternalPool, external_world
+from qgather.runtime.pool import RankPool, stop_helpers
+from qgather.runtime.spec import PoolSpec
 
 _pools: dict[PoolSpec, RankPool | ExternalPool] = {}
 _lock = threading.Lock()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from harness.runtime.launch import detect_launch
+from qgather.runtime.launch import detect_launch
 
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")

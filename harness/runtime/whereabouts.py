@@ -60,8 +60,8 @@ def frames_of(thread_id: int | None) -> list[str]:
 
 
 # The rank's own barrier before each case: a rank still in it is late, not waiting for a failed one.
-OWN_BARRIER = "harness/runtime/worker.py"
-OWN_BARRIERS = (OWN_BARRIER, "harness/runtime/external.py")
+OWN_BARRIER = "runtime/worker.py"  # harness/runtime/ in a checkout, qgather/runtime/ in an install
+OWN_BARRIERS = (OWN_BARRIER, "runtime/external.py")
 
 
 def in_collective(frames: list[str]) -> str | None:

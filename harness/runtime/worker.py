@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.quiet import quiet_torchao
-from harness.runtime import whereabouts
-from harness.runtime.lifeline import drop_inherited_helper_fds, watch_runner
-from harness.runtime.outcome import RankError
+from qgather.quiet import quiet_torchao
+from qgather.runtime import whereabouts
+from qgather.runtime.lifeline import drop_inherited_helper_fds, watch_runner
+from qgather.runtime.outcome import RankError
 
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _PR_SET_PDEATHSIG = 1
@@ -107,7 +107,7 @@ def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | N
     """Entry point of a rank process: set up, join the process group, then serve cases.
 
     `lifeline` is the read end of a pipe only the runner can write to: EOF means it died.
-    `where` answers the parent's "where is your case now?" (harness.runtime.whereabouts).
+    `where` answers the parent's "where is your case now?" (qgather.runtime.whereabouts).
     """
     _prepare_process(config, lifeline)
     if where is not None:

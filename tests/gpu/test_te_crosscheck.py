@@ -1,4 +1,4 @@
-"""Bit-for-bit cross-check of harness.formats against TransformerEngine 2.20.2 on a CUDA GPU.
+"""Bit-for-bit cross-check of qgather.formats against TransformerEngine 2.20.2 on a CUDA GPU.
 
     python -m pytest tests/gpu/test_te_crosscheck.py -q -p no:cacheprovider -m gpu
 
@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-from harness.formats import FORMATS
+from qgather.formats import FORMATS
 
 pytestmark = pytest.mark.gpu
 
@@ -190,7 +190,7 @@ class Report:
         total = sum(d[1] for d in self.diffs if d[0] == buf)
         LINES[label] = f"crosscheck {label}: MISMATCH {buf} {total} elements"
         detail = "\n".join(f"  {b}: {cnt} elements; {d}" for b, cnt, d in self.diffs[:25])
-        pytest.fail(f"{label}: TE and harness.formats differ\n{detail}", pytrace=False)
+        pytest.fail(f"{label}: TE and qgather.formats differ\n{detail}", pytrace=False)
 
 
 def ours_valid(q, buffer):

@@ -1,5 +1,5 @@
 """TE's own dequantization of a large gathered weight runs block of rows by block
-(harness.impls.te.tensors.row_slice): each block must be bit for bit the same rows of TE's whole
+(qgather.impls.te.tensors.row_slice): each block must be bit for bit the same rows of TE's whole
 dequantization, for every TE tensor class this GPU can build, with a partial last block.
 
     python -m pytest tests/gpu/test_te_row_blocks.py -q -p no:cacheprovider -m gpu
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.formats import FORMATS
-from harness.formats import base as format_base
+from qgather.formats import FORMATS
+from qgather.formats import base as format_base
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ FORMAT_NAMES = ("fp8_tensor", "fp8_block", "fp8_block_1x128", "mxfp8", "nvfp4_2d
 def te_ready():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from harness.impls.te.environment import te_import_error
+    from qgather.impls.te.environment import te_import_error
 
     error = te_import_error()
     if error:
@@ -31,12 +31,12 @@ def te_ready():
 
 
 def _te_tensor(fmt: str, x: torch.Tensor):
-    from harness.impls.te.quantizers import TEUnavailable, make_quantizer
+    from qgather.impls.te.quantizers import TEUnavailable, make_quantizer
 
     if fmt.startswith("nvfp4"):
         from transformer_engine.pytorch.tensor import NVFP4Quantizer
 
-        from harness.impls.te.tensors import nvfp4_tensor_from_bits
+        from qgather.impls.te.tensors import nvfp4_tensor_from_bits
 
         return nvfp4_tensor_from_bits(fmt, x, NVFP4Quantizer(with_2d_quantization=fmt == "nvfp4_2d"))
     try:
@@ -47,8 +47,8 @@ def _te_tensor(fmt: str, x: torch.Tensor):
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_te_dequantizes_row_blocks_as_the_whole(fmt, te_ready, monkeypatch):
-    from harness.impls.te.adapter import TEAdapter
-    from harness.impls.te.tensors import row_slice
+    from qgather.impls.te.adapter import TEAdapter
+    from qgather.impls.te.tensors import row_slice
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = (torch.randn(SHAPE, generator=gen, device="cuda")
@@ -70,13 +70,13 @@ def test_te_dequantizes_row_blocks_as_the_whole(fmt, te_ready, monkeypatch):
 def test_the_blocked_forward_weight_is_tes_own_rounding(fmt, te_ready, monkeypatch):
     """The te adapter's forward rounds float32 row blocks into the layer's dtype: the same bits as
     TE's own dequantize(dtype=bfloat16) of the whole tensor."""
-    from harness.impls.te.adapter import TEAdapter
+    from qgather.impls.te.adapter import TEAdapter
 
     x = torch.randn(SHAPE, generator=torch.Generator(device="cuda").manual_seed(9), device="cuda").to(torch.bfloat16)
     param = _te_tensor(fmt, x)
     whole = param.dequantize(dtype=torch.bfloat16)
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 300 * SHAPE[1])
-    from harness.impls.te.tensors import row_layout_of
+    from qgather.impls.te.tensors import row_layout_of
 
     layout = row_layout_of(param)
     assert layout is not None and layout.rowwise_rows == FORMATS[fmt].rowwise_rows, "not cut: nothing tested"

@@ -10,8 +10,8 @@ Nothing here imports transformer_engine at import time: without it every te case
 the import error as its reason.
 """
 
-from harness.impls.te.prequantized import PrequantizedImplementation
-from harness.impls.te.route import DelayedScalingRoute, TransformerEngineRoute
+from qgather.impls.te.prequantized import PrequantizedImplementation
+from qgather.impls.te.route import DelayedScalingRoute, TransformerEngineRoute
 
 FACTORIES = {"te": TransformerEngineRoute, "te:delayed": DelayedScalingRoute,
              "te:prequantized": PrequantizedImplementation}

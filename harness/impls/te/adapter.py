@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from harness.cases import CaseSpec
-from harness.impls.base import Implementation
-from harness.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
-from harness.impls.te.tensors import read_te_buffers, row_layout_of, row_slice
+from qgather.impls.base import Implementation
+from qgather.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
+from qgather.impls.te.tensors import read_te_buffers, row_layout_of, row_slice
+from qgather.model.case import CaseSpec
 
 NVFP4 = ("nvfp4_1d", "nvfp4_2d")
 
@@ -43,7 +43,7 @@ class TEAdapter(Implementation):
         so there is no TE quantizer in the case to check (TE's Python reference quantizer agrees with
         the reference formats bit for bit, tests/gpu/test_te_crosscheck.py; run whole on a large
         weight, it held 11x the weight's bf16 size)."""
-        from harness.impls.te.quantizers import te_quantize
+        from qgather.impls.te.quantizers import te_quantize
 
         if fmt in NVFP4 and not has_nvfp4_kernels():
             return None

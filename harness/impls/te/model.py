@@ -26,11 +26,11 @@ import os
 
 import torch
 
-from harness.cases import CaseSpec, ShardLayout
-from harness.compare import compare_values, digest
-from harness.impls.base import HarnessFault
-from harness.phases import Phase, PhaseTracker
-from harness.records import Comparison, RankResult, Stage
+from qgather.check.compare import compare_values, digest
+from qgather.impls.base import HarnessFault
+from qgather.model.case import CaseSpec, ShardLayout
+from qgather.model.phases import Phase, PhaseTracker
+from qgather.model.records import Comparison, RankResult, Stage
 
 MODEL_STEPS = 3
 SEQUENCE, BATCH = 16, 2
@@ -81,7 +81,7 @@ class TinyTEModel(torch.nn.Module):
 def _build(route, spec: CaseSpec, hidden: int, ffn: int, rank: int, world_size: int) -> TinyTEModel:
     import transformer_engine.pytorch as te
 
-    from harness.impls.te.route import make_recipe
+    from qgather.impls.te.route import make_recipe
 
     full_shapes = [(3 * hidden, hidden), (ffn, hidden), (hidden, ffn), (hidden, hidden)]
     init = _rows_of_masters(spec, full_shapes, rank, world_size)
@@ -150,8 +150,8 @@ def _train(route, spec: CaseSpec, model: TinyTEModel, x: torch.Tensor, phases: P
     """Yields (parameters after the gather, output) before the first step and after each step."""
     import transformer_engine.pytorch as te
 
-    from harness.impls.te.environment import recipe_unavailable_reason
-    from harness.impls.te.route import make_recipe
+    from qgather.impls.te.environment import recipe_unavailable_reason
+    from qgather.impls.te.route import make_recipe
 
     recipe = make_recipe(spec.fmt, route.recipes)
     reason = recipe_unavailable_reason(recipe)  # before te.autocast: a refused one leaves FP8 enabled
@@ -273,7 +273,7 @@ def _digest(spec: CaseSpec, params: dict) -> str:
 
 def _valid_regions(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[slice, ...]]:
     """The format's valid region of each buffer (scale padding may hold anything)."""
-    from harness.formats import FORMATS, FormatError
+    from qgather.formats import FORMATS, FormatError
 
     try:
         return FORMATS[fmt].valid_regions(shape) if len(shape) == 2 else {}

@@ -12,17 +12,17 @@ new_zeros, copy_). Float8BlockwiseQTensor and NVFP4Tensor fall back to Quantized
 dispatch, which dequantizes, so sharding an already-quantized weight gathers bf16 (DEGRADED). TE's
 supported route for them is deferred init: the module is built under quantized_model_init,
 fully_shard shards the high-precision parameter, and reset_parameters quantizes each local shard.
-That route is the `te` implementation (harness.impls.te.route).
+That route is the `te` implementation (qgather.impls.te.route).
 """
 
 from __future__ import annotations
 
 import torch
 
-from harness.formats import FORMATS
-from harness.impls.te.adapter import NVFP4, TEAdapter
-from harness.impls.te.environment import has_nvfp4_kernels
-from harness.impls.te.tensors import nvfp4_tensor_from_bits
+from qgather.formats import FORMATS
+from qgather.impls.te.adapter import NVFP4, TEAdapter
+from qgather.impls.te.environment import has_nvfp4_kernels
+from qgather.impls.te.tensors import nvfp4_tensor_from_bits
 
 
 class PrequantizedImplementation(TEAdapter):
@@ -32,7 +32,7 @@ class PrequantizedImplementation(TEAdapter):
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         if fmt in NVFP4 and not has_nvfp4_kernels():
             return _nvfp4_from_reference_bits(fmt, weight)
-        from harness.impls.te.quantizers import make_quantizer
+        from qgather.impls.te.quantizers import make_quantizer
 
         return make_quantizer(fmt)(weight.cuda())
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from harness.formats import FORMATS
+from qgather.formats import FORMATS
 
 
 class TEUnavailable(RuntimeError):
@@ -62,7 +62,7 @@ def make_quantizer(fmt: str):
 
 
 def te_quantize(fmt: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Quantize `x` (on the GPU) with TE; buffers named, shaped and padded as harness.formats."""
+    """Quantize `x` (on the GPU) with TE; buffers named, shaped and padded as qgather.formats."""
     quantized = make_quantizer(fmt)(x)
     torch.cuda.synchronize()
     m, k = math.prod(x.shape[:-1]), x.shape[-1]

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from transformer_engine.pytorch.tensor import NVFP4Quantizer
 
-from harness.formats import FormatError
-from harness.impls.base import HarnessFault
-from harness.impls.te.tensors import nvfp4_tensor_from_bits
+from qgather.formats import FormatError
+from qgather.impls.base import HarnessFault
+from qgather.impls.te.tensors import nvfp4_tensor_from_bits
 
 #: quantizer settings the reference bits do not model
 UNMODELLED = ("with_rht", "stochastic_rounding", "row_scaled_nvfp4", "nvfp4_use_4over6")

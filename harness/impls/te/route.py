@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from harness import fsdp_setup
-from harness.cases import CaseSpec
-from harness.impls.base import HarnessFault, NoSingleDeviceTwin
-from harness.impls.te.adapter import NVFP4, TEAdapter
-from harness.impls.te.environment import has_nvfp4_kernels, recipe_unavailable_reason, sm_name
-from harness.impls.te.tensors import read_te_buffers
-from harness.records import RankResult
+from qgather.impls.base import HarnessFault, NoSingleDeviceTwin
+from qgather.impls.te.adapter import NVFP4, TEAdapter
+from qgather.impls.te.environment import has_nvfp4_kernels, recipe_unavailable_reason, sm_name
+from qgather.impls.te.tensors import read_te_buffers
+from qgather.model.case import CaseSpec
+from qgather.model.records import RankResult
+from qgather.scenarios import fsdp_setup
 
 #: format -> (recipe class name in transformer_engine.common.recipe, keyword arguments)
 RECIPES: dict[str, tuple[str, dict]] = {
@@ -70,7 +70,7 @@ class TransformerEngineRoute(TEAdapter):
         return None
 
     def run_model(self, ctx, spec: CaseSpec, phases) -> RankResult:
-        from harness.impls.te.model import run_model_case
+        from qgather.impls.te.model import run_model_case
 
         return run_model_case(self, ctx, spec, phases)
 
@@ -180,7 +180,7 @@ def _writes(rows: torch.Tensor):
 
 
 def _install_reference_bits_quantizer(module: torch.nn.Module, fmt: str) -> None:
-    from harness.impls.te.reference_bits import ReferenceBitsNVFP4Quantizer
+    from qgather.impls.te.reference_bits import ReferenceBitsNVFP4Quantizer
 
     index = module.param_init_meta["weight"].fp8_meta_index
     original = module.quantizers["scaling_fwd"][index]
@@ -197,7 +197,7 @@ class DelayedScalingRoute(TransformerEngineRoute):
     formats = ("fp8_tensor",)
 
     def reference_quantize(self, fmt, weight: torch.Tensor):
-        from harness.formats.numerics import FP8_E4M3_MAX
+        from qgather.formats.numerics import FP8_E4M3_MAX
 
         # current scaling with amax = fp8_max is exactly scale 1 (scale = fp8_max / amax)
         return fmt.quantize(weight, amax=torch.tensor(FP8_E4M3_MAX, device=weight.device))

@@ -6,14 +6,14 @@ import math
 
 import torch
 
-from harness.formats import FORMATS
+from qgather.formats import FORMATS
 
 ROWWISE_COLUMNWISE = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv",
                       "amax_rowwise", "amax_columnwise")
 
 
 def read_te_buffers(param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every buffer a TE quantized tensor holds, under the names of harness.formats; a held buffer
+    """Every buffer a TE quantized tensor holds, under the names of qgather.formats; a held buffer
     the format does not name (e.g. a stale transpose) is returned under its own name, so that the
     comparison with the golden reports it."""
     if hasattr(param, "_data") and not hasattr(param, "_rowwise_data"):
@@ -78,7 +78,7 @@ COLUMNWISE_METADATA = ("columnwise_data", "columnwise_scale_inv", "data_transpos
 
 def row_slice(param: torch.Tensor, fmt, start: int, stop: int):
     """A TE storage of `param`'s own class holding only the rows [start, stop) of its rowwise buffers
-    (views, cut where harness.formats says each buffer follows the rows: `fmt.rowwise_rows`), so
+    (views, cut where qgather.formats says each buffer follows the rows: `fmt.rowwise_rows`), so
     that TE's own dequantize runs on one block of rows; None where TE's layout cannot be cut so
     (no rowwise buffers, scales swizzled for the GEMM, no storage class)."""
     storage = next((c for c in type(param).__mro__ if c.__name__.endswith("TensorStorage")), None)

@@ -1,0 +1,242 @@
+"""Comparisons of a gathered weight against the single-device golden, and where they differ.
+
+Buffers are compared bit for bit inside their valid regions (padding masked); a difference is
+then located in the format's row layout, where every entry maps to global rows, a scale block
+and the rank whose shard held those rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from qgather.formats import Format, QuantizedTensor
+from qgather.model.case import ShardLayout
+from qgather.model.records import Comparison
+
+MAP_WIDTH = 64  # block rows per text-map line
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view with the same bytes, so that comparisons are bitwise (NaN == NaN, -0 != 0)."""
+    t = t.detach().contiguous()
+    if t.dtype.is_floating_point:
+        size = t.element_size()
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+    return t
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor, on the CPU (read directly: numpy is not a dependency)."""
+    t = t.detach().to("cpu").contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+
+
+#: Device buffers larger than this are fingerprinted where they live (see `_fingerprint`) instead of
+#: being copied to the host and hashed there, which costs more than the gather itself for large
+#: weights. CPU buffers are always hashed byte by byte (sha256 is the faster of the two there).
+LARGE_BUFFER_BYTES = 1 << 22
+_DEVICE_CHUNK = 1 << 22  # elements per chunk of the device-side loops below: bounds their temporaries
+
+
+def digest(buffers: dict[str, torch.Tensor], valid: dict[str, tuple[slice, ...]]) -> str:
+    """sha256 over every buffer's valid region (name, shape, dtype and bytes; a large device
+    region's fingerprint instead of its bytes)."""
+    h = hashlib.sha256()
+    for name in sorted(buffers):
+        t = buffers[name]
+        region = t[valid[name]] if name in valid and t.dim() == len(valid[name]) else t
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        if region.device.type != "cpu" and region.numel() * region.element_size() > LARGE_BUFFER_BYTES:
+            h.update(b"fingerprint:" + _fingerprint(region))
+        else:
+            h.update(tensor_bytes(region))
+    return h.hexdigest()
+
+
+def _fingerprint(t: torch.Tensor) -> bytes:
+    """Two sums over the region's 32-bit words, each word times an odd pseudo-random multiplier of
+    its position (int64 arithmetic, wrapping): the same integers on every device, so ranks compare.
+    A single differing word always changes both sums (an odd multiplier is invertible mod 2^64)."""
+    words = _words(t)
+    sums = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _DEVICE_CHUNK):
+        chunk = words[start:start + _DEVICE_CHUNK].to(torch.int64)
+        for k, salt in enumerate(_SALTS):
+            sums[k] += (chunk * _multipliers(start, chunk.numel(), salt, t.device)).sum()
+    return tensor_bytes(sums) + str(words.numel()).encode()
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = -flat.numel() % 4
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(torch.int32)
+
+
+_SALTS = (0x2545F4914F6CDD1D, 0x1B873593)
+_MASK = {s: (1 << (64 - s)) - 1 for s in (30, 27, 31)}
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _multipliers(start: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
+    """splitmix64 of each position (logical shifts emulated on int64), forced odd."""
+    z = torch.arange(start, start + n, dtype=torch.int64, device=device) + salt
+    z = (z ^ ((z >> 30) & _MASK[30])) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ ((z >> 27) & _MASK[27])) * _signed(0x94D049BB133111EB)
+    return (z ^ ((z >> 31) & _MASK[31])) | 1
+
+
+@dataclass
+class BufferDiff:
+    name: str
+    problem: str  # "missing", "shape", "dtype", "bytes"
+    n_diff: int = 0
+    n_valid: int = 0
+    detail: str = ""
+
+    def line(self) -> str:
+        if self.problem == "bytes":
+            return f"{self.name}: {self.n_diff} of {self.n_valid} valid elements differ"
+        return f"{self.name}: {self.problem} {self.detail}".rstrip()
+
+
+def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> list[BufferDiff]:
+    diffs = []
+    for name, want in golden.buffers.items():
+        have = got.get(name)
+        if have is None:
+            diffs.append(BufferDiff(name, "missing", detail="(the implementation has no such buffer)"))
+            continue
+        if tuple(have.shape) != tuple(want.shape):
+            diffs.append(BufferDiff(name, "shape", detail=f"{tuple(have.shape)} != golden {tuple(want.shape)}"))
+            continue
+        if have.dtype != want.dtype and have.element_size() != want.element_size():
+            diffs.append(BufferDiff(name, "dtype", detail=f"{have.dtype} != golden {want.dtype}"))
+            continue
+        region = golden.valid[name]
+        a, b = _bits(have.to(want.device)[region]), _bits(want[region]).view(_bits(have).dtype)
+        n_diff = _count_differing(a, b)
+        if n_diff:
+            diffs.append(BufferDiff(name, "bytes", n_diff=n_diff, n_valid=a.numel()))
+    return diffs
+
+
+def _count_differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bits differ, counted in blocks of rows: the boolean mask of a large buffer
+    would be as large as the buffer itself."""
+    if a.dim() == 0 or a.numel() <= _DEVICE_CHUNK:
+        return int((a != b).sum())
+    step = max(1, _DEVICE_CHUNK // max(1, a[0].numel()))
+    total = torch.zeros((), dtype=torch.int64, device=a.device)
+    for start in range(0, a.shape[0], step):
+        total += (a[start:start + step] != b[start:start + step]).sum()
+    return int(total)
+
+
+def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> Comparison:
+    """Bitwise equality plus the size of the largest difference, for the report. With `rel_tol`
+    (for outputs computed by another kernel than the golden's), differences up to
+    rel_tol * max|want| count as equal, and the tolerance is part of the result. Runs on `want`'s
+    device; only the counts leave it."""
+    got, want = got.detach().to(want.device), want.detach()
+    if got.shape != want.shape:
+        return Comparison(False, -1, float("inf"), detail=f"shape {tuple(got.shape)}")
+    if got.dtype != want.dtype or not got.dtype.is_floating_point:
+        got, want = got.float(), want.float()
+    differ = _bits(got) != _bits(want)  # same dtype: equal bits <=> equal float32 values, as before
+    n_diff = int(differ.sum())
+    max_abs = float((got[differ].float() - want[differ].float()).abs().nan_to_num(float("inf")).max()) \
+        if n_diff else 0.0
+    if rel_tol is None:
+        return Comparison(n_diff == 0, n_diff, max_abs)
+    bound = rel_tol * float(want.abs().max()) if want.numel() else 0.0
+    return Comparison(max_abs <= bound, n_diff, max_abs, f"|diff| <= {rel_tol:g} * max|golden| = {bound:.3g}")
+
+
+def compare_value_blocks(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Comparison:
+    """compare_values over (got, want) blocks of one tensor, as one comparison (bitwise; the
+    first block of another shape decides)."""
+    n_diff, max_abs = 0, 0.0
+    for got, want in pairs:
+        block = compare_values(got, want)
+        if block.n_diff < 0:
+            return block
+        n_diff, max_abs = n_diff + block.n_diff, max(max_abs, block.max_abs)
+    return Comparison(n_diff == 0, n_diff, max_abs)
+
+
+def locate(
+    fmt: Format,
+    got: QuantizedTensor,
+    golden: QuantizedTensor,
+    shards: ShardLayout,
+) -> list[str]:
+    """Where the gathered buffers differ: first difference and a block-row map, in row layout."""
+    try:
+        got_rows, _ = fmt.to_rows(got)
+    except Exception as exc:  # a wrong shape can make even the re-layout impossible
+        return [f"(cannot map the difference to rows: {exc})"]
+    want_rows, _ = fmt.to_rows(golden)
+    lines = []
+    for name, want in want_rows.items():
+        have = got_rows.get(name)
+        if have is None or have.shape != want.shape:
+            continue
+        differ = (_bits(have.to(want.device)) != _bits(want)).reshape(want.shape[0], -1).any(dim=1)
+        if not bool(differ.any()):
+            continue
+        r = fmt.rows_per_entry[name]
+        entries = differ.nonzero().flatten().tolist()
+        first = entries[0]
+        col = int((_bits(have.to(want.device))[first] != _bits(want[first])).reshape(-1).nonzero()[0])
+        row = first * r
+        if hasattr(shards, "owner_of_col"):  # Shard(1): the column says which rank sent it
+            width = max(1, want.reshape(want.shape[0], -1).shape[1])
+            owner = shards.owner_of_col(col * shards.cols // width)
+        else:
+            owner = shards.owner_of_row(row)
+        lines.append(
+            f"{name}: {len(entries)} of {want.shape[0]} row groups differ; first at global row {row}"
+            f" (block row {row // fmt.row_block}, block column {_block_column(name, want_rows, col)},"
+            f" from rank {owner})"
+        )
+        lines.extend(_block_map(fmt, differ, r, shards))
+    return lines
+
+
+def _block_column(name: str, rows: dict[str, torch.Tensor], col: int) -> int:
+    """The scale-block column of element `col` of a row-layout buffer (data columns per scale)."""
+    scale = rows.get(name.replace("data", "scale_inv"))
+    if "scale" in name or scale is None or scale.dim() < 2 or scale.shape[-1] == 0:
+        return col
+    return col // max(1, rows[name].shape[-1] // scale.shape[-1])
+
+
+def _block_map(fmt: Format, differ_entries: torch.Tensor, r: int, shards: ShardLayout) -> list[str]:
+    """One character per scale-block row: '.' equal, else the rank whose shard held it."""
+    rows_per_block = max(fmt.row_block, r)
+    per_block = max(1, rows_per_block // r)
+    n_blocks = -(-differ_entries.numel() // per_block)
+    padded = torch.zeros(n_blocks * per_block, dtype=torch.bool)
+    padded[: differ_entries.numel()] = differ_entries.cpu()
+    block_differs = padded.view(n_blocks, per_block).any(dim=1).tolist()
+    marks = "".join(
+        _rank_mark(shards.owner_of_row(b * rows_per_block)) if d else "." for b, d in enumerate(block_differs)
+    )
+    lines = [f"  block rows ({rows_per_block} rows each; '.' equal, else source rank of the differing block):"]
+    for start in range(0, len(marks), MAP_WIDTH):
+        lines.append(f"  {start:>6} {marks[start:start + MAP_WIDTH]}")
+    return lines if len(lines) <= 9 else [*lines[:8], f"  ... ({len(marks)} block rows in all)"]
+
+
+def _rank_mark(rank: int) -> str:
+    return "0123456789abcdefghijklmnopqrstuvwxyz"[rank] if rank < 36 else "#"

@@ -1,0 +1,1 @@
+"""The torchao float8 adapter and the gloo transport shim it needs."""

@@ -1,0 +1,193 @@
+"""The case model: one all-gather experiment with a stable, readable id.
+
+A case id reads `impl:format:shape:dtype:wsN:scenario:sSEED[:CONFIG]`, e.g.
+`reference:nvfp4_2d:136x64:bf16:ws8:gather:s0`; CONFIG, absent for FSDP2's defaults, says how
+`fully_shard` is configured (qgather.model.config, e.g. `mp-bf16+raf-2`). The same id runs the same
+experiment on every machine; backend and device are session options, not part of the case.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from qgather.model.config import DEFAULT, ConfigError, FsdpConfig
+
+_SEED = re.compile(r"s\d+")
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual", "model")
+
+
+class CaseSpecError(ValueError):
+    """A case id or field that cannot describe a case."""
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    impl: str
+    fmt: str
+    shape: tuple[int, ...]
+    dtype: str
+    world_size: int
+    scenario: str
+    seed: int = 0
+    config: FsdpConfig = DEFAULT
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise CaseSpecError(f"case {self.id}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.scenario not in SCENARIOS:
+            raise CaseSpecError(
+                f"case {self.id}: scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}"
+            )
+        if self.world_size < 1:
+            raise CaseSpecError(f"case {self.id}: world size must be >= 1, got {self.world_size}")
+        if len(self.shape) < 2 or any(d < 1 for d in self.shape):
+            raise CaseSpecError(f"case {self.id}: shape must have >= 2 positive dims, got {self.shape}")
+        reason = self.config.check_world_size(self.world_size)
+        if reason:
+            raise CaseSpecError(f"case {self.id}: {reason}")
+
+    @property
+    def id(self) -> str:
+        shape = "x".join(str(d) for d in self.shape)
+        config = f":{self.config.token}" if not self.config.is_default else ""
+        return f"{self.impl}:{self.fmt}:{shape}:{self.dtype}:ws{self.world_size}:{self.scenario}:s{self.seed}{config}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def parse(cls, case_id: str) -> CaseSpec:
+        # The implementation name may itself hold colons (mutant:<bug>, package.module:object),
+        # so the fixed fields are read from the right; a last field that is not sSEED is the config.
+        parts = case_id.split(":")
+        config = DEFAULT
+        if len(parts) >= 8 and not _SEED.fullmatch(parts[-1]):
+            try:
+                config = FsdpConfig.parse(parts.pop())
+            except ConfigError as exc:
+                raise CaseSpecError(f"case id {case_id!r}: {exc}") from None
+        if len(parts) < 7:
+            raise CaseSpecError(
+                f"case id {case_id!r} must read impl:format:MxK:dtype:wsN:scenario:sSEED[:CONFIG] "
+                "(e.g. reference:nvfp4_2d:136x64:bf16:ws8:gather:s0)"
+            )
+        impl, (fmt, shape, dtype, ws, scenario, seed) = ":".join(parts[:-6]), parts[-6:]
+        try:
+            dims = tuple(int(d) for d in shape.split("x"))
+            world_size = int(ws.removeprefix("ws"))
+            seed_value = int(seed.removeprefix("s"))
+        except ValueError:
+            raise CaseSpecError(f"case id {case_id!r}: shape, wsN and sSEED must be integers") from None
+        return cls(impl, fmt, dims, dtype, world_size, scenario, seed_value, config)
+
+    @property
+    def inner_rows(self) -> int:
+        """Flattened rows per index of dim 0 (FSDP2 shards dim 0; quantization sees prod(shape[:-1]))."""
+        return math.prod(self.shape[1:-1])
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] * self.inner_rows
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How FSDP2 splits dim 0 across ranks: torch.chunk semantics, padded to ceil(d0 / ws)."""
+
+    dim0: int
+    world_size: int
+    inner_rows: int
+
+    @property
+    def chunk(self) -> int:
+        return math.ceil(self.dim0 / self.world_size)
+
+    @property
+    def even(self) -> bool:
+        return self.dim0 % self.world_size == 0
+
+    def dim0_range(self, rank: int) -> tuple[int, int]:
+        start = min(rank * self.chunk, self.dim0)
+        return start, min(start + self.chunk, self.dim0)
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        start, end = self.dim0_range(rank)
+        return start * self.inner_rows, end * self.inner_rows
+
+    def owner_of_row(self, row: int) -> int:
+        return row // (self.chunk * self.inner_rows)
+
+    def misaligned_rank(self, row_block: int) -> int | None:
+        """The first rank whose shard starts off the format's row block, or None if all align."""
+        for rank in range(self.world_size):
+            start, end = self.row_range(rank)
+            if end > start and start % row_block:
+                return rank
+        return None
+
+
+@dataclass(frozen=True)
+class ColumnShardLayout:
+    """FSDP2's Shard(1) split of a 2-D (M, K) weight: every rank holds all rows and K / ws columns
+    (FSDP2 requires even sharding on a nonzero dim). Duck-types ShardLayout where row code reads it."""
+
+    dim0: int
+    cols: int
+    world_size: int
+    inner_rows: int = 1
+    shard_dim: int = 1
+
+    @property
+    def chunk(self) -> int:  # rows per rank: all of them
+        return self.dim0
+
+    @property
+    def even(self) -> bool:
+        return self.cols % self.world_size == 0
+
+    @property
+    def col_chunk(self) -> int:
+        return self.cols // self.world_size
+
+    def col_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.col_chunk, (rank + 1) * self.col_chunk
+
+    def dim0_range(self, rank: int) -> tuple[int, int]:
+        return 0, self.dim0
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        return 0, self.dim0 * self.inner_rows
+
+    def owner_of_row(self, row: int) -> int:
+        return 0  # every rank holds every row; owner_of_col says who holds a column
+
+    def owner_of_col(self, col: int) -> int:
+        return col // max(1, self.col_chunk)
+
+    def misaligned_rank(self, col_block: int) -> int | None:
+        """The first rank whose columns start off the format's column block (the row block does not
+        matter: every rank holds all rows)."""
+        for rank in range(self.world_size):
+            start, end = self.col_range(rank)
+            if end > start and start % col_block:
+                return rank
+        return None
+
+
+def shard_world_size(spec: CaseSpec) -> int:
+    """Ranks the weight is split over: the shard dimension of an HSDP mesh, else the whole world."""
+    return spec.config.hsdp[1] if spec.config.hsdp else spec.world_size
+
+
+def shard_layout(spec: CaseSpec) -> ShardLayout | ColumnShardLayout:
+    """How FSDP2 splits the case's weight under its configuration: the golden's and the inspection's view."""
+    size = shard_world_size(spec)
+    if spec.config.shard_dim == 1:
+        return ColumnShardLayout(spec.shape[0], spec.shape[-1], size)
+    return ShardLayout(spec.shape[0], size, spec.inner_rows)

@@ -1,0 +1,136 @@
+"""FSDP2 as training code configures it (issue 11): checkpoint resharding through
+torch.distributed.checkpoint (`dcp-wsA`: saved at world size A, loaded at the case's B, gathered,
+compared with the golden) and torch.compile around the gathered weight (`compile`: the compiled
+forward bit for bit against the eager one). See qgather.scenarios.checkpoint, qgather.scenarios.compiled.
+
+`dcp-wsA-trained` saves after one training forward at A (what a training run's checkpoint holds).
+The default run is a covering set: every class of (A, B) pair (A < B, A > B, A = B, A = 1, B = 1,
+uneven shards at A, uneven at B), each for two formats, every format twice, on an aligned and an
+uneven shape; compile for every format. torchao (and its precomputed scales) runs its own sets
+unless --impl names the implementations. `-m slow` adds the full product: A, B in 1..8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from qgather.formats import FORMATS
+from qgather.model.config import FsdpConfig
+from qgather.suite.sweeps import CaseSet, K, Sweep, alignment_shapes
+
+PAIRS = ((2, 4), (4, 2), (2, 2), (1, 3), (4, 1), (3, 2), (2, 3))  # (A saved, B loaded)
+COMPILE = FsdpConfig(compile=True)
+TRAINED = FsdpConfig(saved_at_world_size=2, saved_after_forward=True)  # saved after a training forward
+TORCHAO_IMPLS = ("torchao", "torchao:precompute")
+
+
+def dcp(saved: int) -> FsdpConfig:
+    return FsdpConfig(saved_at_world_size=saved)
+
+
+def _units(fmt: str) -> int:
+    return max(FORMATS[fmt].row_block, 16)
+
+
+def two_shapes(fmt: str) -> list[tuple[int, ...]]:
+    """Aligned at 1, 2, 4 and 8 ranks (8u rows), and uneven at 2 and 3 ranks (3u - 2)."""
+    u = _units(fmt)
+    return [(8 * u, K), (3 * u - 2, K)]
+
+
+def aligned_shape(fmt: str) -> list[tuple[int, ...]]:
+    return [(8 * _units(fmt), K)]
+
+
+def dcp_sweeps(pairs: Sequence[tuple[int, int]], shapes=two_shapes, formats=None) -> list[Sweep]:
+    """One sweep per loading world size B, crossing the source world sizes A saved for it."""
+    by_b: dict[int, list[int]] = {}
+    for a, b in pairs:
+        by_b.setdefault(b, []).append(a)
+    return [Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(b,), shapes=shapes, formats=formats,
+                  configs=tuple(dcp(a) for a in sources)) for b, sources in sorted(by_b.items())]
+
+
+def _covering() -> list[Sweep]:
+    """Format i gets pairs i and i + 3 (mod 7): every pair for two formats, every format twice."""
+    sweeps = []
+    for i, fmt in enumerate(FORMATS):
+        pairs = [PAIRS[i % len(PAIRS)], PAIRS[(i + 3) % len(PAIRS)]]
+        sweeps += dcp_sweeps(pairs, formats=(fmt,))
+    sweeps.append(Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(2,), shapes=aligned_shape,
+                        configs=(COMPILE,)))
+    sweeps.append(Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(1, 3), shapes=two_shapes,
+                        formats=("fp8_tensor",), configs=(COMPILE,)))
+    sweeps.append(Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(2,), shapes=aligned_shape,
+                        formats=("fp8_tensor",), configs=(FsdpConfig(compile=True, saved_at_world_size=4),)))
+    sweeps.append(Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(4,), shapes=aligned_shape,
+                        configs=(TRAINED,)))
+    return sweeps
+
+
+SWEEP = CaseSet(_covering())
+
+# torchao: float8 per-tensor only; even shards at B (its uneven gathers are known failures on gloo,
+# docs/findings.md), uneven ones at A = 3 (saving needs no gather).
+TORCHAO = CaseSet([
+    *dcp_sweeps(((2, 4), (4, 2), (2, 2), (1, 2), (4, 1), (3, 2)), shapes=aligned_shape, formats=("fp8_tensor",)),
+    Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(1, 2), shapes=aligned_shape,
+          formats=("fp8_tensor",), configs=(COMPILE,)),
+    Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(4,), shapes=aligned_shape,
+          formats=("fp8_tensor",), configs=(TRAINED,)),
+])
+
+EXHAUSTIVE = CaseSet([
+    *dcp_sweeps([(a, b) for a in range(1, 9) for b in range(1, 9)]),
+    Sweep(scenarios=("gather", "steps"), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8), shapes=alignment_shapes,
+          configs=(COMPILE,)),
+], marks=("slow",))
+
+
+def _impls(config: pytest.Config) -> list[str] | None:
+    raw = config.getoption("--impl")
+    return [n for item in raw for n in item.split(",") if n] if raw else None
+
+
+def _csv(value: str | None, cast=str):
+    return [cast(v) for v in value.split(",") if v] if value else None
+
+
+def _asked_for_slow(config: pytest.Config) -> bool:
+    expr = config.getoption("markexpr", "") or ""
+    return "slow" in expr and "not slow" not in expr
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`torchao_case` (torchao's own sets, when --impl is not given) and `exhaustive_case` (the full
+    product, marked slow, for the session's implementations)."""
+    config = metafunc.config
+    for name, cases in (("torchao_case", TORCHAO), ("exhaustive_case", EXHAUSTIVE)):
+        if name not in metafunc.fixturenames:
+            continue
+        impls = _impls(config)
+        if name == "exhaustive_case" and not _asked_for_slow(config):
+            metafunc.parametrize(name, [])  # one skipped test: `make test` passes no -m slow
+            continue
+        if name == "torchao_case":
+            impls = [] if impls else list(TORCHAO_IMPLS)
+        specs = cases.cases(impls or ["reference"] if name == "exhaustive_case" else impls,
+                            formats=_csv(config.getoption("--formats")),
+                            world_sizes=_csv(config.getoption("--world-sizes"), int),
+                            scenarios=_csv(config.getoption("--scenarios")))
+        marks = [getattr(pytest.mark, m) for m in cases.marks]
+        metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=marks) for c in specs])
+
+
+def test_config(case, qgather):
+    qgather.check(case)
+
+
+def test_torchao_config(torchao_case, qgather):
+    qgather.check(torchao_case)
+
+
+def test_config_exhaustive(exhaustive_case, qgather):
+    qgather.check(exhaustive_case)

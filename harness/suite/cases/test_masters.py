@@ -1,0 +1,9 @@
+"""fp32 masters (the alignment sweep runs bf16): same policy, a narrower set of world sizes."""
+
+from qgather.suite.sweeps import Sweep
+
+SWEEP = Sweep(scenarios=("gather",), dtypes=("fp32",), world_sizes=(2, 3))
+
+
+def test_gather_fp32(case, qgather):
+    qgather.check(case)

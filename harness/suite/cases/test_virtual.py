@@ -1,0 +1,32 @@
+"""Virtual worlds: one process emulates FSDP2's chunking, padding and concatenation, for sweeps
+up to 1024 ranks that no pool could run."""
+
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict
+from qgather.suite.sweeps import Sweep
+
+SWEEP = Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8, 16, 64, 256, 1024))
+
+
+def test_virtual(case, qgather):
+    qgather.check(case)
+
+
+AGREEMENT = Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4))
+
+
+def test_virtual_agrees_with_real_gathers(qgather, request):
+    """On every size both can run, the emulated world gives the real gather's verdict."""
+    fmt = (request.config.getoption("--formats") or "nvfp4_2d").split(",")[0]
+    impls = [n for item in (request.config.getoption("--impl") or ["reference"]) for n in item.split(",")]
+    sizes = request.config.getoption("--world-sizes")
+    world_sizes = [int(w) for w in sizes.split(",")] if sizes else None
+    disagree = []
+    for real in AGREEMENT.cases(impls, formats=[fmt], world_sizes=world_sizes):
+        virtual = CaseSpec(real.impl, real.fmt, real.shape, real.dtype, real.world_size, "virtual", real.seed)
+        a, b = qgather.run(real), qgather.run(virtual)
+        if Verdict.SKIPPED in (a.verdict, b.verdict):
+            continue  # an implementation that cannot run one of the two has nothing to agree on
+        if a.verdict is not b.verdict:
+            disagree.append(f"{real.id}: real {a.verdict.value}, virtual {b.verdict.value}")
+    assert not disagree, "\n".join(disagree)

@@ -1,0 +1,141 @@
+"""The coverage matrix of a run: format x buffer x regime x scenario x configuration (x world size),
+which cells its cases hit and which promised cells they miss.
+
+A cell is promised for every (format, world size, scenario) the run has cases of under a sweep's
+first FSDP2 configuration: each regime of qgather.suite.shape_space's space at that world size. Cells
+of other configurations are shown when hit (they are covered pairwise, not promised).
+
+`qgather coverage [--impl ..] [--formats ..] [--world-sizes ..] [--scenarios ..] [--exhaustive]`
+prints the matrix of the suite's selection as Markdown (exit 1 if a promised cell is missing);
+the pytest plugin prints its summary at the end of a session.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from qgather.model.case import CaseSpec
+from qgather.suite import shape_space
+
+DEFAULT_CONFIG = "default"
+
+Key = tuple[str, str, str, str, str, int]  # format, buffer, regime, scenario, config, world size
+
+
+def config_name(spec: CaseSpec) -> str:
+    return spec.config.token or DEFAULT_CONFIG
+
+
+@dataclass
+class Coverage:
+    hits: Counter = field(default_factory=Counter)  # Key -> cases
+    promised: set[Key] = field(default_factory=set)
+
+    @property
+    def missing(self) -> list[Key]:
+        return sorted(k for k in self.promised if not self.hits[k])
+
+
+def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAULT_CONFIG,)) -> Coverage:
+    """The cells `cases` hit, and those promised for the (format, world size, scenario, config) they run."""
+    cov = Coverage()
+    primary = set(promised_configs)
+    seen: set[tuple[str, int, str, str]] = set()
+    for spec in cases:
+        if spec.scenario == "model":  # its shape is a model's hidden x ffn, not a weight's
+            continue
+        config = config_name(spec)
+        for buffer, regime in shape_space.regimes(spec.fmt, tuple(spec.shape), spec.world_size):
+            cov.hits[(spec.fmt, buffer, regime, spec.scenario, config, spec.world_size)] += 1
+        seen.add((spec.fmt, spec.world_size, spec.scenario, config))
+    for fmt, ws, scenario, config in seen:
+        if config in primary:
+            cov.promised |= {(fmt, b, r, scenario, config, ws) for b, r in shape_space.promised(fmt, ws)}
+    return cov
+
+
+def markdown(cov: Coverage) -> str:
+    """One table per (scenario, configuration): rows format/buffer/regime, columns world sizes;
+    a cell is the number of cases hitting it, MISSING if promised and not hit, '·' if neither."""
+    keys = set(cov.hits) | cov.promised
+    out = [f"# qgather coverage: {len(cov.promised) - len(cov.missing)}/{len(cov.promised)} promised cells hit, "
+           f"{len(cov.missing)} missing", ""]
+    for scenario, config in sorted({(k[3], k[4]) for k in keys}):
+        sub = [k for k in keys if k[3] == scenario and k[4] == config]
+        sizes = sorted({k[5] for k in sub})
+        out += [f"## scenario {scenario}, configuration {config}", "",
+                "| format | buffer | regime | " + " | ".join(f"ws{w}" for w in sizes) + " |",
+                "| --- | --- | --- | " + " | ".join("---:" for _ in sizes) + " |"]
+        for fmt, buf, regime in sorted({k[:3] for k in sub}):
+            cells = [_cell(cov, (fmt, buf, regime, scenario, config, w)) for w in sizes]
+            out.append(f"| {fmt} | {buf} | {regime} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _cell(cov: Coverage, key: Key) -> str:
+    if cov.hits[key]:
+        return str(cov.hits[key])
+    return "MISSING" if key in cov.promised else "·"
+
+
+def summary_lines(cov: Coverage, limit: int = 20) -> list[str]:
+    """The terminal summary: promised/hit per (scenario, configuration), then the missing cells."""
+    lines = []
+    groups = sorted({(k[3], k[4]) for k in set(cov.hits) | cov.promised})
+    for scenario, config in groups:
+        promised = [k for k in cov.promised if k[3] == scenario and k[4] == config]
+        hit = len({k for k in cov.hits if k[3] == scenario and k[4] == config})
+        missing = sum(1 for k in promised if not cov.hits[k])
+        lines.append(f"{scenario:<8} {config:<24} {hit:>5} cells hit, {len(promised) - missing}/{len(promised)} "
+                     f"promised" + (f", {missing} MISSING" if missing else ""))
+    for key in cov.missing[:limit]:
+        fmt, buf, regime, scenario, config, ws = key
+        lines.append(f"  MISSING {fmt} {buf} {regime} at ws{ws} ({scenario}, {config})")
+    return lines
+
+
+def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None,
+                exhaustive: bool = False) -> tuple[list[CaseSpec], set[str]]:
+    """The suite's selected cases and the configuration tokens promised in full (each sweep's first)."""
+    from qgather.cli import suite_sweeps
+
+    cases, primary = [], set()
+    for _module, sweep, fixed in suite_sweeps():
+        cases += sweep.cases(fixed or impls, formats=formats, world_sizes=world_sizes, scenarios=scenarios,
+                             exhaustive=exhaustive)
+        configs = getattr(sweep, "configs", None)  # sweeps built on the shape space promise its regimes
+        if configs:
+            primary.add(configs[0].token or DEFAULT_CONFIG)
+    return cases, primary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qgather coverage", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", action="append", default=None)
+    parser.add_argument("--formats", default=None)
+    parser.add_argument("--world-sizes", default=None)
+    parser.add_argument("--scenarios", default=None)
+    parser.add_argument("--exhaustive", action="store_true", help="the full product instead of the default run")
+    args = parser.parse_args(argv)
+    from qgather.cli import _csv, _usage
+    from qgather.formats import FORMATS
+
+    impls = [n for item in (args.impl or ["reference"]) for n in _csv(item)]
+    formats = _csv(args.formats)
+    unknown = [f for f in formats or [] if f not in FORMATS]
+    if unknown:
+        return _usage("coverage", f"--formats: unknown format {unknown[0]!r}; known: {', '.join(FORMATS)}")
+    try:
+        sizes = _csv(args.world_sizes, int)
+    except ValueError:
+        return _usage("coverage", "--world-sizes takes comma-separated integers, e.g. 2,4,8")
+    cases, primary = suite_cases(impls, formats, sizes, _csv(args.scenarios), args.exhaustive)
+    if not cases:
+        return _usage("coverage", "the selection has no cases")
+    cov = measure(cases, primary)
+    print(markdown(cov))
+    return 1 if cov.missing else 0

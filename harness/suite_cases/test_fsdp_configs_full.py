@@ -1,9 +1,0 @@
-"""The full product of the FSDP2 configuration dimensions (harness.config_sweep): `-m slow`."""
-
-from harness.config_sweep import ConfigSweep
-
-SWEEP = ConfigSweep(product=True, marks=("slow",))
-
-
-def test_fsdp_config_product(case, qgather):
-    qgather.check(case)

@@ -1,0 +1,278 @@
+"""The bug zoo's self-test (`qgather selftest`, `make selftest`): does the harness catch every bug?
+
+Each mutant of `qgather.impls.mutants` runs its catching cases through the engine (gloo, CPU, on
+the warm rank pools), and the same cases run with the reference substituted. A mutant is caught
+on a case when
+  - it gets its expected verdict there, a verdict the policy fails, and
+  - the reference passes the same case: EXACT, or REJECTED where the policy accepts a rejection
+    (a shape whose shards split a scale block, the only cases that expose bug classes 1 and 2).
+A case the reference fails too proves nothing about the mutant, so it never counts as a catch.
+
+One line per mutant, then the reference's verdicts, and last `mutants caught: X/N`; the exit
+status is 0 only when every mutant is caught.
+
+`qgather selftest --suite` (mutation mode) runs every mutant over a fixed sample of the default
+suite (see `suite_sample` and docs/mutation-mode.md) instead of its catching cases only. A mutant is
+KILLED by a case where the reference passes and the mutant fails with a verdict of its class
+(`Mutant.verdicts`, the failing verdicts consistent with its bug); a failing verdict outside that
+class where the reference passes is a wrong-class verdict. The last line is
+`mutants killed: X/Y, wrong-class verdicts: Z`; the exit status is 0 only when X == Y and Z == 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from qgather.engine.run import RunOptions, run_case
+from qgather.impls.mutants import MUTANTS, Mutant
+from qgather.model.case import CaseSpec
+from qgather.model.config import DEFAULT
+from qgather.model.verdict import CaseReport, Verdict
+from qgather.suite.sweeps import K, alignment_shapes
+
+OPTIONS = RunOptions(backend="gloo", device="cpu")
+
+_REPORTS: dict[str, CaseReport] = {}  # case id -> report, for this process (pools stay warm too)
+
+
+def run(case_id: str) -> CaseReport:
+    """The report of one case, run once per process."""
+    if case_id not in _REPORTS:
+        _REPORTS[case_id] = run_case(CaseSpec.parse(case_id), OPTIONS)
+    return _REPORTS[case_id]
+
+
+def reference_case(case_id: str) -> str:
+    """The same case with the reference implementation substituted."""
+    spec = CaseSpec.parse(case_id)
+    return CaseSpec("reference", spec.fmt, spec.shape, spec.dtype, spec.world_size, spec.scenario, spec.seed,
+                    spec.config).id
+
+
+def reference_passes(report: CaseReport) -> bool:
+    return report.verdict in (Verdict.EXACT, Verdict.REJECTED) and report.passed
+
+
+@dataclass
+class CaseCheck:
+    case_id: str
+    report: CaseReport
+    reference: CaseReport
+    expected: Verdict
+
+    @property
+    def caught(self) -> bool:
+        return (self.report.verdict is self.expected and not self.report.passed
+                and reference_passes(self.reference))
+
+    def reference_line(self) -> str:
+        ref = self.reference
+        if ref.verdict is Verdict.EXACT:
+            return f"    reference EXACT on {ref.spec.id}"
+        if reference_passes(ref):
+            return f"    reference REJECTED on {ref.spec.id} (accepted: {ref.expectation.reason})"
+        return (f"    reference {ref.verdict.value} on {ref.spec.id}: the reference fails this case too, "
+                "so it cannot catch the mutant")
+
+
+@dataclass
+class MutantResult:
+    mutant: type[Mutant]
+    checks: list[CaseCheck]
+
+    @property
+    def caught(self) -> bool:
+        return any(c.caught for c in self.checks)
+
+    @property
+    def shown(self) -> CaseCheck:
+        """The case the summary line names: the first that caught the mutant, else the first."""
+        return next((c for c in self.checks if c.caught), self.checks[0])
+
+    def line(self) -> str:
+        m, shown = self.mutant, self.shown
+        return (f"{m.name}  bug {m.bug_class}  expected {m.expected.value}  got {shown.report.verdict.value} "
+                f"on {shown.case_id}  {'caught' if self.caught else 'MISSED'}")
+
+    def lines(self, verbose: bool = False) -> list[str]:
+        out = [self.line()]
+        for check in self.checks:
+            if verbose or not self.caught:
+                out.extend("    " + line for line in check.report.render().splitlines())
+            out.append(check.reference_line())
+        return out
+
+
+def check_mutant(mutant: type[Mutant]) -> MutantResult:
+    """Run one mutant's catching cases and the reference on the same cases."""
+    if not mutant.catching_cases:
+        raise ValueError(f"{mutant.name} names no catching case")
+    checks = []
+    for case_id in mutant.catching_cases:
+        reference = run(reference_case(case_id))
+        checks.append(CaseCheck(case_id, run(case_id), reference, mutant.expected))
+    return MutantResult(mutant, checks)
+
+
+def _select(names: Sequence[str]) -> list[type[Mutant]]:
+    if not names:
+        return list(MUTANTS)
+    by_name = {m.bug: m for m in MUTANTS} | {m.name: m for m in MUTANTS}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"qgather selftest: unknown mutant {unknown[0]!r}; "
+                         f"choose from {', '.join(m.bug for m in MUTANTS)}")
+    return [by_name[n] for n in names]
+
+
+def _warm_order(mutants: list[type[Mutant]]) -> list[type[Mutant]]:
+    """Mutants expected to raise on some ranks only abort their pool (the other ranks wait in the
+    collective until they are killed); run them last so the warm pools serve the rest."""
+    return sorted(mutants, key=lambda m: m.expected is Verdict.ERROR)
+
+
+# ====================================================================== mutation mode (--suite)
+SUITE_DTYPE = "bf16"
+SUITE_WORLD_SIZES = (2, 3, 8)
+SUITE_SCENARIOS = ("gather", "steps", "reshard")
+
+
+def _suite_shapes(fmt: str) -> list[tuple[int, ...]]:
+    """Four of the suite's alignment shapes (qgather.suite.sweeps.alignment_shapes), in row units u:
+    8u (aligned at 2 and 8 ranks, split blocks at 3), 8.5u (shards that split a scale block),
+    3u-2 (uneven at 2 and 3 ranks) and 4 rows (zero-row ranks at 8)."""
+    from qgather.formats import FORMATS
+
+    u = max(FORMATS[fmt].row_block, 16)
+    wanted = [(8 * u, K), (17 * u // 2, K), (3 * u - 2, K), (4, K)]
+    return [s for s in wanted if s in set(alignment_shapes(fmt))]
+
+
+def suite_sample(mutant: type[Mutant]) -> list[str]:
+    """The fixed sample of the default suite one mutant runs over in mutation mode: the formats of
+    its catching cases x `_suite_shapes` (plus the catching shapes) x world sizes SUITE_WORLD_SIZES
+    (plus the catching ones) x scenarios SUITE_SCENARIOS (plus the catching ones), bf16, seed 0.
+    The catching cases are always in it, so a mutant the plain self-test catches is killable."""
+    catching = [CaseSpec.parse(c) for c in mutant.catching_cases]
+    fmts = sorted({c.fmt for c in catching})
+    sizes = sorted(set(SUITE_WORLD_SIZES) | {c.world_size for c in catching})
+    scenarios = sorted(set(SUITE_SCENARIOS) | {c.scenario for c in catching})
+    configs = sorted({c.config for c in catching} | {DEFAULT}, key=lambda c: c.token)
+    ids = {c.id for c in catching}
+    for fmt in fmts:
+        shapes = set(_suite_shapes(fmt)) | {c.shape for c in catching if c.fmt == fmt}
+        for shape in sorted(shapes):
+            for ws in sizes:
+                for scenario in scenarios:
+                    for config in configs:  # a configuration's mutant also runs where its bug is silent
+                        if config.check_world_size(ws) is None:
+                            ids.add(CaseSpec(mutant.name, fmt, shape, SUITE_DTYPE, ws, scenario, 0, config).id)
+    return sorted(ids)
+
+
+@dataclass
+class SuiteResult:
+    """One mutant's verdicts over its sample, each next to the reference's on the same case."""
+
+    mutant: type[Mutant]
+    pairs: list[tuple[CaseReport, CaseReport]]  # (mutant, reference)
+
+    def _counted(self) -> list[tuple[CaseReport, CaseReport]]:
+        return [(m, r) for m, r in self.pairs if reference_passes(r) and not m.passed]
+
+    @property
+    def kills(self) -> list[CaseReport]:
+        kills = [m for m, _ in self._counted() if m.verdict in self.mutant.verdicts]
+        return sorted(kills, key=lambda m: m.verdict is not self.mutant.expected)  # the expected verdict first
+
+    @property
+    def wrong_class(self) -> list[CaseReport]:
+        return [m for m, _ in self._counted() if m.verdict not in self.mutant.verdicts]
+
+    @property
+    def killed(self) -> bool:
+        return bool(self.kills)
+
+    def line(self) -> str:
+        counts = Counter(m.verdict.value for m, _ in self.pairs)
+        shown = ", ".join(f"{v} {n}" for v, n in sorted(counts.items()))
+        head = f"{self.mutant.bug}  bug {self.mutant.bug_class}  "
+        head += f"killed by {self.kills[0].spec.id}" if self.killed else "SURVIVED"
+        line = f"{head}  [{len(self.pairs)} cases: {shown}]"
+        for report in self.wrong_class:
+            line += f"\n    wrong-class {report.verdict.value} on {report.spec.id} " \
+                    f"(expected one of {', '.join(sorted(v.value for v in self.mutant.verdicts))})"
+        return line
+
+
+def run_suite(mutants: Sequence[type[Mutant]], runner: Callable[[str], CaseReport] | None = None,
+              ) -> list[SuiteResult]:
+    """Run the reference once over the union of the samples, then every mutant over its own."""
+    runner = runner or run
+    samples = {m: suite_sample(m) for m in mutants}
+    for case_id in sorted({reference_case(c) for ids in samples.values() for c in ids}):
+        runner(case_id)
+    return [SuiteResult(m, [(runner(c), runner(reference_case(c))) for c in samples[m]])
+            for m in _warm_order(list(mutants))]
+
+
+def suite_summary(results: Sequence[SuiteResult]) -> tuple[list[str], int]:
+    """The per-mutant lines, the last line, and the exit status."""
+    killed = sum(r.killed for r in results)
+    wrong = sum(len(r.wrong_class) for r in results)
+    lines = [r.line() for r in results]
+    lines.append(f"mutants killed: {killed}/{len(results)}, wrong-class verdicts: {wrong}")
+    return lines, 0 if killed == len(results) and wrong == 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qgather selftest", description=__doc__.splitlines()[0])
+    parser.add_argument("mutants", nargs="*", metavar="MUTANT", help="only these (e.g. nibble_swap)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every case's full report")
+    parser.add_argument("--suite", action="store_true",
+                        help="mutation mode: every mutant over a fixed sample of the default suite")
+    parser.add_argument("--keep-pools", action="store_true",
+                        help="leave the rank pools running (for callers that run more cases)")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    mutants = _select(args.mutants)
+    if args.suite:
+        return _main_suite(mutants, args.keep_pools)
+    try:
+        results = {m: check_mutant(m) for m in _warm_order(mutants)}
+    finally:
+        if not args.keep_pools:
+            from qgather.runtime import shutdown_pools
+
+            shutdown_pools()
+    caught = 0
+    for mutant in mutants:
+        result = results[mutant]
+        caught += result.caught
+        print("\n".join(result.lines(args.verbose)))
+    print(f"mutants caught: {caught}/{len(mutants)}")
+    return 0 if caught == len(mutants) else 1
+
+
+def _main_suite(mutants: list[type[Mutant]], keep_pools: bool) -> int:
+    n_cases = sum(len(suite_sample(m)) for m in mutants)
+    n_ref = len({reference_case(c) for m in mutants for c in suite_sample(m)})
+    print(f"mutation mode: {len(mutants)} mutants, {n_cases} mutant cases, {n_ref} reference cases", flush=True)
+    try:
+        results = run_suite(mutants)
+    finally:
+        if not keep_pools:
+            from qgather.runtime import shutdown_pools
+
+            shutdown_pools()
+    by_mutant = {r.mutant: r for r in results}
+    lines, status = suite_summary([by_mutant[m] for m in mutants])
+    print("\n".join(lines))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
