@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qgather.errors import UsageError
 from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec
@@ -49,7 +50,7 @@ class RunOptions:
         return "gloo"
 
 
-class CaseInputError(ValueError):
+class CaseInputError(UsageError):
     """A case that cannot be run as asked (unknown format, implementation, impossible world)."""
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qgather.errors import Refusal
+
 from . import numerics as nx
 
 #: Input dtypes every format accepts (TE's high-precision dtypes).
@@ -20,7 +22,7 @@ ROW_BLOCK_ELEMENTS = 1 << 24
 SCALE_ROW_PADDING = 128
 
 
-class FormatError(ValueError):
+class FormatError(Refusal):
     """A tensor (or a rebuilt buffer set) that a format cannot hold; the message is one line that
     names the format and the constraint."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qgather.errors import UsageError
 from qgather.model.config import DEFAULT, ConfigError, FsdpConfig
 
 _SEED = re.compile(r"s\d+")
@@ -21,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual", "model")
 
 
-class CaseSpecError(ValueError):
+class CaseSpecError(UsageError):
     """A case id or field that cannot describe a case."""
 
 

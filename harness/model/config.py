@@ -20,10 +20,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from qgather.errors import UsageError
+
 MP_DTYPES = ("bf16", "fp32")
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A configuration token that does not describe an FSDP2 configuration."""
 
 

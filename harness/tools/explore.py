@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
+from qgather.errors import UsageError
 from qgather.model.case import DTYPES, CaseSpec
 from qgather.model.verdict import CaseReport
 
@@ -359,7 +360,7 @@ class SweepInput:
     virtual: bool
 
 
-class InputProblem(ValueError):
+class InputProblem(UsageError):
     """Bad input; the message is the one line printed."""
 
 

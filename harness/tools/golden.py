@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qgather.check.compare import tensor_bytes
+from qgather.errors import QgatherError
 from qgather.formats import FORMATS
 from qgather.model.case import DTYPES
 from qgather.paths import golden_dir
@@ -133,7 +134,7 @@ def write(producer: str, out_dir: str = GOLDEN_DIR) -> list[str]:
     return notes
 
 
-class ManifestError(ValueError):
+class ManifestError(QgatherError, ValueError):
     """golden/manifest.json is missing, unreadable or has no entries."""
 
 

@@ -1,0 +1,35 @@
+"""Every error qgather raises on purpose, in one hierarchy, so that callers catch by kind.
+
+- `UsageError`: the user asked for something that cannot run (a case id, an option, a selection, a
+  file): one line, exit code 4 in the CLI, `pytest.UsageError` in the plugin.
+- `HarnessFault`: qgather's own glue around an implementation broke; never counted as the
+  implementation refusing a shape, whatever it says.
+- `AdapterError`: an implementation adapter that cannot be loaded or used as it is written.
+- `Refusal`: an implementation (or a format) refusing a shape it cannot hold, naming the constraint;
+  a verdict is REJECTED only when the implementation declares the refusal's class
+  (`Implementation.rejection_types`) and every rank raises it before any data moved.
+"""
+
+from __future__ import annotations
+
+
+class QgatherError(Exception):
+    """Base of every error qgather raises on purpose."""
+
+
+class UsageError(QgatherError, ValueError):
+    """The user's input cannot describe anything that runs: the message says what and why."""
+
+
+class HarnessFault(QgatherError, RuntimeError):
+    """An error in the harness's own glue around an implementation (an adapter's emulation or
+    bookkeeping): never counted as the implementation rejecting a shape."""
+
+
+class AdapterError(QgatherError, TypeError):
+    """An adapter that cannot be used as written (e.g. a required method missing)."""
+
+
+class Refusal(QgatherError, ValueError):
+    """A shape refused with the constraint it violates named (a format that cannot hold it, a shard
+    that is not aligned to the scale block)."""
