@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from qgather.engine.run import expectation
 from qgather.impls import available, get_impl
 from qgather.impls.mutants import MUTANTS
 from qgather.model.case import CaseSpec
-from qgather.model.verdict import CaseReport, Verdict
+from qgather.model.policy import expectation
+from qgather.model.report import CaseReport
+from qgather.model.verdict import Verdict
 from qgather.tools import selftest
 
 FAILING_VERDICTS = {Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE, Verdict.DEGRADED, Verdict.ERROR,

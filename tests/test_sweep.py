@@ -15,7 +15,7 @@ from qgather.engine.run import RunOptions
 from qgather.formats import FORMATS
 from qgather.impls import available
 from qgather.model.case import CaseSpec
-from qgather.model.verdict import expectation
+from qgather.model.policy import expectation
 from qgather.runtime import shutdown_pools
 from qgather.tools import explore as sweep
 

@@ -127,8 +127,9 @@ def _pool_prefix() -> str:
 
 
 def _save(spec: CaseSpec, options, path: str) -> tuple[str | None, object]:
-    from qgather.engine.run import _rejections
-    from qgather.model.verdict import CaseReport, Verdict, classify_errors
+    from qgather.engine.classify import Classification, classify_errors
+    from qgather.engine.run import refusal_check
+    from qgather.model.verdict import Verdict
     from qgather.runtime import PoolSpec, PoolSpecError, get_pool
 
     size = spec.config.saved_at_world_size
@@ -137,7 +138,7 @@ def _save(spec: CaseSpec, options, path: str) -> tuple[str | None, object]:
     try:
         pool = get_pool(pool_spec.validate())
     except PoolSpecError as exc:
-        return None, CaseReport(spec, Verdict.SKIPPED, f"{where}: {exc}")
+        return None, Classification(Verdict.SKIPPED, f"{where}: {exc}")
     kwargs = {"case_id": f"{saved_spec(spec).id} (DCP save for {spec.id})", "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
@@ -145,7 +146,7 @@ def _save(spec: CaseSpec, options, path: str) -> tuple[str | None, object]:
     if outcome.status == "ok":
         return path, None
     if outcome.status == "error":
-        verdict, reason, details = classify_errors(spec, outcome.errors, size, _rejections(spec))
-        return None, CaseReport(spec, verdict, f"{where}: {reason}", details)
+        found = classify_errors(outcome.errors, size, refusal_check(spec))
+        return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
     verdict = Verdict.HANG if outcome.status == "hang" else Verdict.CRASH
-    return None, CaseReport(spec, verdict, f"{where}: {outcome.summary().splitlines()[0]}")
+    return None, Classification(verdict, f"{where}: {outcome.summary().splitlines()[0]}")

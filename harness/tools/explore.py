@@ -26,7 +26,7 @@ from typing import TextIO
 
 from qgather.errors import UsageError
 from qgather.model.case import DTYPES, CaseSpec
-from qgather.model.verdict import CaseReport
+from qgather.model.report import CaseReport
 
 REAL_SCENARIOS = ("steps", "gather", "reshard", "hooks")
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
