@@ -28,14 +28,9 @@ from torch.utils._pytree import tree_map_only
 from qgather.formats import FORMATS
 from qgather.formats import numerics as nx
 from qgather.formats.nvfp4 import Nvfp4_1DFormat, Nvfp4_2DFormat
-from qgather.impls.reference import (
-    QuantizedParam,
-    ReferenceImplementation,
-    WireMeta,
-    _pack_bytes,
-    _unpack_planes,
-    aten,
-)
+from qgather.impls.reference import QuantizedParam, ReferenceImplementation, WireMeta
+from qgather.impls.reference.ops import aten
+from qgather.impls.reference.wire import WireMode, pack_bytes, unpack_planes
 from qgather.model.verdict import Verdict
 
 __all__ = ["FACTORIES", "MUTANTS", "Mutant"]
@@ -101,7 +96,7 @@ class TrimToFitParam(MisalignedShardParam):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         layout = metadata.layout
-        if layout.mode == "rows":
+        if layout.mode is WireMode.ROWS:
             rows = math.prod(layout.full_shape[:-1])
             # BUG: whatever arrived is cut to the expected entry count, never checked.
             all_gather_outputs = tuple(
@@ -300,7 +295,7 @@ class UnpaddedUnevenParam(QuantizedParam):
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         inputs, metadata = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
-        if metadata.layout.mode == "planes":
+        if metadata.layout.mode is WireMode.PLANES:
             # BUG: uneven shards go on the wire as they are, unpadded.
             return tuple(self._rows.values()), metadata
         return inputs, metadata
@@ -421,10 +416,10 @@ class Ws1PathParam(QuantizedParam):
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         inputs, metadata = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
-        if metadata.layout.mode == "single":
+        if metadata.layout.mode is WireMode.SINGLE:
             wire = self._padded_wire(orig_size[0] * math.prod(orig_size[1:-1]))
             # BUG: packed in sorted-name order; metadata.layout lists the storage order.
-            inputs = (_pack_bytes([wire[name] for name in sorted(wire)]),)
+            inputs = (pack_bytes([wire[name] for name in sorted(wire)]),)
         return inputs, metadata
 
 
@@ -483,7 +478,7 @@ class AssumesDim0Param(QuantizedParam):
         for rank in range(layout.world_size):
             # BUG: rank-major slicing of a dim-1 concatenation.
             section = [o.reshape(layout.world_size, -1)[rank] for o in outputs]
-            per_rank.append(_unpack_planes(section, layout.buffers))
+            per_rank.append(unpack_planes(section, layout.buffers))
         return {name: torch.cat([r[name] for r in per_rank], dim=-1) for name, _, _ in layout.buffers}
 
 
