@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from qgather import impls
+from qgather import errors, impls
 from qgather.errors import AdapterError, UsageError
 from qgather.formats import FormatError
-from qgather.impls import AdapterLoadError, UnknownImplementationError, get_impl
+from qgather.impls import AdapterLoadError, UnknownImplementationError, base, get_impl
 from qgather.impls.base import Implementation, missing_methods
 from qgather.impls.reference import ReferenceImplementation
 from qgather.impls.reference import ShardAlignmentError as ReferenceShardAlignmentError
+from qgather.impls.te.quantizers import TEUnavailable
 from qgather.model.case import SCENARIOS
 
 
@@ -254,3 +255,26 @@ def test_an_adapter_that_declares_nothing_rejects_nothing():
 
 def test_declared_rejections_keeps_the_bare_names_for_the_classifier_of_before():
     assert ReferenceImplementation().declared_rejections() == frozenset({"ShardAlignmentError", "FormatError"})
+
+
+# ------------------------------------------------------------------ errors and imports of the adapters
+def test_the_adapters_errors_are_in_qgathers_hierarchy():
+    assert base.HarnessFault is errors.HarnessFault
+    assert issubclass(base.NoSingleDeviceTwin, errors.HarnessFault)
+    assert issubclass(ReferenceShardAlignmentError, errors.Refusal)
+    assert issubclass(ReferenceShardAlignmentError, ValueError)  # what it was before the hierarchy
+    assert issubclass(TEUnavailable, errors.HarnessFault) and issubclass(TEUnavailable, RuntimeError)
+
+
+TE_MODULES = Path(__file__).resolve().parents[1] / "harness" / "impls" / "te"
+
+
+@pytest.mark.parametrize("path", sorted(TE_MODULES.glob("*.py")), ids=lambda p: p.name)
+def test_te_modules_import_transformer_engine_only_inside_functions(path):
+    """TE is installed only on GPU hosts: every te module but reference_bits (a subclass of a TE class,
+    imported only by the function that installs it) must import without it."""
+    top = [node for node in ast.parse(path.read_text()).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in top if isinstance(n, ast.ImportFrom) and n.module]
+    te_at_top = [n for n in names if n.startswith("transformer_engine")]
+    assert (te_at_top != []) is (path.name == "reference_bits.py"), te_at_top
