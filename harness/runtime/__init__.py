@@ -22,9 +22,9 @@ of CPU ranks).
 from qgather.runtime.external import ExternalPool, external_world, is_reporting_rank
 from qgather.runtime.outcome import CaseOutcome, RankError
 from qgather.runtime.pool import RankPool
+from qgather.runtime.rank import CaseContext
 from qgather.runtime.registry import get_pool, shutdown_pools
 from qgather.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
-from qgather.runtime.worker import CaseContext
 
 __all__ = [
     "CaseContext",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from qgather.runtime import PoolSpec, RankPool, shutdown_pools
 from qgather.runtime.probes import collectives_only, crash_rank, trivial
-from qgather.runtime.spec import WORKER_ENV_DEFAULTS
+from qgather.runtime.spec import RANK_ENV_DEFAULTS
 
 WARMUP_CASES = 20
 RECOVERY_REPS = 3
@@ -115,7 +115,7 @@ def _spawn_per_case(world_size: int) -> float:
     context = mp.get_context("spawn")
     tmpdir = tempfile.mkdtemp(prefix="qgather-bench-")
     env_backup = dict(os.environ)
-    os.environ.update({**WORKER_ENV_DEFAULTS, "OMP_NUM_THREADS": "1",
+    os.environ.update({**RANK_ENV_DEFAULTS, "OMP_NUM_THREADS": "1",
                        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
     start = time.perf_counter()
     try:

@@ -38,8 +38,8 @@ from typing import Any
 from qgather.runtime import whereabouts
 from qgather.runtime.launch import Launch, detect_launch, export_rendezvous
 from qgather.runtime.outcome import CaseOutcome, RankError
+from qgather.runtime.rank import PICKLE_PROTOCOL, CaseContext, to_cpu
 from qgather.runtime.spec import PoolSpec, PoolSpecError
-from qgather.runtime.worker import PICKLE_PROTOCOL, CaseContext, to_cpu
 
 PG_MARGIN_S = 2.0  # a case group's collectives time out this long after the case timeout
 REPORT_MARGIN_S = 5.0  # past the case timeout, a rank with no report is lost
@@ -345,7 +345,7 @@ class ExternalPool:
         watchdog = _Watchdog(world, step, limit, max(limit, HANG_GRACE_MIN_S), case_id)
         watchdog.start()
         try:
-            report = run_case(self, fn, args, seed, case_id, members, key, group)
+            report = run_case_on_rank(self, fn, args, seed, case_id, members, key, group)
         finally:
             watchdog.finish()
         report["state"] = "done"
@@ -371,9 +371,9 @@ def _to_stderr(text: str) -> None:
 say: Callable[[str], None] = _to_stderr
 
 
-def run_case(pool: ExternalPool, fn: Callable[..., Any], args: tuple[Any, ...], seed: int, case_id: str,
-             members: tuple[int, ...], key: tuple, group: Any) -> dict[str, Any]:
-    """Barrier, seed, run the case on this rank (this name is looked for in stacks)."""
+def run_case_on_rank(pool: ExternalPool, fn: Callable[..., Any], args: tuple[Any, ...], seed: int, case_id: str,
+                     members: tuple[int, ...], key: tuple, group: Any) -> dict[str, Any]:
+    """Barrier, seed, run the case on this rank (outcome.CASE_FRAME: this name is looked for in stacks)."""
     import torch
 
     spec, world = pool.spec, pool._world

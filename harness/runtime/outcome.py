@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STATUSES = ("ok", "error", "hang", "crash")
+# The rank-side function that runs a case (runtime/rank.py, runtime/external.py): the thread with
+# this frame in a stack dump is the case's thread.
+CASE_FRAME = "run_case_on_rank"
 
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # "[.../pair.cc:537] " from C++
@@ -102,10 +105,10 @@ _LIBRARY_PARTS = ("/torch/", "/multiprocessing/", RUNTIME_DIR, "/threading.py", 
 
 def case_frames(stack_text: str) -> list[Frame]:
     """The frames (innermost first) of the thread running the case in a faulthandler dump: the one
-    with a `run_case` frame, else the first thread listed (faulthandler puts the current one first)."""
+    with a CASE_FRAME frame, else the first thread listed (faulthandler puts the current one first)."""
     threads = _threads(stack_text)
     for frames in threads:
-        if any(func == "run_case" for _, _, func in frames):
+        if any(func == CASE_FRAME for _, _, func in frames):
             return frames
     return threads[0] if threads else []
 
@@ -128,8 +131,8 @@ def where_blocked(stack_text: str) -> str:
     waits in that collective; the first frame of the code under test (an adapter spinning or
     waiting in its own code) is named instead when it comes first.
     """
-    frames = [f for f in case_frames(stack_text)]
-    if not any(func == "run_case" for _, _, func in frames):
+    frames = case_frames(stack_text)
+    if not any(func == CASE_FRAME for _, _, func in frames):
         return "not running the case"
     for frame in frames:  # innermost first
         file, line, func = frame

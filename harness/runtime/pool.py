@@ -14,25 +14,22 @@ into a per-rank file before it dies, then SIGKILL for anything left. The next ca
 
 from __future__ import annotations
 
-import contextlib
 import math
-import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from qgather.runtime import lifeline, whereabouts
+from qgather.runtime.helpers import mp_context, signal_pid
 from qgather.runtime.outcome import CaseOutcome, RankError
-from qgather.runtime.spec import PoolSpec, rank_cpus, threads_per_rank, worker_env
-from qgather.runtime.worker import PICKLE_PROTOCOL, WorkerConfig, worker_main
+from qgather.runtime.rank import PICKLE_PROTOCOL, RankConfig, rank_main
+from qgather.runtime.spec import PoolSpec, rank_cpus, rank_env, threads_per_rank
 
 # After a first failure, how often the parent asks the other ranks where they are; a rank counts
 # as waiting for the failed one only when seen inside a collective of its case on every look for
@@ -42,19 +39,11 @@ WAIT_EVIDENCE_S = 1.0
 WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
 KILL_WAIT_S = 5.0
-HELPER_STOP_S = 5.0
 REAP_WAIT_S = 5.0  # a dead rank's exit status comes via the forkserver, a moment after its pipe closes
 STOP_WAIT_S = 5.0  # graceful stop: destroy_process_group and exit
 CHECK_TIMEOUT_S = 10.0
 # Collectives must never time out before the case deadline does: the parent decides, not gloo/NCCL.
 PG_TIMEOUT_S = 4 * 3600.0
-# Preloaded by the forkserver, so a (re)spawned rank starts without paying the torch import.
-FORKSERVER_PRELOAD = [
-    "torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch._dynamo",
-    "qgather.runtime.worker", "qgather.runtime.forkserver_hook",
-]
-
-_owned_helpers: dict[str, int | None] = {}  # multiprocessing helpers this runtime started
 
 
 @dataclass
@@ -105,7 +94,7 @@ class RankPool:
 
     def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None) -> None:
         self.spec = spec.validate()
-        self.extra_env = dict(env or {})  # on top of worker_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
+        self.extra_env = dict(env or {})  # on top of rank_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
         self.spawn_count = 0
         self._ranks: list[_Rank] = []
         self._tmpdir: str | None = None
@@ -190,17 +179,17 @@ class RankPool:
     # -- spawning -------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        context = _mp_context()
+        context = mp_context()
         _sweep_once()
         self._tmpdir = lifeline.make_pool_dir()
         threads = threads_per_rank(self.spec.world_size)
-        env = {**worker_env(self.spec, threads), **self.extra_env}
+        env = {**rank_env(self.spec, threads), **self.extra_env}
         cpus = rank_cpus(self.spec)
         runner_pid, runner_start = lifeline.runner_identity()
         life_r, self._lifeline = context.Pipe(duplex=False)
         try:
             for rank in range(self.spec.world_size):
-                config = WorkerConfig(
+                config = RankConfig(
                     rank=rank, world_size=self.spec.world_size, backend=self.spec.backend,
                     device=self.spec.device, store_path=os.path.join(self._tmpdir, "store"),
                     stacks_path=self._stacks_path(rank), env=env, threads=threads, pg_timeout_s=PG_TIMEOUT_S,
@@ -208,7 +197,7 @@ class RankPool:
                 )
                 parent_conn, child_conn = context.Pipe(duplex=True)
                 where_parent, where_child = context.Pipe(duplex=True)
-                process = context.Process(target=worker_main, args=(config, child_conn, life_r, where_child),
+                process = context.Process(target=rank_main, args=(config, child_conn, life_r, where_child),
                                           name=f"qgather-rank{rank}", daemon=True)
                 process.start()
                 child_conn.close()
@@ -426,7 +415,7 @@ def _send_quietly(conn: Connection, data: bytes) -> bool:
 
 def _signal_all(ranks: list[_Rank], signum: int) -> None:
     for r in ranks:
-        _signal_pid(r.process.pid, signum)
+        signal_pid(r.process.pid, signum)
 
 
 def _wait_dead(ranks: list[_Rank], timeout: float) -> None:
@@ -445,102 +434,3 @@ def _read_text(path: str) -> str:
             return f.read()
     except OSError:
         return ""
-
-
-def _mp_context() -> Any:
-    """A forkserver that has torch preloaded, or plain spawn where that is not available.
-
-    Either way multiprocessing runs a resource tracker; what this runtime started, it stops.
-    """
-    tracker_started = _helper_pid("tracker") is None
-    context = _forkserver_context() or mp.get_context("spawn")
-    if tracker_started:
-        resource_tracker.ensure_running()
-        _owned_helpers["tracker"] = _helper_pid("tracker")
-    return context
-
-
-def _forkserver_context() -> Any:
-    method = os.environ.get("QGATHER_START_METHOD", "forkserver")
-    if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
-        return None
-    context = mp.get_context("forkserver")
-    server = forkserver._forkserver
-    started = _helper_pid("forkserver") is None
-    if started:
-        context.set_forkserver_preload(FORKSERVER_PRELOAD)
-    try:
-        with _nvml_cuda_checks():
-            server.ensure_running()
-    except Exception:
-        return None
-    if started:
-        _owned_helpers["forkserver"] = _helper_pid("forkserver")
-    return context
-
-
-@contextlib.contextmanager
-def _nvml_cuda_checks() -> Iterator[None]:
-    """Start the forkserver with torch's fork-safe (NVML) CUDA availability check.
-
-    Should anything it preloads ask torch.cuda.is_available(), the CUDA driver must not get
-    initialized there: every rank forked from it would inherit a driver it cannot use.
-    """
-    name = "PYTORCH_NVML_BASED_CUDA_CHECK"
-    previous = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
-def _helper_pid(name: str) -> int | None:
-    if name == "forkserver":
-        return getattr(forkserver._forkserver, "_forkserver_pid", None)
-    return getattr(resource_tracker._resource_tracker, "_pid", None)
-
-
-def stop_helpers() -> None:
-    """Stop the forkserver and resource tracker if this runtime started them (they are our children).
-
-    Both exit as soon as their "alive" pipe closes, which is what their `_stop` does.
-    """
-    helpers = {"forkserver": forkserver._forkserver, "tracker": resource_tracker._resource_tracker}
-    _mark_clean_stop()
-    for name, helper in helpers.items():
-        pid = _owned_helpers.pop(name, None)
-        stop = getattr(helper, "_stop", None)
-        if pid is not None and pid == _helper_pid(name) and stop is not None:
-            _bounded(stop, pid)
-
-
-def _mark_clean_stop() -> None:
-    """Tell our forkserver's exit hook that this is a clean stop: the runner removes its own dirs."""
-    address = getattr(forkserver._forkserver, "_forkserver_address", None)
-    if _owned_helpers.get("forkserver") is None or not isinstance(address, str) or address[:1] == "\0":
-        return
-    with contextlib.suppress(OSError):
-        open(os.path.join(os.path.dirname(address), lifeline.CLEAN_STOP_MARKER), "w").close()
-
-
-def _bounded(stop: Callable[[], None], pid: int) -> None:
-    """Run a helper's `_stop` (which waits for the helper without a timeout) with a deadline:
-    a helper still there after HELPER_STOP_S is killed, which ends that wait."""
-    timer = threading.Timer(HELPER_STOP_S, _signal_pid, args=(pid, signal.SIGKILL))
-    timer.daemon = True
-    timer.start()
-    try:
-        stop()
-    finally:
-        timer.cancel()
-
-
-def _signal_pid(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass

@@ -16,7 +16,7 @@ DEFAULT_CASE_TIMEOUT_S = {("gloo", "cpu"): 60.0, ("gloo", "cuda"): 90.0, ("nccl"
 DEFAULT_STARTUP_TIMEOUT_S = {("gloo", "cpu"): 120.0, ("gloo", "cuda"): 180.0, ("nccl", "cuda"): 300.0}
 
 # The GPU host needs NVLink multicast off; an explicit setting in the environment wins.
-WORKER_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+RANK_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 class PoolSpecError(ValueError):
@@ -119,7 +119,7 @@ def _parent_gpu_names() -> list[str]:
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process's pools may use (CUDA_VISIBLE_DEVICES entries for the workers).
+    """The GPUs this process's pools may use (CUDA_VISIBLE_DEVICES entries for their ranks).
 
     Under pytest-xdist with several GPUs, the GPUs are dealt round-robin to the xdist workers so
     that two workers never put NCCL ranks on the same GPU; QGATHER_GPU_SPLIT=0 turns that off.
@@ -133,10 +133,10 @@ def visible_gpus() -> list[str]:
     return [names[index % len(names)]]
 
 
-def worker_env(spec: PoolSpec, threads: int) -> dict[str, str]:
-    """Environment for a pool's workers: the parent's, plus what the runtime needs."""
+def rank_env(spec: PoolSpec, threads: int) -> dict[str, str]:
+    """Environment for a pool's ranks: the parent's, plus what the runtime needs."""
     env = dict(os.environ)
-    for name, value in WORKER_ENV_DEFAULTS.items():
+    for name, value in RANK_ENV_DEFAULTS.items():
         env.setdefault(name, value)
     # All ranks of a pool are local; loopback avoids hosts whose hostname resolves to nothing usable.
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")

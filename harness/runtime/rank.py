@@ -1,4 +1,4 @@
-"""The rank side of a pool: one process per rank, serving cases sent down its pipe.
+"""The rank side of a pool: one process per rank, serving the cases sent down its pipe.
 
 Messages are pickled by the runtime itself (not by multiprocessing's ForkingPickler) so that
 tensors travel inline instead of through torch's shared-memory file-descriptor passing, which
@@ -34,7 +34,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 class CaseContext:
-    """What a case function gets on each rank. Built inside the worker; never pickled."""
+    """What a case function gets on each rank. Built inside the rank's process; never pickled."""
 
     def __init__(self, rank: int, world_size: int, backend: str, device: torch.device,
                  group: dist.ProcessGroup, seed: int, case_id: str,
@@ -59,7 +59,9 @@ class CaseContext:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class RankConfig:
+    """How one rank process sets itself up and joins its pool's process group."""
+
     rank: int
     world_size: int
     backend: str
@@ -77,7 +79,7 @@ class WorkerConfig:
 
 @dataclass
 class _RankState:
-    config: WorkerConfig
+    config: RankConfig
     device: torch.device
     group: dist.ProcessGroup
     meshes: dict[str, Any] = field(default_factory=dict)
@@ -102,8 +104,8 @@ class _RankState:
 _keep_alive: list[Any] = []  # faulthandler writes to this file from a signal handler
 
 
-def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | None = None,
-                where: Connection | None = None) -> None:
+def rank_main(config: RankConfig, conn: Connection, lifeline: Connection | None = None,
+              where: Connection | None = None) -> None:
     """Entry point of a rank process: set up, join the process group, then serve cases.
 
     `lifeline` is the read end of a pipe only the runner can write to: EOF means it died.
@@ -121,7 +123,7 @@ def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | N
     _serve(state, conn)
 
 
-def _prepare_process(config: WorkerConfig, lifeline: Connection | None) -> None:
+def _prepare_process(config: RankConfig, lifeline: Connection | None) -> None:
     # A forkserver child inherits the forkserver's environment, not the parent's current one.
     os.environ.update(config.env)
     # torch.distributed reads TORCH_DISTRIBUTED_DEBUG once, at import: in the forkserver, before this env.
@@ -158,7 +160,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _bind_device(config: WorkerConfig) -> torch.device:
+def _bind_device(config: RankConfig) -> torch.device:
     if config.device == "cpu":
         return torch.device("cpu")
     if torch.cuda._is_in_bad_fork():
@@ -169,7 +171,7 @@ def _bind_device(config: WorkerConfig) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _join_group(config: WorkerConfig) -> _RankState:
+def _join_group(config: RankConfig) -> _RankState:
     device = _bind_device(config)
     store = dist.FileStore(config.store_path, config.world_size)
     dist.init_process_group(
@@ -189,14 +191,15 @@ def _serve(state: _RankState, conn: Connection) -> None:
             break  # the parent is gone
         if message[0] == "stop":
             break
-        reply = run_case(state, *message[1:]) if message[0] == "case" else _check(state, message[1])
+        reply = run_case_on_rank(state, *message[1:]) if message[0] == "case" else _check(state, message[1])
         if not _send_bytes(conn, reply):
             break
     dist.destroy_process_group()
 
 
-def run_case(state: _RankState, case_id: str, seed: int, blob: bytes) -> bytes:
-    """Barrier, seed, run the case function, and pickle its reply (this name is looked for in stacks)."""
+def run_case_on_rank(state: _RankState, case_id: str, seed: int, blob: bytes) -> bytes:
+    """Barrier, seed, run the case function, and pickle its reply (outcome.CASE_FRAME: this name is
+    looked for in stacks)."""
     config = state.config
     whereabouts.NOTES.clear()
     try:
