@@ -3,8 +3,9 @@
     spec = PoolSpec(backend="gloo", world_size=4, device="cpu")   # PoolSpec.auto(4) picks by GPUs
     spec.validate()                                   # PoolSpecError: one line saying why not
     out = get_pool(spec).run(fn, *args, timeout=30.0, case_id="...", seed=0)
-    out.status                                        # "ok" | "error" | "hang" | "crash"
-    out.results, out.errors, out.stacks, out.exit_codes, out.duration_s, out.summary()
+    out.status                                        # OutcomeStatus.OK | ERROR | HANG | CRASH
+    out.results, out.errors, out.stacks, out.exit_codes, out.duration_s, out.headline()
+    same_error_on_every_rank(out.errors, out.world_size)  # the lowest rank's RankError, or None
     shutdown_pools()                                  # also registered with atexit
 
 `fn(ctx: CaseContext, *args)` must be a module-level function; it runs on every rank after a
@@ -20,7 +21,7 @@ of CPU ranks).
 """
 
 from qgather.runtime.external import ExternalPool, external_world, is_reporting_rank
-from qgather.runtime.outcome import CaseOutcome, RankError
+from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
 from qgather.runtime.pool import RankPool
 from qgather.runtime.rank import CaseContext
 from qgather.runtime.registry import get_pool, shutdown_pools
@@ -30,6 +31,7 @@ __all__ = [
     "CaseContext",
     "CaseOutcome",
     "ExternalPool",
+    "OutcomeStatus",
     "PoolSpec",
     "PoolSpecError",
     "RankError",
@@ -37,6 +39,7 @@ __all__ = [
     "external_world",
     "get_pool",
     "is_reporting_rank",
+    "same_error_on_every_rank",
     "shutdown_pools",
     "visible_gpus",
 ]

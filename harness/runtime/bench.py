@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from qgather.runtime import PoolSpec, RankPool, shutdown_pools
+from qgather.runtime import OutcomeStatus, PoolSpec, RankPool, shutdown_pools
 from qgather.runtime.probes import collectives_only, crash_rank, trivial
 from qgather.runtime.spec import RANK_ENV_DEFAULTS
 
@@ -104,7 +104,7 @@ def _recovery(pool: RankPool) -> float:
     """A crash (rank 1 exits while the others wait), then the next trivial case on fresh ranks."""
     start = time.perf_counter()
     crashed = pool.run(crash_rank)
-    if crashed.status != "crash":
+    if crashed.status is not OutcomeStatus.CRASH:
         raise RuntimeError(f"expected a crash, got {crashed.summary()}")
     _expect_ok(pool.run(trivial))
     return time.perf_counter() - start
@@ -218,7 +218,7 @@ def _timed(action: Callable[[], object]) -> float:
 
 
 def _expect_ok(outcome):
-    if outcome.status != "ok":
+    if not outcome.ok:
         raise RuntimeError(f"benchmark case failed: {outcome.summary()}")
     return outcome
 

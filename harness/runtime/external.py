@@ -37,7 +37,7 @@ from typing import Any
 
 from qgather.runtime import whereabouts
 from qgather.runtime.launch import Launch, detect_launch, export_rendezvous
-from qgather.runtime.outcome import CaseOutcome, RankError
+from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
 from qgather.runtime.rank import PICKLE_PROTOCOL, CaseContext, to_cpu
 from qgather.runtime.spec import PoolSpec, PoolSpecError
 
@@ -321,7 +321,7 @@ class ExternalPool:
         world.post(step, mine)
         reports = world.collect(step, start + limit + REPORT_MARGIN_S)
         outcome = _merge(reports, members, kind, world.hosts, case_id)
-        if outcome.status != "ok" and not _rejected_everywhere(outcome):
+        if outcome.status is not OutcomeStatus.OK and not _rejected_everywhere(outcome):
             world.retire(key)
         # The next case waits for a rank whose case thread is late (hung, or in a collective that times out).
         world._start_wait_s = limit + max(limit, HANG_GRACE_MIN_S) + PG_MARGIN_S + START_MARGIN_S
@@ -336,7 +336,7 @@ class ExternalPool:
         self._world.close()
 
     def _unusable(self, case_id: str) -> CaseOutcome:
-        return CaseOutcome("crash", [None] * self.spec.world_size, case_id=case_id,
+        return CaseOutcome(OutcomeStatus.CRASH, [None] * self.spec.world_size, case_id=case_id,
                            note=f"the launched job is unusable: {self._world.broken}")
 
     def _run_here(self, step: int, fn: Callable[..., Any], args: tuple[Any, ...], limit: float, case_id: str,
@@ -353,7 +353,7 @@ class ExternalPool:
 
     def _say_own_failure(self, mine: dict[str, Any], outcome: CaseOutcome, case_id: str) -> None:
         """Ranks other than 0 print nothing, except their own failure (rank 0's is in the report)."""
-        if self.rank == 0 or outcome.status == "ok" or _rejected_everywhere(outcome):
+        if self.rank == 0 or outcome.ok or _rejected_everywhere(outcome):
             return
         error = mine.get("error")
         what = (f"raised {error.first_line()}\n{error.traceback_text}" if error is not None
@@ -473,7 +473,8 @@ def _merge(reports: dict[int, dict[str, Any]], members: tuple[int, ...], kind: s
             errors[g] = report["error"]
         else:
             results[g] = report["result"]
-    status = "crash" if lost else "hang" if hung else "error" if errors else "ok"
+    status = (OutcomeStatus.CRASH if lost else OutcomeStatus.HANG if hung
+              else OutcomeStatus.ERROR if errors else OutcomeStatus.OK)
     elapsed = [reports[r]["elapsed"] for r in members if r in reports] or [0.0]
     note = "; ".join(f"rank {g} (job rank {members[g]} on {hosts[members[g]]}) sent no report" for g in lost)
     return CaseOutcome(status=status, results=results, errors=errors, stacks=stacks, duration_s=max(elapsed),
@@ -483,9 +484,8 @@ def _merge(reports: dict[int, dict[str, Any]], members: tuple[int, ...], kind: s
 
 def _rejected_everywhere(outcome: CaseOutcome) -> bool:
     """Every rank raised the same error: no collective was left half-done, the group is reusable."""
-    errors = list(outcome.errors.values())
-    return (outcome.status == "error" and len(errors) == outcome.world_size
-            and len({(e.type_name, e.message) for e in errors}) == 1)
+    return outcome.status is OutcomeStatus.ERROR and same_error_on_every_rank(outcome.errors,
+                                                                              outcome.world_size) is not None
 
 
 def _external_problem(spec: PoolSpec, world_size: int) -> str:

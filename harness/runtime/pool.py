@@ -1,15 +1,17 @@
 """A warm pool of rank processes that runs one case at a time and contains every failure.
 
-The parent sends each case to every rank, then waits on the ranks' result pipes and process
+The parent sends each case to every rank, then waits on the ranks' reply pipes and process
 sentinels together, always with a deadline:
 
-* every rank replies                  -> "ok", or "error" (the pool stays warm after a health check)
-* a rank raises, another never replies -> "error" after a short grace, then the pool is aborted
-* a rank process dies                  -> "crash" with its exit code or signal, then aborted
-* the deadline passes                  -> "hang", then aborted
+* every rank replies                   -> OK, or ERROR (the pool stays warm after a health check)
+* a rank raises, another never replies -> ERROR once the others are seen waiting for it in a
+                                          collective (or at the deadline), then the pool is aborted
+* a rank process dies                  -> CRASH with its exit code or signal, then aborted
+* the deadline passes                  -> HANG, then aborted
 
 Aborting sends SIGTERM, which makes each rank dump all its threads' Python stacks (faulthandler)
-into a per-rank file before it dies, then SIGKILL for anything left. The next case respawns.
+into a per-rank file before it dies, then SIGKILL for anything left; the stacks go into the
+outcome, for a CRASH as for a HANG. The next case respawns.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from qgather.runtime import lifeline, whereabouts
 from qgather.runtime.helpers import mp_context, signal_pid
-from qgather.runtime.outcome import CaseOutcome, RankError
+from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
 from qgather.runtime.rank import PICKLE_PROTOCOL, RankConfig, rank_main
 from qgather.runtime.spec import PoolSpec, rank_cpus, rank_env, threads_per_rank
 
@@ -81,12 +83,12 @@ class _Replies:
         return min(deadline, time.monotonic() + WHERE_POLL_S)
 
     @property
-    def status(self) -> str:
+    def status(self) -> OutcomeStatus:
         if self.exit_codes:
-            return "crash"
+            return OutcomeStatus.CRASH
         if self.errors:
-            return "error"
-        return "hang" if self.pending else "ok"
+            return OutcomeStatus.ERROR
+        return OutcomeStatus.HANG if self.pending else OutcomeStatus.OK
 
 
 class RankPool:
@@ -103,14 +105,17 @@ class RankPool:
 
     @property
     def started(self) -> bool:
+        """Whether the ranks are up (they start on the first case, or with `start`)."""
         return bool(self._ranks)
 
     @property
     def pids(self) -> list[int]:
+        """The ranks' process ids, by rank."""
         return [r.process.pid for r in self._ranks]
 
     @property
     def tmpdir(self) -> str | None:
+        """The pool's temp dir (its store and stack files) while the ranks are up."""
         return self._tmpdir
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
@@ -128,9 +133,8 @@ class RankPool:
         if self._ranks and self._idle_rank_gone():
             self._teardown()  # a rank died while idle (OOM killer, a stray signal): not this case's doing
         if not self._ranks:
-            failure = self.start()
+            failure = self.start(case_id)
             if failure is not None:
-                failure.case_id = case_id
                 return failure
         start = time.monotonic()
         try:
@@ -147,23 +151,22 @@ class RankPool:
         # before a forkserver has reaped it and made its sentinel ready.
         return bool(wait([w for r in self._ranks for w in (r.conn, r.process.sentinel)], timeout=0))
 
-    def start(self) -> CaseOutcome | None:
-        """Spawn the ranks and join the process group; returns the failure if that fails."""
+    def start(self, case_id: str = "") -> CaseOutcome | None:
+        """Spawn the ranks and join the process group; returns the failure (for `case_id`) if that fails."""
         if self._ranks:
             return None
         start = time.monotonic()
         try:
             self._spawn()
             replies = self._collect(_Replies(self.spec.world_size), start + self.spec.startup_timeout_s)
+            if replies.status is OutcomeStatus.OK:
+                return None
+            replies.results = [None] * self.spec.world_size  # the pids of the ranks that did start
+            return self._conclude(replies, time.monotonic() - start, case_id,
+                                  note=f"pool startup failed for {self.spec}")
         except BaseException:
             self._teardown()
             raise
-        if replies.status == "ok":
-            return None
-        outcome = self._conclude(replies, time.monotonic() - start, "")
-        outcome.results = [None] * self.spec.world_size
-        outcome.note = f"pool startup failed for {self.spec}"
-        return outcome
 
     def shutdown(self) -> None:
         """Stop every rank (gracefully, then SIGTERM, then SIGKILL) and remove the temp dir."""
@@ -316,25 +319,29 @@ class RankPool:
 
     # -- deciding -------------------------------------------------------------------------
 
-    def _conclude(self, replies: _Replies, duration: float, case_id: str) -> CaseOutcome:
-        outcome = CaseOutcome(
-            status=replies.status, results=replies.results, errors=replies.errors,
+    def _conclude(self, replies: _Replies, duration: float, case_id: str, note: str = "") -> CaseOutcome:
+        """The outcome, once: a failure that left a rank behind (or the group out of step) aborts the
+        ranks first, and their stacks go into it, for a CRASH as for a HANG."""
+        status = replies.status
+        notes: dict[int, dict[str, str]] = {}
+        stacks: dict[int, str] = {}
+        if status is not OutcomeStatus.OK:
+            left_behind = bool(replies.pending or replies.exit_codes)
+            if left_behind:
+                notes = {r.rank: notes for r in self._ranks if (notes := self._where(r).get("notes"))}
+            if left_behind or not self._healthy():
+                stacks = self._abort()
+        return CaseOutcome(
+            status=status, results=replies.results, errors=replies.errors, stacks=stacks,
             exit_codes=replies.exit_codes, duration_s=duration, case_id=case_id,
-            unfinished=tuple(sorted(replies.pending)),
+            unfinished=tuple(sorted(replies.pending)), note=note, notes=notes,
         )
-        if outcome.status == "ok":
-            return outcome
-        if replies.pending or replies.exit_codes:
-            outcome.notes = {r.rank: notes for r in self._ranks if (notes := self._where(r).get("notes"))}
-        if replies.pending or replies.exit_codes or not self._healthy():
-            outcome.stacks = self._abort()
-        return outcome
 
     def _healthy(self) -> bool:
         """After a case failed on ranks that all replied: is the process group still in step?"""
         self._checks += 1
         replies = self._exchange(_dumps(("check", self._checks)), CHECK_TIMEOUT_S)
-        return replies.status == "ok"
+        return replies.status is OutcomeStatus.OK
 
     def _abort(self) -> dict[int, str]:
         """Kill every rank, keeping the stacks they dump on SIGTERM (and any fatal-signal dump)."""
