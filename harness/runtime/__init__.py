@@ -13,7 +13,8 @@ barrier and `torch.manual_seed(seed)`, and returns something picklable (tensors 
 the CPU). A pool is per process (so per pytest-xdist worker) and per spec; its ranks start on
 the first case, stay warm, and are respawned on the next case after a hang, a crash, or an
 error that left some rank behind. Under torchrun/SLURM, get_pool returns an ExternalPool bound
-to the launcher's world instead, with the same `run`.
+to the launcher's world instead, with the same `run`. The runtime knows nothing of cases: runner
+and ranks speak the closed protocol of runtime/protocol.py.
 
 Environment knobs: QGATHER_START_METHOD=spawn (instead of a forkserver with torch preloaded),
 QGATHER_GPU_SPLIT=0 (no GPU sharing-out between xdist workers), QGATHER_PIN_CPUS=0 (no CPU pinning
@@ -23,6 +24,7 @@ of CPU ranks).
 from qgather.runtime.external import ExternalPool, external_world, is_reporting_rank
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
 from qgather.runtime.pool import RankPool
+from qgather.runtime.protocol import ProtocolError
 from qgather.runtime.rank import CaseContext
 from qgather.runtime.registry import get_pool, shutdown_pools
 from qgather.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
@@ -34,6 +36,7 @@ __all__ = [
     "OutcomeStatus",
     "PoolSpec",
     "PoolSpecError",
+    "ProtocolError",
     "RankError",
     "RankPool",
     "external_world",

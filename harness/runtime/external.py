@@ -38,8 +38,9 @@ from typing import Any
 from qgather.runtime import whereabouts
 from qgather.runtime.launch import Launch, detect_launch, export_rendezvous
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
-from qgather.runtime.rank import PICKLE_PROTOCOL, CaseContext, to_cpu
-from qgather.runtime.spec import PoolSpec, PoolSpecError
+from qgather.runtime.protocol import PICKLE_PROTOCOL, encode_case
+from qgather.runtime.rank import CaseContext, to_cpu
+from qgather.runtime.spec import PoolSpec, PoolSpecError, check_timeout
 
 PG_MARGIN_S = 2.0  # a case group's collectives time out this long after the case timeout
 REPORT_MARGIN_S = 5.0  # past the case timeout, a rank with no report is lost
@@ -300,10 +301,8 @@ class ExternalPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
             case_id: str = "", seed: int = 0) -> CaseOutcome:
-        from qgather.runtime.pool import _check_timeout, _pickle_case
-
-        _pickle_case(fn, args)  # the same one-line error as a RankPool for an unsendable case
-        limit = _check_timeout(timeout, self.spec.case_timeout_s)
+        encode_case(fn, args)  # the same one-line error as a RankPool for an unsendable case
+        limit = check_timeout(timeout, self.spec.case_timeout_s)
         world = self._world
         if not world.broken:
             world.join(self.spec)

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import threading
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 POLL_S = 0.5
@@ -83,10 +84,18 @@ def sweep_orphaned_pool_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def sweep_orphaned_pool_dirs_once() -> None:
+    """`sweep_orphaned_pool_dirs`, on the first pool this process starts only."""
+    if not _swept:
+        _swept.append(True)
+        sweep_orphaned_pool_dirs()
+
+
+_swept: list[bool] = []
+
+
 def drop_inherited_helper_fds() -> None:
     """Close this rank's copies of the forkserver "alive" and resource tracker write ends."""
-    from multiprocessing import forkserver, resource_tracker
-
     server = forkserver._forkserver
     tracker = resource_tracker._resource_tracker
     for owner, attr in ((server, "_forkserver_alive_fd"), (tracker, "_fd")):

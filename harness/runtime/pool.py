@@ -1,7 +1,7 @@
 """A warm pool of rank processes that runs one case at a time and contains every failure.
 
-The parent sends each case to every rank, then waits on the ranks' reply pipes and process
-sentinels together, always with a deadline:
+The parent sends each case (RunCase) to every rank, then waits on the ranks' reply pipes and
+process sentinels together, always with a deadline:
 
 * every rank replies                   -> OK, or ERROR (the pool stays warm after a health check)
 * a rank raises, another never replies -> ERROR once the others are seen waiting for it in a
@@ -16,9 +16,7 @@ outcome, for a CRASH as for a HANG. The next case respawns.
 
 from __future__ import annotations
 
-import math
 import os
-import pickle
 import shutil
 import signal
 import time
@@ -27,11 +25,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from qgather.runtime import lifeline, whereabouts
+from qgather.runtime import lifeline, protocol, whereabouts
 from qgather.runtime.helpers import mp_context, signal_pid
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
-from qgather.runtime.rank import PICKLE_PROTOCOL, RankConfig, rank_main
-from qgather.runtime.spec import PoolSpec, rank_cpus, rank_env, threads_per_rank
+from qgather.runtime.protocol import decode, encode
+from qgather.runtime.rank import RankConfig, rank_main
+from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank
 
 # After a first failure, how often the parent asks the other ranks where they are; a rank counts
 # as waiting for the failed one only when seen inside a collective of its case on every look for
@@ -58,9 +57,10 @@ class _Rank:
 
 @dataclass
 class _Replies:
-    """What the ranks said (or did) in answer to one message."""
+    """What the ranks said (or did) in answer to one message; `accepts`: the replies it may get."""
 
     world_size: int
+    accepts: tuple[type, ...] = protocol.RANK_REPLYING
     results: list[Any] = field(default_factory=list)
     errors: dict[int, RankError] = field(default_factory=dict)
     exit_codes: dict[int, int] = field(default_factory=dict)
@@ -126,8 +126,8 @@ class RankPool:
         `timeout` (seconds) bounds the case itself, not the spawn of a cold pool; None: the
         spec's default for its backend.
         """
-        blob = _pickle_case(fn, args)
-        limit = _check_timeout(timeout, self.spec.case_timeout_s)
+        blob = protocol.encode_case(fn, args)
+        limit = check_timeout(timeout, self.spec.case_timeout_s)
         if not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if self._ranks and self._idle_rank_gone():
@@ -138,7 +138,7 @@ class RankPool:
                 return failure
         start = time.monotonic()
         try:
-            replies = self._exchange(_dumps(("case", case_id, seed, blob)), limit)
+            replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit)
             return self._conclude(replies, time.monotonic() - start, case_id)
         except BaseException:
             # Interrupted mid-case (Ctrl-C, a bug here): the ranks' late replies would be read as
@@ -158,7 +158,8 @@ class RankPool:
         start = time.monotonic()
         try:
             self._spawn()
-            replies = self._collect(_Replies(self.spec.world_size), start + self.spec.startup_timeout_s)
+            replies = self._collect(_Replies(self.spec.world_size, protocol.RANK_STARTING),
+                                    start + self.spec.startup_timeout_s)
             if replies.status is OutcomeStatus.OK:
                 return None
             replies.results = [None] * self.spec.world_size  # the pids of the ranks that did start
@@ -171,7 +172,7 @@ class RankPool:
     def shutdown(self) -> None:
         """Stop every rank (gracefully, then SIGTERM, then SIGKILL) and remove the temp dir."""
         for r in self._ranks:
-            _send_quietly(r.conn, _dumps(("stop",)))
+            _send_quietly(r.conn, encode(protocol.Stop()))
         _wait_dead(self._ranks, STOP_WAIT_S)
         self._teardown()
 
@@ -183,7 +184,7 @@ class RankPool:
 
     def _spawn(self) -> None:
         context = mp_context()
-        _sweep_once()
+        lifeline.sweep_orphaned_pool_dirs_once()
         self._tmpdir = lifeline.make_pool_dir()
         threads = threads_per_rank(self.spec.world_size)
         env = {**rank_env(self.spec, threads), **self.extra_env}
@@ -217,7 +218,7 @@ class RankPool:
     # -- talking to the ranks -------------------------------------------------------------
 
     def _exchange(self, message: bytes, timeout: float) -> _Replies:
-        replies = _Replies(self.spec.world_size)
+        replies = _Replies(self.spec.world_size, protocol.RANK_REPLYING)
         deadline = time.monotonic() + timeout
         for r in self._ranks:
             if not _send_quietly(r.conn, message):
@@ -255,7 +256,7 @@ class RankPool:
         for r in self._ranks:
             if r.rank not in replies.pending:
                 continue
-            frame = whereabouts.in_collective(self._where(r).get("frames", []))
+            frame = whereabouts.in_collective(self._where(r).frames)
             if frame is None:
                 replies.waiting.pop(r.rank, None)
             elif r.rank not in replies.waiting:
@@ -263,17 +264,11 @@ class RankPool:
         return all(rank in replies.waiting and now - replies.waiting[rank][1] >= WAIT_EVIDENCE_S
                    for rank in replies.pending)
 
-    def _where(self, r: _Rank) -> dict:
-        """{"frames": innermost frames of the rank's case, "notes": what the case noted}, or {}."""
+    def _where(self, r: _Rank) -> protocol.Whereabouts:
+        """Where the rank's case is (its innermost frames, what it noted); empty if it does not say."""
         if r.where is None or not r.process.is_alive():
-            return {}
-        try:
-            r.where.send_bytes(b"?")
-            if not r.where.poll(WHERE_REPLY_S):
-                return {}
-            return r.where.recv()
-        except (EOFError, OSError):
-            return {}
+            return protocol.Whereabouts()
+        return whereabouts.ask(r.where, WHERE_REPLY_S)
 
     def _receive(self, r: _Rank, replies: _Replies) -> None:
         try:
@@ -284,17 +279,24 @@ class RankPool:
         self._record(r, data, replies)
 
     def _record(self, r: _Rank, data: bytes, replies: _Replies) -> None:
+        """File one rank's reply; a message this exchange cannot get raises ProtocolError."""
         replies.pending.discard(r.rank)
         try:
-            kind, value = pickle.loads(data)
-        except Exception as exc:
-            kind, value = "error", RankError(r.rank, type(exc).__name__,
-                                             f"the parent could not unpickle this rank's reply: {exc}")
-        if kind in ("error", "init_error"):
-            replies.errors[r.rank] = value
-            replies.failed()
-        else:
-            replies.results[r.rank] = value
+            message = decode(data, replies.accepts)
+        except protocol.UnreadableMessage as exc:  # e.g. a result of a class the parent cannot import
+            error = RankError(r.rank, type(exc.cause).__name__,
+                              f"the parent could not unpickle this rank's reply: {exc.cause}")
+            message = protocol.Raised(error)
+        match message:
+            case protocol.Returned(value=value):
+                replies.results[r.rank] = value
+            case protocol.Ready(pid=pid):
+                replies.results[r.rank] = pid
+            case protocol.Raised(error=error) | protocol.StartFailed(error=error):
+                replies.errors[r.rank] = error
+                replies.failed()
+            case other:
+                raise protocol.ProtocolError(f"rank {r.rank} sent {type(other).__qualname__}: the pool cannot file it")
 
     def _bury(self, r: _Rank, replies: _Replies) -> None:
         """The rank's process is gone (or its pipe broke): a crash, unless it replied first."""
@@ -328,7 +330,7 @@ class RankPool:
         if status is not OutcomeStatus.OK:
             left_behind = bool(replies.pending or replies.exit_codes)
             if left_behind:
-                notes = {r.rank: notes for r in self._ranks if (notes := self._where(r).get("notes"))}
+                notes = {r.rank: dict(where.notes) for r in self._ranks if (where := self._where(r)).notes}
             if left_behind or not self._healthy():
                 stacks = self._abort()
         return CaseOutcome(
@@ -340,7 +342,7 @@ class RankPool:
     def _healthy(self) -> bool:
         """After a case failed on ranks that all replied: is the process group still in step?"""
         self._checks += 1
-        replies = self._exchange(_dumps(("check", self._checks)), CHECK_TIMEOUT_S)
+        replies = self._exchange(encode(protocol.HealthCheck(self._checks)), CHECK_TIMEOUT_S)
         return replies.status is OutcomeStatus.OK
 
     def _abort(self) -> dict[int, str]:
@@ -377,39 +379,6 @@ class RankPool:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
-
-
-_swept: list[bool] = []
-
-
-def _sweep_once() -> None:
-    if not _swept:
-        _swept.append(True)
-        lifeline.sweep_orphaned_pool_dirs()
-
-
-def _pickle_case(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
-    if not callable(fn):
-        raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
-    try:
-        return _dumps((fn, args))
-    except Exception as exc:
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise TypeError(f"cannot send case {name} to the ranks (fn must be a module-level function "
-                        f"and args picklable): {exc}") from None
-
-
-def _check_timeout(timeout: float | None, default: float) -> float:
-    if timeout is None:
-        return default
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-            or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
-
-
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
 
 
 def _send_quietly(conn: Connection, data: bytes) -> bool:

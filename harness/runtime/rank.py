@@ -1,8 +1,7 @@
 """The rank side of a pool: one process per rank, serving the cases sent down its pipe.
 
-Messages are pickled by the runtime itself (not by multiprocessing's ForkingPickler) so that
-tensors travel inline instead of through torch's shared-memory file-descriptor passing, which
-would need a resource-sharer thread and socket in every process.
+A rank joins the process group, says Ready (or StartFailed, then exits), and then answers each
+RunCase or HealthCheck with Returned or Raised until Stop or EOF (runtime/protocol.py).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import datetime
 import faulthandler
 import gc
 import os
-import pickle
 import random
 import signal
 import sys
@@ -23,13 +21,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from qgather.quiet import quiet_torchao
 from qgather.runtime import whereabouts
 from qgather.runtime.lifeline import drop_inherited_helper_fds, watch_runner
 from qgather.runtime.outcome import RankError
+from qgather.runtime.protocol import (
+    RUNNER_TO_RANK,
+    HealthCheck,
+    ProtocolError,
+    Raised,
+    Ready,
+    Returned,
+    RunCase,
+    StartFailed,
+    Stop,
+    decode,
+    decode_case,
+    encode,
+)
 
-PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _PR_SET_PDEATHSIG = 1
 
 
@@ -95,8 +107,6 @@ class _RankState:
 
     def mesh(self) -> Any:
         if "world" not in self.meshes:
-            from torch.distributed.device_mesh import init_device_mesh
-
             self.meshes["world"] = init_device_mesh(self.device.type, (self.config.world_size,))
         return self.meshes["world"]
 
@@ -117,9 +127,9 @@ def rank_main(config: RankConfig, conn: Connection, lifeline: Connection | None 
     try:
         state = _join_group(config)
     except BaseException as exc:  # report, then exit: the parent treats it as a failed start
-        _send(conn, ("init_error", RankError.from_exception(config.rank, exc)))
+        _send(conn, encode(StartFailed(RankError.from_exception(config.rank, exc))))
         return
-    _send(conn, ("ready", os.getpid()))
+    _send(conn, encode(Ready(os.getpid())))
     _serve(state, conn)
 
 
@@ -184,42 +194,49 @@ def _join_group(config: RankConfig) -> _RankState:
 
 
 def _serve(state: _RankState, conn: Connection) -> None:
+    """Answer the runner's messages until Stop or EOF; anything outside RUNNER_TO_RANK raises."""
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())  # blocks: no polling between cases
+            data = conn.recv_bytes()  # blocks: no polling between cases
         except (EOFError, OSError):
             break  # the parent is gone
-        if message[0] == "stop":
-            break
-        reply = run_case_on_rank(state, *message[1:]) if message[0] == "case" else _check(state, message[1])
-        if not _send_bytes(conn, reply):
+        match decode(data, RUNNER_TO_RANK):
+            case Stop():
+                break
+            case RunCase() as message:
+                reply = run_case_on_rank(state, message)
+            case HealthCheck(sequence=sequence):
+                reply = _health_check(state, sequence)
+            case other:
+                raise ProtocolError(f"rank {state.config.rank} cannot serve {type(other).__qualname__}")
+        if not _send(conn, reply):
             break
     dist.destroy_process_group()
 
 
-def run_case_on_rank(state: _RankState, case_id: str, seed: int, blob: bytes) -> bytes:
-    """Barrier, seed, run the case function, and pickle its reply (outcome.CASE_FRAME: this name is
+def run_case_on_rank(state: _RankState, message: RunCase) -> bytes:
+    """Barrier, seed, run the case function, and encode its reply (outcome.CASE_FRAME: this name is
     looked for in stacks)."""
     config = state.config
     whereabouts.NOTES.clear()
     try:
-        fn, args = pickle.loads(blob)
+        fn, args = decode_case(message.blob)
         state.barrier()
-        torch.manual_seed(seed)
-        random.seed(seed)
+        torch.manual_seed(message.seed)
+        random.seed(message.seed)
         ctx = CaseContext(config.rank, config.world_size, config.backend, state.device, state.group,
-                          seed, case_id, state.mesh)
+                          message.seed, message.case_id, state.mesh)
         result = to_cpu(fn(ctx, *args))
     except BaseException as exc:  # the case's failure is data: report it, keep serving
-        return _dumps(("error", RankError.from_exception(config.rank, exc)))
+        return encode(Raised(RankError.from_exception(config.rank, exc)))
     finally:
         _release_device_memory(state.device)
     try:
-        return _dumps(("ok", result))
+        return encode(Returned(result))
     except Exception as exc:
         error = RankError(config.rank, type(exc).__name__,
                           f"result of {getattr(fn, '__qualname__', fn)} is not picklable: {exc}")
-        return _dumps(("error", error))
+        return encode(Raised(error))
 
 
 def _release_device_memory(device: torch.device) -> None:
@@ -230,7 +247,7 @@ def _release_device_memory(device: torch.device) -> None:
         gc.collect()
 
 
-def _check(state: _RankState, sequence: int) -> bytes:
+def _health_check(state: _RankState, sequence: int) -> bytes:
     """A collective every rank must complete after a failed case before the pool is trusted again."""
     try:
         mine = torch.tensor([sequence], device=state.device)
@@ -238,9 +255,9 @@ def _check(state: _RankState, sequence: int) -> bytes:
         dist.all_gather(gathered, mine)
         if any(int(t.item()) != sequence for t in gathered):
             raise RuntimeError(f"health check out of step: {[int(t.item()) for t in gathered]}")
-        return _dumps(("ok", None))
+        return encode(Returned(None))
     except BaseException as exc:
-        return _dumps(("error", RankError.from_exception(state.config.rank, exc)))
+        return encode(Raised(RankError.from_exception(state.config.rank, exc)))
 
 
 def to_cpu(value: Any) -> Any:
@@ -257,15 +274,7 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
-
-
-def _send(conn: Connection, obj: Any) -> bool:
-    return _send_bytes(conn, _dumps(obj))
-
-
-def _send_bytes(conn: Connection, data: bytes) -> bool:
+def _send(conn: Connection, data: bytes) -> bool:
     try:
         conn.send_bytes(data)
         return True
