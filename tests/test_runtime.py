@@ -390,7 +390,7 @@ def test_default_world_sizes_under_a_launcher():
 
 
 def test_placement_within_and_across_nodes():
-    from qgather.runtime.external import placement
+    from qgather.runtime.job import placement
 
     nodes = ["a", "a", "b", "b"]  # 2 nodes x 2 ranks
     assert placement(1, nodes, "x") == ((0,), "intra-node")

@@ -1,5 +1,6 @@
 """The closed protocol between a pool's runner and its ranks, without processes: every message
-travels whole, and anything else is a ProtocolError on whichever side receives it."""
+travels whole, anything else is a ProtocolError on whichever side receives it, and a launched
+job's reports merge into one outcome."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import torch
 
 from qgather.errors import HarnessFault
 from qgather.runtime import OutcomeStatus, ProtocolError, RankError, same_error_on_every_rank
+from qgather.runtime.external import _merge
 from qgather.runtime.pool import RankPool, _Rank, _Replies
 from qgather.runtime.protocol import (
+    JOB_REPORTS,
     RANK_REPLYING,
     RANK_STARTING,
     RUNNER_TO_RANK,
     WHERE_REPLIES,
     HealthCheck,
     Raised,
+    RankReport,
     Ready,
+    ReportState,
     Returned,
     RunCase,
     StartFailed,
@@ -51,6 +56,7 @@ ERROR = RankError(1, "ValueError", "bad shape", "Traceback ...")
     (Raised(ERROR), RANK_REPLYING),
     (WhereQuery(), (WhereQuery,)),
     (Whereabouts(("a.py:1 f",), {"all-gather": "8 bytes"}), WHERE_REPLIES),
+    (RankReport(ReportState.HANG, 2, "host", 1.5, stacks="Thread 0x1"), JOB_REPORTS),
 ])
 def test_every_message_travels_whole(message, family):
     back = decode(encode(message), family)
@@ -61,7 +67,7 @@ def test_every_message_travels_whole(message, family):
         assert back == message
 
 
-@pytest.mark.parametrize("stranger", [("ok", None), ("case", "c1", 0, b""), {"frames": []}, "stop", None])
+@pytest.mark.parametrize("stranger", [("ok", None), ("case", "c1", 0, b""), {"state": "done"}, "stop", None])
 def test_anything_outside_the_closed_set_is_a_protocol_error(stranger):
     data = pickle.dumps(stranger)
     with pytest.raises(ProtocolError, match="expected RunCase | HealthCheck | Stop"):
@@ -116,3 +122,28 @@ def test_the_pool_raises_on_a_reply_it_cannot_file():
     unreadable = _Replies(2, RANK_REPLYING)
     pool._record(r, b"not a pickle", unreadable)  # e.g. a result class the parent cannot import
     assert "the parent could not unpickle this rank's reply" in unreadable.errors[1].message
+
+
+# -- a launched job's reports ---------------------------------------------------------------------
+
+
+def _report(rank: int, state: ReportState, **fields) -> RankReport:
+    return RankReport(state, rank, f"host{rank}", 0.5, **fields)
+
+
+def test_job_reports_merge_into_one_outcome():
+    members, hosts = (0, 2), ["host0", "host1", "host2"]
+    ok = _merge({0: _report(0, ReportState.DONE, result=0), 1: _report(1, ReportState.IDLE),
+                 2: _report(2, ReportState.DONE, result=1)}, members, "cross-node", hosts, "c")
+    assert (ok.status, ok.results, ok.job_ranks, ok.hosts) == (OutcomeStatus.OK, [0, 1], (0, 2), ("host0", "host2"))
+    hang = _merge({0: _report(0, ReportState.HANG, stacks="s0"), 2: _report(2, ReportState.WAITING, stacks="s2")},
+                  members, "cross-node", hosts, "c")
+    assert (hang.status, hang.stacks, hang.unfinished) == (OutcomeStatus.HANG, {0: "s0", 1: "s2"}, (0, 1))
+    lost = _merge({0: _report(0, ReportState.WAITING, stacks="s0")}, members, "cross-node", hosts, "c")
+    assert lost.status is OutcomeStatus.CRASH and lost.stacks == {0: "s0"}
+    assert "rank 1 (job rank 2 on host2) sent no report" in lost.headline()
+    raised = _merge({0: _report(0, ReportState.DONE, error=ERROR), 2: _report(2, ReportState.DONE, result=1)},
+                    members, "cross-node", hosts, "c")
+    assert raised.status is OutcomeStatus.ERROR and raised.errors == {0: ERROR}
+    with pytest.raises(ProtocolError, match="a member of case 'c', reported idle"):
+        _merge({0: _report(0, ReportState.IDLE), 2: _report(2, ReportState.DONE)}, members, "cross-node", hosts, "c")

@@ -16,12 +16,18 @@ error that left some rank behind. Under torchrun/SLURM, get_pool returns an Exte
 to the launcher's world instead, with the same `run`. The runtime knows nothing of cases: runner
 and ranks speak the closed protocol of runtime/protocol.py.
 
+Modules: spec (what a pool is), pool (the runner side), rank (the rank side), protocol (their
+messages), outcome (what a case run returns), whereabouts (where a running case is), helpers (the
+forkserver and resource tracker), lifeline (nothing outlives the runner), registry (one pool per
+spec), launch/job/external (ranks a launcher started), probes and bench (the runtime's benchmark).
+
 Environment knobs: QGATHER_START_METHOD=spawn (instead of a forkserver with torch preloaded),
 QGATHER_GPU_SPLIT=0 (no GPU sharing-out between xdist workers), QGATHER_PIN_CPUS=0 (no CPU pinning
 of CPU ranks).
 """
 
-from qgather.runtime.external import ExternalPool, external_world, is_reporting_rank
+from qgather.runtime.external import ExternalPool
+from qgather.runtime.launch import external_world, is_reporting_rank
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
 from qgather.runtime.pool import RankPool
 from qgather.runtime.protocol import ProtocolError

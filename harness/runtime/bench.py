@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from qgather.runtime import OutcomeStatus, PoolSpec, RankPool, shutdown_pools
 from qgather.runtime.probes import collectives_only, crash_rank, trivial
 from qgather.runtime.spec import RANK_ENV_DEFAULTS
@@ -72,8 +75,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _header() -> str:
-    import torch
-
     method = os.environ.get("QGATHER_START_METHOD", "forkserver")
     return (f"runtime benchmark: gloo on CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"python {sys.version.split()[0]}, start method {method}")
@@ -141,9 +142,7 @@ def _spawn_per_case(world_size: int) -> float:
 
 
 def spawned_rank(rank: int, world_size: int, store_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
+    """One rank of a spawn-per-case run: join, the same barrier and all-gather a pool case does, leave."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=SPAWN_TIMEOUT_S))
@@ -159,8 +158,6 @@ def spawned_rank(rank: int, world_size: int, store_path: str) -> None:
 
 
 def _maybe_nccl(cases: int) -> None:
-    import torch
-
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("nccl 2 ranks: skipped (needs >= 2 CUDA GPUs)")
         return

@@ -7,6 +7,7 @@ Every message is a frozen dataclass, and each channel accepts a fixed family of 
                                                  Returned | Raised         after RunCase or HealthCheck
     runner -> rank   (the whereabouts pipe)      WhereQuery
     rank -> runner   (the whereabouts pipe)      Whereabouts
+    job rank -> job  (a launched job's store)    RankReport
 
 `encode` pickles at HIGHEST_PROTOCOL with plain `pickle`, not multiprocessing's ForkingPickler, so
 tensors travel inline instead of through torch's shared-memory file-descriptor passing (which would
@@ -17,6 +18,7 @@ and never guesses (pytest-xdist's `process_from_remote` does the same with its e
 
 from __future__ import annotations
 
+import enum
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -116,6 +118,41 @@ class Whereabouts:
     notes: Mapping[str, str] = field(default_factory=dict)
 
 
+# -- a launched job's store -------------------------------------------------------------------
+
+
+class ReportState(str, enum.Enum):
+    """How a job rank's part in one case ended, as it posts it to the job's store:
+
+    - ``DONE``: the case came back on this rank (returned or raised: `RankReport.error` says which).
+    - ``IDLE``: this rank is not a member of the case's group; it only takes part in agreeing.
+    - ``HANG``: the case did not come back by the timeout; `stacks` holds every thread's stack.
+    - ``WAITING``: a peer failed and this rank's case sat inside a collective for WAIT_EVIDENCE_S:
+      it waits for that peer and will never return; `stacks` holds every thread's stack.
+    """
+
+    DONE = "done"
+    IDLE = "idle"
+    HANG = "hang"
+    WAITING = "waiting"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One job rank's report of one case (ExternalPool): the first one posted counts."""
+
+    state: ReportState
+    job_rank: int
+    host: str
+    elapsed: float
+    result: Any = None
+    error: RankError | None = None
+    stacks: str = ""
+
+
 RunnerMessage = RunCase | HealthCheck | Stop
 RankMessage = Ready | StartFailed | Returned | Raised
 
@@ -125,7 +162,9 @@ RANK_STARTING: tuple[type, ...] = (Ready, StartFailed)
 RANK_REPLYING: tuple[type, ...] = (Returned, Raised)
 WHERE_QUERIES: tuple[type, ...] = (WhereQuery,)
 WHERE_REPLIES: tuple[type, ...] = (Whereabouts,)
-MESSAGES: tuple[type, ...] = (*RUNNER_TO_RANK, *RANK_STARTING, *RANK_REPLYING, *WHERE_QUERIES, *WHERE_REPLIES)
+JOB_REPORTS: tuple[type, ...] = (RankReport,)
+MESSAGES: tuple[type, ...] = (*RUNNER_TO_RANK, *RANK_STARTING, *RANK_REPLYING, *WHERE_QUERIES, *WHERE_REPLIES,
+                              *JOB_REPORTS)
 
 
 def encode(message: Any) -> bytes:
