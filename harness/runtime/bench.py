@@ -33,6 +33,8 @@ SPAWN_TIMEOUT_S = 300.0
 
 @dataclass
 class Row:
+    """One world size's measurements (the table's row)."""
+
     world_size: int
     cold_s: float
     warm_ms: float
@@ -43,6 +45,7 @@ class Row:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Measure every world size, print the table, the goals and the headline ratio; 0 on success."""
     args = _parse(argv)
     print(_header())
     rows = []

@@ -200,6 +200,7 @@ class _Watchdog(threading.Thread):
         self._done = threading.Event()
 
     def run(self) -> None:
+        """Watch the case; post for it if it does not come back, and end the process if it never does."""
         state = self._watch()
         if state is None:
             return
@@ -231,6 +232,7 @@ class _Watchdog(threading.Thread):
         return None
 
     def finish(self) -> None:
+        """The case came back: stop watching."""
         self._done.set()
         self.join(timeout=5.0)
 

@@ -75,6 +75,7 @@ def is_reporting_rank() -> bool:
 
 
 def slurm_master_addr(env: Mapping[str, str]) -> str:
+    """Where a SLURM job meets: MASTER_ADDR, else SLURM_LAUNCH_NODE_IPADDR, else the first host listed."""
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"]
     if env.get("SLURM_LAUNCH_NODE_IPADDR"):
@@ -84,6 +85,7 @@ def slurm_master_addr(env: Mapping[str, str]) -> str:
 
 
 def slurm_master_port(env: Mapping[str, str]) -> str:
+    """MASTER_PORT, else one derived from SLURM_JOB_ID (the same on every task of the job)."""
     if env.get("MASTER_PORT"):
         return env["MASTER_PORT"]
     job = env.get("SLURM_JOB_ID", "")

@@ -53,6 +53,7 @@ def runner_identity() -> tuple[int, int]:
 
 
 def is_gone(pid: int, started: int) -> bool:
+    """Whether process `pid` (started at `started` ticks; 0: any start) is gone or was replaced."""
     if pid <= 0:
         return False
     if not os.path.isdir("/proc"):
@@ -68,10 +69,12 @@ def is_gone(pid: int, started: int) -> bool:
 
 
 def make_pool_dir() -> str:
+    """A new temp dir for one pool, named after this runner so that orphans can be told apart."""
     return tempfile.mkdtemp(prefix=f"{POOL_DIR_PREFIX}{os.getpid()}-")
 
 
 def remove_pool_dirs_of(pid: int) -> None:
+    """Remove every pool dir of the runner `pid`."""
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{POOL_DIR_PREFIX}{pid}-*")):
         shutil.rmtree(path, ignore_errors=True)
 

@@ -28,7 +28,7 @@ from typing import Any
 from qgather.runtime import lifeline, protocol, whereabouts
 from qgather.runtime.helpers import mp_context, signal_pid
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
-from qgather.runtime.protocol import decode, encode
+from qgather.runtime.protocol import decode, encode, send
 from qgather.runtime.rank import RankConfig, rank_main
 from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank
 
@@ -73,6 +73,7 @@ class _Replies:
         self.pending = set(range(self.world_size))
 
     def failed(self) -> None:
+        """A rank raised or died: from now on, look where the others are."""
         if self.first_failure_at is None:
             self.first_failure_at = time.monotonic()
 
@@ -84,6 +85,7 @@ class _Replies:
 
     @property
     def status(self) -> OutcomeStatus:
+        """A death wins over an error, an error over ranks that never answered."""
         if self.exit_codes:
             return OutcomeStatus.CRASH
         if self.errors:
@@ -172,7 +174,7 @@ class RankPool:
     def shutdown(self) -> None:
         """Stop every rank (gracefully, then SIGTERM, then SIGKILL) and remove the temp dir."""
         for r in self._ranks:
-            _send_quietly(r.conn, encode(protocol.Stop()))
+            send(r.conn, encode(protocol.Stop()))
         _wait_dead(self._ranks, STOP_WAIT_S)
         self._teardown()
 
@@ -221,7 +223,7 @@ class RankPool:
         replies = _Replies(self.spec.world_size, protocol.RANK_REPLYING)
         deadline = time.monotonic() + timeout
         for r in self._ranks:
-            if not _send_quietly(r.conn, message):
+            if not send(r.conn, message):
                 self._bury(r, replies)
         return self._collect(replies, deadline)
 
@@ -379,14 +381,6 @@ class RankPool:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
-
-
-def _send_quietly(conn: Connection, data: bytes) -> bool:
-    try:
-        conn.send_bytes(data)
-        return True
-    except (BrokenPipeError, ConnectionError, OSError):
-        return False
 
 
 def _signal_all(ranks: list[_Rank], signum: int) -> None:

@@ -22,6 +22,7 @@ import enum
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 from qgather.errors import HarnessFault
@@ -190,6 +191,15 @@ def decode(data: bytes, accepted: tuple[type, ...]) -> Any:
         expected = " | ".join(cls.__name__ for cls in accepted)
         raise ProtocolError(f"expected {expected}, got {type(message).__qualname__}")
     return message
+
+
+def send(conn: Connection, data: bytes) -> bool:
+    """Send one encoded message down a pipe; False when the other end is gone (a dead rank or runner)."""
+    try:
+        conn.send_bytes(data)
+        return True
+    except OSError:  # BrokenPipeError, ConnectionResetError, a closed handle
+        return False
 
 
 def encode_case(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:

@@ -40,6 +40,7 @@ from qgather.runtime.protocol import (
     decode,
     decode_case,
     encode,
+    send,
 )
 
 _PR_SET_PDEATHSIG = 1
@@ -98,6 +99,7 @@ class _RankState:
     token: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
 
     def barrier(self) -> None:
+        """The rank's own barrier before each case (whereabouts.OWN_BARRIER: not a case's collective)."""
         # On gloo a one-element all_reduce synchronizes like dist.barrier() (no rank leaves before
         # every rank arrived) at half its cost; NCCL's barrier is already such an all_reduce.
         if self.config.backend == "gloo":
@@ -106,6 +108,7 @@ class _RankState:
             dist.barrier()
 
     def mesh(self) -> Any:
+        """A 1-D DeviceMesh over the pool's ranks, made on first use."""
         if "world" not in self.meshes:
             self.meshes["world"] = init_device_mesh(self.device.type, (self.config.world_size,))
         return self.meshes["world"]
@@ -127,9 +130,9 @@ def rank_main(config: RankConfig, conn: Connection, lifeline: Connection | None 
     try:
         state = _join_group(config)
     except BaseException as exc:  # report, then exit: the parent treats it as a failed start
-        _send(conn, encode(StartFailed(RankError.from_exception(config.rank, exc))))
+        send(conn, encode(StartFailed(RankError.from_exception(config.rank, exc))))
         return
-    _send(conn, encode(Ready(os.getpid())))
+    send(conn, encode(Ready(os.getpid())))
     _serve(state, conn)
 
 
@@ -209,7 +212,7 @@ def _serve(state: _RankState, conn: Connection) -> None:
                 reply = _health_check(state, sequence)
             case other:
                 raise ProtocolError(f"rank {state.config.rank} cannot serve {type(other).__qualname__}")
-        if not _send(conn, reply):
+        if not send(conn, reply):
             break
     dist.destroy_process_group()
 
@@ -273,10 +276,3 @@ def to_cpu(value: Any) -> Any:
         return type(value)(to_cpu(item) for item in value)
     return value
 
-
-def _send(conn: Connection, data: bytes) -> bool:
-    try:
-        conn.send_bytes(data)
-        return True
-    except (BrokenPipeError, OSError):
-        return False
