@@ -253,11 +253,6 @@ def test_an_adapter_that_declares_nothing_rejects_nothing():
     assert problem.endswith("rejection types (none; Implementation.rejection_types)")
 
 
-def test_declared_rejections_keeps_the_bare_names_for_the_classifier_of_before():
-    assert ReferenceImplementation().declared_rejections() == frozenset({"ShardAlignmentError", "FormatError"})
-
-
-# ------------------------------------------------------------------ errors and imports of the adapters
 def test_the_adapters_errors_are_in_qgathers_hierarchy():
     assert base.HarnessFault is errors.HarnessFault
     assert issubclass(base.NoSingleDeviceTwin, errors.HarnessFault)

@@ -1,7 +1,7 @@
 """Classification rules on synthetic rank results (the end-to-end paths are in test_engine.py)."""
 
 from qgather.engine.classify import classify_errors, classify_results
-from qgather.engine.run import names_refusal_check
+from qgather.impls.rejections import DeclaredRejections
 from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
 from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
@@ -15,7 +15,7 @@ def classify(results):
 
 
 def classify_err(errors, world_size, declared=frozenset()):
-    found = classify_errors(errors, world_size, names_refusal_check(frozenset(declared)))
+    found = classify_errors(errors, world_size, DeclaredRejections.of(declared).problem)
     return found.verdict, found.reason, list(found.details)
 
 SPEC = CaseSpec("reference", "nvfp4_2d", (128, 64), "bf16", 2, "gather")

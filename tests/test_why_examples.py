@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from qgather.engine.classify import classify_errors
-from qgather.engine.run import RunOptions, names_refusal_check, run_case
+from qgather.engine.run import RunOptions, run_case
+from qgather.impls.rejections import DeclaredRejections
 from qgather.model.case import CaseSpec
 from qgather.model.verdict import Verdict
 from qgather.runtime import RankError, shutdown_pools
@@ -70,7 +71,7 @@ def test_the_harness_padded_size_rule_is_never_a_rejection():
     for error in errors.values():
         error.qgather_phase = "pre-all-gather hook"
     errors = {r: RankError.from_exception(r, e) for r, e in errors.items()}
-    found = classify_errors(errors, 2, names_refusal_check(frozenset({"PaddedSizeRule", "HarnessFault"})))
+    found = classify_errors(errors, 2, DeclaredRejections.of(("PaddedSizeRule", "HarnessFault")).problem)
     verdict, details = found.verdict, found.details
     assert verdict is Verdict.ERROR and any("internal fault" in d for d in details)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from qgather.model.phases import BEFORE_DATA_MOVED
 from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
 from qgather.model.verdict import Verdict
-from qgather.runtime.outcome import RankError
+from qgather.runtime.outcome import RankError, same_error_on_every_rank
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def classify_errors(errors: Mapping[int, RankError], world_size: int,
     lines = {rank: _line(e) for rank, e in errors.items()}
     internal = any(INTERNAL_ERRORS & set(e.type_names or (e.type_name,)) for e in errors.values()) \
         or any(INTERNAL_MESSAGES.match(m) for m in lines.values())
-    same = _same_everywhere(errors, world_size)
+    same = same_error_on_every_rank(errors, world_size) is not None
     refusal = _refusal(errors, refusal_problem)
     if same and not internal and not refusal:
         details = [f"rank {r}: {m}" for r, m in sorted(lines.items())] if len(set(lines.values())) > 1 else []
@@ -78,10 +78,6 @@ def classify_errors(errors: Mapping[int, RankError], world_size: int,
     return Classification(Verdict.ERROR, reason, tuple(details))
 
 
-def _same_everywhere(errors: Mapping[int, RankError], world_size: int) -> bool:
-    return len(errors) == world_size and len({_without_numbers(_line(e)) for e in errors.values()}) == 1
-
-
 def _refusal(errors: Mapping[int, RankError], refusal_problem: RefusalCheck) -> str:
     """Why these errors are not the implementation refusing a shape ("" when they are)."""
     for error in errors.values():
@@ -96,10 +92,6 @@ def _refusal(errors: Mapping[int, RankError], refusal_problem: RefusalCheck) -> 
 def _line(error: RankError) -> str:
     """'Type: first line of the message', whole (no cut: two ranks' messages are compared with it)."""
     return f"{error.type_name}: {(error.message.strip().splitlines() or [''])[0]}"
-
-
-def _without_numbers(message: str) -> str:
-    return re.sub(r"\d+", "#", message)
 
 
 def _ranks(ranks: list[int]) -> str:

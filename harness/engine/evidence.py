@@ -8,8 +8,8 @@ import os
 import re
 
 from qgather.model.case import CaseSpec
-from qgather.runtime import CaseOutcome, PoolSpec, RankPool
-from qgather.runtime.outcome import case_frames, first_impl_frame
+from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, RankPool
+from qgather.runtime.outcome import case_frames, first_impl_frame, same_error_on_every_rank
 from qgather.scenarios.core import run_on_rank
 
 STACK_FRAMES = 6  # innermost frames shown per rank in a HANG report
@@ -18,9 +18,9 @@ STACK_FRAMES = 6  # innermost frames shown per rank in a HANG report
 def where_lines(outcome: CaseOutcome) -> list[str]:
     """Under a launcher: the job ranks and hosts the case ran on, and the stack of a rank that raised."""
     lines = [f"placement: {outcome.placement}, job ranks {','.join(map(str, outcome.job_ranks))}"]
-    every_rank_same = outcome.status == "error" and len(outcome.errors) == outcome.world_size \
-        and len({(e.type_name, e.message) for e in outcome.errors.values()}) == 1
-    if outcome.status == "ok" or every_rank_same:
+    every_rank_same = outcome.status is OutcomeStatus.ERROR \
+        and same_error_on_every_rank(outcome.errors, outcome.world_size) is not None
+    if outcome.status is OutcomeStatus.OK or every_rank_same:
         return lines
     for g in sorted({*outcome.errors, *outcome.unfinished}):
         lines.append(f"rank {g} is job rank {outcome.job_ranks[g]} on host {outcome.hosts[g]}")
@@ -48,7 +48,7 @@ def detail_evidence(pool_spec: PoolSpec, spec: CaseSpec, kwargs: dict) -> list[s
     finally:
         pool.shutdown()
     head = "TORCH_DISTRIBUTED_DEBUG=DETAIL re-run:"
-    if outcome.status == "error":
+    if outcome.status is OutcomeStatus.ERROR:
         own = [_own_collective(error.message) for _, error in sorted(outcome.errors.items())]
         if all(own):
             return [f"{head} mismatched collectives: {', '.join(own)}"]
@@ -56,9 +56,9 @@ def detail_evidence(pool_spec: PoolSpec, spec: CaseSpec, kwargs: dict) -> list[s
         for rank, error in sorted(outcome.errors.items()):
             messages.setdefault(" ".join(error.first_line(limit=DETAIL_LIMIT).split()), []).append(rank)
         return [head] + [f"  rank(s) {','.join(map(str, ranks))}: {text}" for text, ranks in messages.items()]
-    if outcome.status == "hang":
+    if outcome.status is OutcomeStatus.HANG:
         return [f"{head} hung again; no collective mismatch detected ({outcome.summary()})"]
-    return [f"{head} {outcome.summary().splitlines()[0]}"]
+    return [f"{head} {outcome.headline()}"]
 
 
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),?\s*"

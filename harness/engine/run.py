@@ -17,7 +17,7 @@ from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
 from qgather.model.report import CaseReport
 from qgather.model.verdict import Verdict
-from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool
+from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, PoolSpecError, RankError, get_pool
 from qgather.runtime.launch import detect_launch
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.checkpoint import saved_checkpoint
@@ -98,22 +98,7 @@ def _run(spec: CaseSpec, options: RunOptions) -> tuple[Classification, str]:
 
 def refusal_check(spec: CaseSpec) -> RefusalCheck:
     """Whether an error of this case's implementation is one of its declared rejections."""
-    return names_refusal_check(get_impl(spec.impl).declared_rejections())
-
-
-def names_refusal_check(declared: frozenset[str]) -> RefusalCheck:
-    """A refusal check from declared class names ("Name" or "Name: message prefix")."""
-
-    def problem(error: RankError) -> str:
-        names, message = set(error.type_names or (error.type_name,)), error.message.strip()
-        for entry in declared:
-            name, _, prefix = entry.partition(": ")
-            if name in names and (message.splitlines() or [""])[0].startswith(prefix):
-                return ""
-        return (f"{error.type_name} is not one of the implementation's declared rejection types "
-                f"({', '.join(sorted(declared)) or 'none'}; Implementation.rejection_types)")
-
-    return problem
+    return get_impl(spec.impl).refusal_problem
 
 
 def _run_virtual(spec: CaseSpec) -> Classification:
@@ -147,12 +132,12 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> tuple[Class
 
 def _classify_outcome(spec: CaseSpec, options: RunOptions, pool_spec: PoolSpec, kwargs: dict,
                       outcome: CaseOutcome) -> Classification:
-    if outcome.status == "ok":
+    if outcome.status is OutcomeStatus.OK:
         return classify_results(outcome.results)
-    if outcome.status == "error":
+    if outcome.status is OutcomeStatus.ERROR:
         return classify_errors(outcome.errors, spec.world_size, refusal_check(spec))
-    headline = outcome.summary().splitlines()[0]
-    if outcome.status == "hang":
+    headline = outcome.headline()
+    if outcome.status is OutcomeStatus.HANG:
         lines = note_lines(outcome.notes) + stack_lines(outcome.stacks)
         if options.detail_on_hang and not outcome.placement:  # not under a launcher: no local pool there
             lines += detail_evidence(pool_spec, spec, kwargs)

@@ -89,11 +89,6 @@ class Implementation(abc.ABC):
         """
         return DeclaredRejections.of(self.rejection_types, self.name or type(self).__name__).problem(error)
 
-    def declared_rejections(self) -> frozenset[str]:
-        """The declared rejection types as bare names (classes by `__name__`): what the classifier
-        matched before `refusal_problem`; kept until it calls that instead."""
-        return DeclaredRejections.of(self.rejection_types, self.name or type(self).__name__).bare_names()
-
     def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
         if spec.fmt not in self.formats:
             return f"{self.name} does not implement format {spec.fmt}"

@@ -54,14 +54,14 @@ class RankError:
         """Whether the exception was an instance of `cls` (by the classes' module and qualified name)."""
         return qualified_name(cls) in self.type_qualnames
 
-    def first_line(self, limit: int = 160) -> str:
-        """The type and the message's first line ("Type: line"), cut to `limit` characters (C++ source
-        prefixes dropped)."""
+    def first_line(self, limit: int | None = 160) -> str:
+        """The type and the message's first line ("Type: line"), cut to `limit` characters (None: whole;
+        C++ source prefixes dropped)."""
         lines = self.message.strip().splitlines()
         if not lines:
             return self.type_name
         text = _SOURCE_PREFIX.sub("", lines[0])
-        if len(text) > limit:
+        if limit is not None and len(text) > limit:
             text = text[: limit - 3] + "..."
         return f"{self.type_name}: {text}"
 
@@ -83,7 +83,7 @@ def same_error_on_every_rank(errors: Mapping[int, RankError], world_size: int) -
     """
     if world_size < 1 or set(errors) != set(range(world_size)):
         return None
-    kinds = {(e.type_name, e.type_qualnames[:1], _NUMBER.sub("#", e.first_line())) for e in errors.values()}
+    kinds = {(e.type_name, e.type_qualnames[:1], _NUMBER.sub("#", e.first_line(limit=None))) for e in errors.values()}
     return errors[0] if len(kinds) == 1 else None
 
 

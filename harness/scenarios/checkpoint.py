@@ -149,4 +149,4 @@ def _save(spec: CaseSpec, options, path: str) -> tuple[str | None, object]:
         found = classify_errors(outcome.errors, size, refusal_check(spec))
         return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
     verdict = Verdict.HANG if outcome.status == "hang" else Verdict.CRASH
-    return None, Classification(verdict, f"{where}: {outcome.summary().splitlines()[0]}")
+    return None, Classification(verdict, f"{where}: {outcome.headline()}")
