@@ -156,11 +156,3 @@ RUN_OPTIONS = (
                choices=DEVICES),
     OptionSpec("--case-timeout", "seconds before a case is declared HANG (default: per backend)", parse_case_timeout),
 )
-
-
-def options_problem(case_timeout: float | None, device: str, backend: str) -> str | None:
-    """Why these run options cannot work on this host (None: fine). The pytest plugin's check until
-    it parses its options with the declarations above."""
-    if case_timeout is not None and not (math.isfinite(case_timeout) and case_timeout > 0):
-        return f"--case-timeout must be a finite number of seconds > 0, got {case_timeout}"
-    return gpu_problem(device, backend)
