@@ -150,3 +150,22 @@ def test_golden_bad_manifest(tmp_path, content, why):
         with open(path, "w") as fh:
             fh.write(content)
     assert_one_line(qgather("golden", "--check", "--dir", corpus), 1, "manifest.json", why)
+
+
+def test_help_and_a_bad_option_start_no_torch():
+    """`qgather --help` and an option refused by its syntax answer before torch is imported."""
+    code = ("import sys; from qgather.cli import main; "
+            f"rcs = [main(['--help']), main(['case', {CASE!r}, '--case-timeout', '0']), "
+            "main(['run', '--case-timeout=nan'])]; print(rcs, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.stdout.strip().splitlines()[-1] == "[0, 2, 2] False", result.stdout + result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 2, result.stderr
+
+
+def test_the_qgather_script_runs_the_same_main():
+    script = os.path.join(os.path.dirname(sys.executable), "qgather")
+    if not os.path.exists(script):
+        pytest.skip("no qgather script next to this Python (not an installed environment)")
+    result = subprocess.run([script, "list", "scenarios"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "  gather" in result.stdout, result.stdout + result.stderr

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from qgather.cli import coverage as coverage_cli
 from qgather.model.case import CaseSpec
 from qgather.suite import coverage, shape_space
 
@@ -13,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_matrix_of_a_selection_is_markdown_with_every_promised_cell_hit(capsys):
-    rc = coverage.main(["--formats", "nvfp4_2d", "--world-sizes", "8", "--scenarios", "gather,steps"])
+    rc = coverage_cli.main(["--formats", "nvfp4_2d", "--world-sizes", "8", "--scenarios", "gather,steps"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.startswith("# qgather coverage: ") and " 0 missing" in out.splitlines()[0]
@@ -25,16 +26,16 @@ def test_the_matrix_of_a_selection_is_markdown_with_every_promised_cell_hit(caps
 
 def test_a_missing_cell_is_marked_and_exits_1(capsys, monkeypatch):
     monkeypatch.setattr(shape_space, "cover", lambda fmt, ws, keep=(): keep)  # the hand-picked shapes only
-    rc = coverage.main(["--formats", "mxfp8", "--world-sizes", "8", "--scenarios", "gather"])
+    rc = coverage_cli.main(["--formats", "mxfp8", "--world-sizes", "8", "--scenarios", "gather"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "| mxfp8 | rowwise_scale_inv | rows:pad-filled | MISSING |" in out
 
 
 def test_bad_selection_is_a_usage_error(capsys):
-    assert coverage.main(["--formats", "nope"]) == 2
+    assert coverage_cli.main(["--formats", "nope"]) == 2
     assert "unknown format 'nope'" in capsys.readouterr().err
-    assert coverage.main(["--world-sizes", "5"]) == 2
+    assert coverage_cli.main(["--world-sizes", "5"]) == 2
 
 
 def test_configurations_are_a_dimension_and_only_the_first_is_promised():

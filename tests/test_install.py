@@ -95,7 +95,8 @@ def _case_ids(pytest_output: str) -> list[str]:
 
 def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(
         installed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    from qgather.cli import main, suite_dir
+    from qgather.cli import main
+    from qgather.paths import suite_dir
 
     assert Path(suite_dir()) == REPO / "cases"
     assert main(["list", "--cases", *SELECTION]) == 0  # this checkout's cases/

@@ -89,7 +89,7 @@ def test_misaligned_shard_report_maps_the_straddling_tiles_to_their_ranks():
         f"rowwise_data: 128 of 144 row groups differ; first at global row 16 "
         f"(block row 1, block column {first // 8}, from rank 0)")
     assert "expected EXACT or REJECTED (rank 1's shard starts at row 18, not a multiple of 16)" in text
-    assert text.splitlines()[-1] == f"  reproduce: qgather case {case}"
+    assert text.splitlines()[-1] == f"  reproduce: qgather case {case} --device cpu --backend gloo"  # the run's options
 
 
 def test_per_rank_amax_report_shows_the_cross_rank_picture():
@@ -124,7 +124,7 @@ def test_per_rank_amax_report_shows_the_cross_rank_picture():
     assert _where_line(text, "rowwise_scale_inv") == (
         "rowwise_scale_inv: 64 of 128 row groups differ; first at global row 0 "
         "(block row 0, block column 0, from rank 0)")
-    assert text.splitlines()[-1] == f"  reproduce: qgather case {case}"
+    assert text.splitlines()[-1] == f"  reproduce: qgather case {case} --device cpu --backend gloo"  # the run's options
 
 
 def test_nibble_swap_report_counts_the_bytes_whose_two_codes_differ():
@@ -158,7 +158,7 @@ def test_nibble_swap_report_counts_the_bytes_whose_two_codes_differ():
     blocks = swapped_bytes.any(dim=1).view(8, BLOCK).any(dim=1).tolist()
     assert _map_after(text, "rowwise_data") == "".join(
         str(b * BLOCK // 64) if d else "." for b, d in enumerate(blocks)), text
-    assert text.splitlines()[-1] == f"  reproduce: qgather case {case}"
+    assert text.splitlines()[-1] == f"  reproduce: qgather case {case} --device cpu --backend gloo"  # the run's options
 
 
 def test_a_shard_requantized_before_the_first_gather_is_judged_at_the_first_unshard():

@@ -336,7 +336,8 @@ Current thread 0x00007f0000000002 (most recent call first):
 
 
 def test_hang_report_shows_innermost_frames_then_the_implementation_frame():
-    from qgather.engine.evidence import STACK_FRAMES, stack_lines as _stack_lines
+    from qgather.engine.evidence import STACK_FRAMES
+    from qgather.engine.evidence import stack_lines as _stack_lines
 
     lines = _stack_lines({0: ADAPTER_DUMP})
     assert lines[0] == "rank 0 stack (innermost first):"

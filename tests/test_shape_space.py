@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from qgather.cli import suite_sweeps
 from qgather.formats import FORMATS, FormatError
 from qgather.formats.base import flat_dims
 from qgather.model.case import ShardLayout
 from qgather.suite import coverage, shape_space
 from qgather.suite.config_sweep import world_and_mesh
+from qgather.suite.modules import suite_sweeps
 from qgather.suite.sweeps import CPU_WORLD_SIZES, RULE_SHAPES, SuiteSweep, Sweep, alignment_shapes, narrow
 
 Axis = shape_space.Axis

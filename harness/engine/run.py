@@ -16,6 +16,7 @@ from qgather.impls import get_impl
 from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
 from qgather.model.report import CaseReport
+from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
 from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, PoolSpecError, RankError, get_pool
 from qgather.runtime.launch import detect_launch
@@ -80,7 +81,8 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     started = time.monotonic()
     found, placement = _run(spec, options)
     return CaseReport(spec, found.verdict, found.reason, found.details, expectation(spec),
-                      time.monotonic() - started, placement)
+                      time.monotonic() - started, placement,
+                      repro_command(spec.id, options.backend, options.device, options.case_timeout))
 
 
 def _run(spec: CaseSpec, options: RunOptions) -> tuple[Classification, str]:

@@ -1,18 +1,158 @@
-"""Checks of the run options that need no torch, so that the CLI refuses bad ones before it imports torch."""
+"""The run and selection options, each declared once and parsed once: the `type=` parsers and the
+declarations that the pytest plugin (qgather.pytest_plugin.options) and the command line
+(qgather.cli) both add to their parsers, so that a value is checked the same way everywhere.
+
+A parser returns plain values (str, int, float, tuples of them: xdist sends the parsed options to its
+workers) and raises `OptionError`, one line naming the option. The registries (formats,
+implementations, scenarios) import torch, so their parsers import them when called: `qgather --help`
+and an option refused by its syntax alone start no torch.
+
+    parse_world_sizes("2,4")  -> (2, 4)
+    parse_formats("fp7")      -> OptionError: --formats: unknown format 'fp7'; known: fp8_tensor, ...
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-def options_problem(case_timeout: float | None, device: str, backend: str) -> str | None:
-    """Why these run options cannot work on this host, checked before anything runs (None: fine)."""
-    import math
+from qgather.errors import UsageError
 
-    if case_timeout is not None and not (math.isfinite(case_timeout) and case_timeout > 0):
-        return f"--case-timeout must be a finite number of seconds > 0, got {case_timeout}"
-    if device == "cuda" or backend == "nccl":
-        import torch
+DEFAULT_IMPLS = ("reference",)
+AUTO = "auto"
+BACKENDS = (AUTO, "gloo", "nccl")
+DEVICES = (AUTO, "cpu", "cuda")
 
-        if not torch.cuda.is_available():
-            asked = "--device cuda" if device == "cuda" else "--backend nccl"
-            return f"{asked}: no CUDA GPU on this host (torch.cuda.is_available() is False)"
-    return None
+
+class OptionError(UsageError):
+    """An option value that cannot be used: one line naming the option and what it takes."""
+
+
+def split_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list, blanks dropped: "a, b,,c" -> ("a", "b", "c")."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_impls(text: str) -> tuple[str, ...]:
+    """--impl: implementation names, each one the registry can load (an adapter is imported here)."""
+    # deferred: the registry imports torch and the adapters, which the CLI's --help must not
+    from qgather.impls import UnknownImplementationError, get_impl
+
+    names = split_names(text)
+    if not names:
+        raise OptionError("--impl: no implementation named")
+    for name in names:
+        try:
+            get_impl(name)
+        except UnknownImplementationError as exc:
+            raise OptionError(f"--impl: {exc}") from None
+    return names
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """--formats: format names the registry knows (entry-point formats included)."""
+    from qgather.formats import FORMATS  # deferred: the formats import torch
+
+    names = split_names(text)
+    for name in names:
+        if name not in FORMATS:
+            raise OptionError(f"--formats: unknown format {name!r}; known: {', '.join(FORMATS)}")
+    return names
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """--world-sizes: positive integers."""
+    try:
+        sizes = tuple(int(part) for part in split_names(text))
+    except ValueError:
+        raise OptionError("--world-sizes takes comma-separated integers, e.g. 2,4,8") from None
+    if any(size < 1 for size in sizes):
+        raise OptionError(f"--world-sizes: a world size must be >= 1, got {list(sizes)}")
+    return sizes
+
+
+def parse_scenarios(text: str) -> tuple[str, ...]:
+    """--scenarios: scenario names."""
+    from qgather.model.case import SCENARIOS  # deferred: the case model imports torch
+
+    names = split_names(text)
+    for name in names:
+        if name not in SCENARIOS:
+            raise OptionError(f"--scenarios: unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    return names
+
+
+def parse_case_timeout(text: str) -> float:
+    """--case-timeout: a finite number of seconds > 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise OptionError(f"--case-timeout must be a finite number of seconds > 0, got {text}")
+    return seconds
+
+
+def joined_impls(values: Iterable[Sequence[str]] | None) -> tuple[str, ...]:
+    """The --impl values of a repeatable option (each already parsed), in order, or the default."""
+    names = tuple(name for value in values or () for name in value)
+    return names or DEFAULT_IMPLS
+
+
+def gpu_problem(device: str, backend: str) -> str | None:
+    """Why --device cuda or --backend nccl cannot work on this host (None: fine)."""
+    if device != "cuda" and backend != "nccl":
+        return None
+    import torch  # deferred: asked only when a GPU is asked for
+
+    if torch.cuda.is_available():
+        return None
+    asked = "--device cuda" if device == "cuda" else "--backend nccl"
+    return f"{asked}: no CUDA GPU on this host (torch.cuda.is_available() is False)"
+
+
+# ------------------------------------------------------------------ declarations
+@dataclass(frozen=True)
+class OptionSpec:
+    """One option as both parsers declare it (argparse's keywords; pytest's addoption takes the same)."""
+
+    flag: str
+    help: str
+    parse: Callable[[str], Any] | None = None
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    action: str | None = None
+    metavar: str | None = None
+
+    def keywords(self, wrap: Callable[[Callable[[str], Any]], Callable[[str], Any]]) -> dict[str, Any]:
+        """The keywords of `add_argument` / `addoption`; `wrap` turns an OptionError into what that
+        parser reports as one line."""
+        out: dict[str, Any] = {"help": self.help, "default": self.default}
+        for name in ("choices", "action", "metavar"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.parse is not None:
+            out["type"] = wrap(self.parse)
+        return out
+
+
+SELECTION_OPTIONS = (
+    OptionSpec("--impl", "implementation(s) under test: reference, mutant:<bug>, torchao, te, or package.module:object "
+               "(repeat or comma-separate; default: reference)", parse_impls, action="append"),
+    OptionSpec("--formats", "comma-separated formats (default: all)", parse_formats),
+    OptionSpec("--world-sizes", "comma-separated world sizes (default: the sweep's)", parse_world_sizes),
+    OptionSpec("--scenarios", "comma-separated scenarios: gather, steps, reshard, hooks, virtual, model",
+               parse_scenarios),
+    OptionSpec("--exhaustive", "every sweep's full product (dtype x seed x configuration) instead of the pairwise "
+               "covering design; the extra cases are marked slow", default=False, action="store_true"),
+)
+
+RUN_OPTIONS = (
+    OptionSpec("--backend", "process-group backend (auto: nccl when each rank can have its own GPU)", default=AUTO,
+               choices=BACKENDS),
+    OptionSpec("--device", "where the ranks' tensors live (auto: cuda when available)", default=AUTO,
+               choices=DEVICES),
+    OptionSpec("--case-timeout", "seconds before a case is declared HANG (default: per backend)", parse_case_timeout),
+)

@@ -23,6 +23,7 @@ class CaseReport:
             asked, e.g. a case id that names no known format).
         duration_s: wall time of the whole case.
         placement: under a launcher, "intra-node" or "cross-node".
+        repro: the command that reruns the case under the run's options (default: `qgather case <id>`).
     """
 
     spec: CaseSpec
@@ -32,16 +33,17 @@ class CaseReport:
     expectation: Expectation | None = None
     duration_s: float = 0.0
     placement: str = ""
+    repro: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.repro:
+            object.__setattr__(self, "repro", repro_command(self.spec.id))
 
     @property
     def passed(self) -> bool:
         if self.verdict is Verdict.SKIPPED:
             return True
         return self.expectation is not None and self.expectation.accepts(self.verdict)
-
-    @property
-    def repro(self) -> str:
-        return repro_command(self.spec.id)
 
     def render(self) -> str:
         head = f"{self.spec.id}: {self.verdict.value}"

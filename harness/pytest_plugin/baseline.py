@@ -15,12 +15,22 @@ case of the run are kept as they are.
 
 from __future__ import annotations
 
-import argparse
-import fnmatch
 import json
-import os
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from qgather.errors import UsageError
+from qgather.model.case_record import CaseRecord, KnownIssue
+from qgather.model.verdict import Verdict
+
+if sys.version_info >= (3, 11):
+    import tomllib as _toml
+else:  # optional before 3.11: without it only reading a baseline fails, with one line
+    try:
+        import tomli as _toml
+    except ImportError:
+        _toml = None
 
 DEFAULT_FILE = "known-issues.toml"
 HEADER = """\
@@ -32,36 +42,18 @@ HEADER = """\
 """
 
 
-class BaselineError(ValueError):
+class BaselineError(UsageError):
     """A baseline file that cannot be read: the message is one line naming the file."""
 
 
-@dataclass(frozen=True)
-class KnownIssue:
-    case: str  # a case id or an fnmatch glob over case ids
-    reason: str
-    link: str = ""
-
-    def matches(self, case_id: str) -> bool:
-        return fnmatch.fnmatchcase(case_id, self.case)
-
-    def as_dict(self) -> dict[str, str]:
-        return {"case": self.case, "reason": self.reason, "link": self.link}
-
-
 def _tomllib():
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        return tomllib
-    try:
-        import tomli
-    except ImportError:
-        raise BaselineError("reading a TOML baseline needs Python >= 3.11 or the tomli package") from None
-    return tomli
+    if _toml is None:
+        raise BaselineError("reading a TOML baseline needs Python >= 3.11 or the tomli package")
+    return _toml
 
 
 def load(path: str) -> list[KnownIssue]:
+    """The entries of a baseline file; BaselineError (one line naming the file) when it cannot be read."""
     tomllib = _tomllib()
     try:
         with open(path, "rb") as fh:
@@ -98,7 +90,7 @@ def _issue(path: str, n: int, entry: object) -> KnownIssue:
     return KnownIssue(entry["case"], entry["reason"], entry.get("link", ""))
 
 
-def match(issues: list[KnownIssue], case_id: str) -> KnownIssue | None:
+def match(issues: Sequence[KnownIssue], case_id: str) -> KnownIssue | None:
     """The first entry that lists the case."""
     return next((issue for issue in issues if issue.matches(case_id)), None)
 
@@ -108,7 +100,8 @@ def escape(case_id: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in case_id)
 
 
-def dumps(issues: list[KnownIssue], name: str = DEFAULT_FILE) -> str:
+def dumps(issues: Iterable[KnownIssue], name: str = DEFAULT_FILE) -> str:
+    """The baseline file's text: the header, then one [[issue]] table per entry."""
     # json.dumps writes a valid TOML basic string (the escapes it emits are TOML's too).
     blocks = [HEADER.format(name=name)]
     for issue in issues:
@@ -117,67 +110,32 @@ def dumps(issues: list[KnownIssue], name: str = DEFAULT_FILE) -> str:
     return "\n".join(blocks)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Update:
-    issues: list[KnownIssue]
+    """A baseline rewritten from a run, and what changed."""
+
+    issues: tuple[KnownIssue, ...]
     added: int
     kept: int
-    dropped: list[KnownIssue]
-    uncovered: int
+    dropped: tuple[KnownIssue, ...]  # entries that matched only passing cases
+    uncovered: int  # entries that matched no case of the run (kept as they are)
 
 
-def update(issues: list[KnownIssue], cases: list[dict]) -> Update:
-    """The baseline after a run whose cases (verdicts.json's `cases`) are given."""
-    ran = [c for c in cases if c["verdict"] != "SKIPPED"]
-    failing = sorted({c["case"]: c for c in ran if not c["passed"]}.values(), key=lambda c: c["case"])
+def update(issues: Sequence[KnownIssue], cases: Sequence[CaseRecord]) -> Update:
+    """The baseline after a run whose case records (verdicts.json's `cases`) are given."""
+    ran = [c for c in cases if c.verdict is not Verdict.SKIPPED]
+    failing = sorted({c.case: c for c in ran if not c.passed}.values(), key=lambda c: c.case)
     new, kept = [], 0
     for case in failing:
-        old = match(issues, case["case"])
+        old = match(issues, case.case)
         kept += old is not None
-        reason = old.reason if old else f"{case['verdict']}: {_first_line(case.get('reason', ''))}"
-        new.append(KnownIssue(escape(case["case"]), reason, old.link if old else ""))
-    uncovered = [i for i in issues if not any(i.matches(c["case"]) for c in ran)]
-    dropped = [i for i in issues if i not in uncovered and not any(i.matches(c["case"]) for c in failing)]
+        reason = old.reason if old else f"{case.verdict.value}: {_first_line(case.reason)}"
+        new.append(KnownIssue(escape(case.case), reason, old.link if old else ""))
+    uncovered = [i for i in issues if not any(i.matches(c.case) for c in ran)]
+    dropped = [i for i in issues if i not in uncovered and not any(i.matches(c.case) for c in failing)]
     result = sorted(new + uncovered, key=lambda i: i.case)
-    return Update(result, len(new) - kept, kept, dropped, len(uncovered))
+    return Update(tuple(result), len(new) - kept, kept, tuple(dropped), len(uncovered))
 
 
 def _first_line(text: str) -> str:
     return (text or "").strip().splitlines()[0] if (text or "").strip() else "no reason given"
-
-
-def _read_run(path: str) -> list[dict]:
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise BaselineError(f"--from {path}: cannot read it ({exc.strerror or exc})") from None
-    except json.JSONDecodeError as exc:
-        raise BaselineError(f"--from {path}: not JSON ({exc})") from None
-    cases = data.get("cases") if isinstance(data, dict) else data  # verdicts.json, or a --qgather-json list
-    if not isinstance(cases, list) or not all(isinstance(c, dict) and {"case", "verdict", "passed"} <= set(c)
-                                              for c in cases):
-        raise BaselineError(f"--from {path}: not a qgather verdicts.json (no list of cases with verdicts)")
-    return cases
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="qgather baseline", description="Maintain the known-issues baseline.")
-    sub = parser.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("update", help="write or update the baseline from a run's verdicts.json")
-    up.add_argument("--from", dest="source", required=True, metavar="VERDICTS_JSON")
-    up.add_argument("--file", default=DEFAULT_FILE, help=f"the baseline to update (default: {DEFAULT_FILE})")
-    args = parser.parse_args(argv)
-    try:
-        issues = load(args.file) if os.path.exists(args.file) else []
-        result = update(issues, _read_run(args.source))
-    except BaselineError as exc:
-        print(f"qgather baseline: {exc}", file=sys.stderr)
-        return 2
-    with open(args.file, "w") as fh:
-        fh.write(dumps(result.issues, os.path.basename(args.file)))
-    print(f"{args.file}: {len(result.issues)} entries ({result.added} new, {result.kept} kept, "
-          f"{len(result.dropped)} dropped as passing, {result.uncovered} not covered by this run)")
-    for issue in result.dropped:
-        print(f"  dropped: {issue.case}")
-    return 0

@@ -1,10 +1,7 @@
-"""Run reports: the verdict matrix (implementation x format x world size x shape class x
-configuration -> counts per verdict) as Markdown for a CI job summary and as JSON with the
-environment, built from the per-case records the pytest plugin collects.
-
-A record is a plain dict (it travels from xdist workers to the controller in a test report's
-user_properties): see `case_record`. The pytest plugin adds `outcome` (pytest's outcome of the
-test that checked the case) and, under a baseline, `known_issue`.
+"""Run reports: verdicts.json (every case's record, the counts, the environment) and verdicts.md
+(a CI job summary: the verdict matrix implementation x format x world size x shape class x
+configuration -> counts per verdict, then the failures and the known issues), both built from one
+`RunResults` (qgather.pytest_plugin.results), so that they count what the terminal summary counts.
 """
 
 from __future__ import annotations
@@ -16,112 +13,70 @@ import platform
 import shlex
 import sys
 from collections import Counter
+from typing import Any
 
-from qgather.model.case import CaseSpec, shard_layout
-from qgather.model.report import CaseReport
+import pytest
+import torch
+
+from qgather import __version__
+from qgather.model.case_record import CaseRecord, Outcome
 from qgather.model.verdict import Verdict
+from qgather.pytest_plugin.options import Settings
+from qgather.pytest_plugin.results import Row, RunResults
 
-OUTCOMES = ("passed", "failed", "xfailed", "xpassed", "skipped")
-MATRIX_KEYS = ("impl", "format", "world_size", "shape_class", "configuration")
+MATRIX_KEYS = ("implementation", "format", "world_size", "shape_class", "configuration")
 FAILURES_SHOWN = 200  # a job summary has a size limit; verdicts.json has them all
 
 
-def shape_class(spec: CaseSpec) -> str:
-    """aligned / misaligned / unholdable (the policy's view of the shape), then `uneven` and
-    `zero-row` when FSDP2's dim-0 split is uneven or leaves a rank without rows."""
-    from qgather.formats import FORMATS, FormatError
-    from qgather.model.policy import expectation
-
-    fmt = FORMATS.get(spec.fmt)
-    if fmt is None:
-        return "unknown format"
-    try:
-        fmt.check(spec.shape, spec.torch_dtype)
-    except FormatError:
-        alignment = "unholdable"
-    else:
-        alignment = "aligned" if expectation(spec).aligned else "misaligned"
-    layout = shard_layout(spec)
-    tags = [] if layout.even else ["uneven"]
-    if any(start == end for start, end in map(layout.dim0_range, range(layout.world_size))):
-        tags.append("zero-row")
-    return " ".join([alignment, *tags])
-
-
-def repro_command(case_id: str, backend: str = "auto", device: str = "auto",
-                  case_timeout: float | None = None) -> str:
-    """`qgather case <id>` with the session options that differ from the defaults."""
-    words = ["qgather", "case", case_id]
-    if device != "auto":
-        words += ["--device", device]
-    if backend != "auto":
-        words += ["--backend", backend]
-    if case_timeout is not None:
-        words += ["--case-timeout", repr(case_timeout)]
-    return shlex.join(words)
-
-
-def case_record(report: CaseReport, options) -> dict:
-    """What the controller needs of one case (JSON-serializable: it crosses process boundaries)."""
-    spec = report.spec
-    record = {
-        "case": spec.id,
-        "verdict": report.verdict.value,
-        "passed": report.passed,
-        "reason": report.reason,
-        "seconds": round(report.duration_s, 3),
-        "impl": spec.impl,
-        "format": spec.fmt,
-        "world_size": spec.world_size,
-        "shape_class": _safe_shape_class(spec),
-        "configuration": _configuration(spec, options),
-        "repro": repro_command(spec.id, options.backend, options.device, options.case_timeout),
+def build(results: RunResults, settings: Settings, session: pytest.Session) -> dict[str, Any]:
+    """Everything verdicts.json holds; verdicts.md is rendered from it."""
+    config = session.config
+    return {
+        "qgather_version": __version__,
+        "session": {
+            "device": settings.run.device,
+            "backend": settings.run.backend,
+            "case_timeout": settings.run.case_timeout,
+            "baseline": settings.baseline_path,
+            "impls": list(settings.impls),
+            "command": " ".join([_program(), shlex.join(sys.argv[1:])]),
+            "pytest_args": list(config.invocation_params.args),
+            "exit_status": int(session.exitstatus),
+        },
+        "environment": environment(),
+        "headline": results.headline(),
+        "outcomes": results.outcomes,
+        "pytest": results.pytest,
+        "rows": {row.name.lower(): dict(results.rows.get(row, {})) for row in Row},
+        "other_tests": results.other_tests,
+        "failing_other_tests": list(results.failing_other_tests),
+        "verdicts": results.verdicts,
+        "matrix": matrix(results.cases),
+        "failures": [_failure(r) for r in results.failures],
+        "known_issues": [_failure(r) for r in results.known_issues],
+        "cases": [r.to_dict() for r in results.cases],
+        "also_ran": [r.to_dict() for r in results.also_ran],
     }
-    if report.placement:
-        record["placement"] = report.placement
-        record["configuration"] += f" {report.placement}"
-    if not report.passed:
-        record["report"] = report.render()
-    return record
 
 
-def _configuration(spec: CaseSpec, options) -> str:
-    if spec.scenario == "virtual":  # one process emulates the world: no backend
-        return f"virtual {options.device_type()}"
-    return f"{spec.scenario} {options.device_type()}/{options.backend_for(spec.world_size)}"
+def _program() -> str:
+    main = sys.argv[0] if sys.argv else "pytest"
+    for package in ("pytest", "qgather"):
+        if main.endswith(os.path.join(package, "__main__.py")):
+            return f"python -m {package}"
+    return os.path.basename(main)
 
 
-def _safe_shape_class(spec: CaseSpec) -> str:
-    try:
-        return shape_class(spec)
-    except Exception as exc:  # noqa: BLE001 - a report label must never fail a case
-        return f"unknown ({type(exc).__name__})"
-
-
-def unique_cases(records: list[dict]) -> list[dict]:
-    """One record per case id: the one a test checked wins over extra runs of the same case."""
-    by_id: dict[str, dict] = {}
-    for record in records:
-        old = by_id.get(record["case"])
-        if old is None or record.get("checked") or not old.get("checked"):
-            by_id[record["case"]] = record
-    return list(by_id.values())
-
-
-def outcome_counts(cases: list[dict]) -> dict[str, int]:
-    """pytest outcomes of the cases that a test checked (one test, one case)."""
-    counts = Counter(r["outcome"] for r in cases if r.get("checked") and r.get("outcome"))
-    return {o: counts[o] for o in OUTCOMES}
-
-
-def matrix(cases: list[dict]) -> list[dict]:
-    rows: dict[tuple, dict] = {}
+def matrix(cases: tuple[CaseRecord, ...]) -> list[dict[str, Any]]:
+    """Rows of (implementation, format, world size, shape class, configuration) with the verdict
+    counts and pytest outcome counts of their cases."""
+    rows: dict[tuple, dict[str, Any]] = {}
     for record in cases:
-        key = tuple(record.get(k, "?") for k in MATRIX_KEYS)
+        key = tuple(getattr(record, k) for k in MATRIX_KEYS)
         row = rows.setdefault(key, {**dict(zip(MATRIX_KEYS, key)), "verdicts": Counter(), "outcomes": Counter()})
-        row["verdicts"][record["verdict"]] += 1
-        if record.get("outcome"):
-            row["outcomes"][record["outcome"]] += 1
+        row["verdicts"][record.verdict.value] += 1
+        if record.outcome is not None:
+            row["outcomes"][record.outcome.value] += 1
     return [{**row, "verdicts": dict(row["verdicts"]), "outcomes": dict(row["outcomes"])}
             for _key, row in sorted(rows.items(), key=lambda kv: tuple(map(_sort_key, kv[0])))]
 
@@ -130,42 +85,15 @@ def _sort_key(value: object) -> tuple:
     return (0, value, "") if isinstance(value, int) else (1, 0, str(value))
 
 
-def failures(cases: list[dict]) -> list[dict]:
-    """Cases that fail the run: pytest failed them, or (extra runs) the policy does not accept them."""
-    return [r for r in cases if r.get("outcome") == "failed" or (not r.get("checked") and not r["passed"])]
-
-
-def known_issues(cases: list[dict]) -> list[dict]:
-    return [r for r in cases if r.get("outcome") == "xfailed"]
-
-
-def build(records: list[dict], session: dict, pytest_counts: dict[str, int]) -> dict:
-    """Everything verdicts.json holds; verdicts.md is rendered from it."""
-    cases = unique_cases(records)
-    return {
-        "qgather_version": _qgather_version(),
-        "session": session,
-        "environment": environment(),
-        "outcomes": outcome_counts(cases),
-        "pytest": pytest_counts,
-        "verdicts": dict(Counter(r["verdict"] for r in cases)),
-        "matrix": matrix(cases),
-        "failures": [_failure(r) for r in failures(cases)],
-        "known_issues": [_failure(r) for r in known_issues(cases)],
-        "cases": cases,
-    }
-
-
-def _failure(record: dict) -> dict:
+def _failure(record: CaseRecord) -> dict[str, Any]:
     keep = ("case", "verdict", "reason", "repro", "report", "known_issue", "outcome")
-    return {k: record[k] for k in keep if k in record}
+    data = record.to_dict()
+    return {k: data[k] for k in keep}
 
 
-def environment() -> dict:
+def environment() -> dict[str, Any]:
     """Versions and hardware, without importing anything not already imported (importing
     TransformerEngine on a broken install can abort the process that writes the report)."""
-    import torch
-
     gpus = []
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -194,20 +122,13 @@ def _version(module: str) -> str:
     return "not installed"
 
 
-def _qgather_version() -> str:
-    from qgather import __version__
-
-    return __version__
-
-
 # ------------------------------------------------------------------ Markdown
-def render_markdown(data: dict) -> str:
-    lines = ["## qgather verdicts", "", _headline(data), ""]
-    tests = {k: n for k, n in data["pytest"].items() if n}
-    if tests != {k: n for k, n in data["outcomes"].items() if n}:  # tests that are not one case each
-        lines += ["pytest, all tests: " + ", ".join(f"{n} {k}" for k, n in tests.items()), ""]
+def render_markdown(data: dict[str, Any]) -> str:
+    """verdicts.md: the headline, pytest's counts row by row, the matrix, the failures, the known issues."""
+    lines = ["## qgather verdicts", "", _headline(data), "", *_reconciliation(data), ""]
     lines += _matrix_table(data["matrix"])
     lines += _failures_section(data["failures"])
+    lines += _other_failures_section(data["failing_other_tests"])
     lines += _known_section(data["known_issues"])
     env = data["environment"]
     gpus = env["gpus"] if isinstance(env["gpus"], str) else ", ".join(sorted(set(env["gpus"])))
@@ -217,10 +138,10 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
-def _headline(data: dict) -> str:
+def _headline(data: dict[str, Any]) -> str:
     outcomes, session = data["outcomes"], data["session"]
     total = sum(outcomes.values())
-    parts = [f"{outcomes[o]} {o}" for o in OUTCOMES if outcomes[o] or o in ("passed", "failed")]
+    parts = [f"{n} {o}" for o, n in outcomes.items() if n or o in (Outcome.PASSED.value, Outcome.FAILED.value)]
     where = f"device {session.get('device', 'auto')}, backend {session.get('backend', 'auto')}"
     baseline = f", baseline `{session['baseline']}`" if session.get("baseline") else ""
     red = session.get("exit_status", 0) or outcomes["failed"] or outcomes["xpassed"]
@@ -228,7 +149,29 @@ def _headline(data: dict) -> str:
     return f"{verdict}: {total} cases - {', '.join(parts)} ({where}{baseline})"
 
 
-def _matrix_table(rows: list[dict]) -> list[str]:
+def _reconciliation(data: dict[str, Any]) -> list[str]:
+    """pytest's final line, row by row: which tests are one case each and which are not."""
+    pytest_counts = {k: n for k, n in data["pytest"].items() if n}
+    head = ["tests", *pytest_counts, "total"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for row in Row:
+        counts = data["rows"].get(row.name.lower(), {})
+        if row is not Row.CASES and not sum(counts.values()):
+            continue
+        other = data["other_tests"]
+        label = row.value + (f" ({other} test{'' if other == 1 else 's'})" if row is Row.OTHER else "")
+        cells = [str(counts.get(k, 0)) for k in pytest_counts]
+        lines.append("| " + " | ".join([label, *cells, str(sum(counts.values()))]) + " |")
+    cells = [f"**{n}**" for n in pytest_counts.values()]
+    lines.append("| " + " | ".join(["**pytest's final line**", *cells, f"**{sum(pytest_counts.values())}**"]) + " |")
+    if data["also_ran"]:
+        ids = "1 more case id" if len(data["also_ran"]) == 1 else f"{len(data['also_ran'])} more case ids"
+        lines += ["", f"{ids} ran only inside tests that are not one case each (listed in verdicts.json under "
+                      "`also_ran`)."]
+    return lines
+
+
+def _matrix_table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return ["No case ran."]
     ran = [r for r in rows if set(r["verdicts"]) != {Verdict.SKIPPED.value}]
@@ -241,7 +184,7 @@ def _matrix_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _table(rows: list[dict]) -> list[str]:
+def _table(rows: list[dict[str, Any]]) -> list[str]:
     present = [v.value for v in Verdict if any(r["verdicts"].get(v.value) for r in rows)]
     outcomes = [o for o in ("failed", "xfailed") if o == "failed" or any(r["outcomes"].get(o) for r in rows)]
     head = ["implementation", "format", "ws", "shape class", "configuration", *present, *outcomes]
@@ -249,12 +192,13 @@ def _table(rows: list[dict]) -> list[str]:
     for row in rows:
         counts = [str(row["verdicts"].get(v, "")) for v in present]
         counts += [str(row["outcomes"].get(o, "") or "") for o in outcomes]
-        cells = [_cell(row["impl"]), row["format"], str(row["world_size"]), row["shape_class"], row["configuration"]]
+        cells = [_cell(row["implementation"]), row["format"], str(row["world_size"]), row["shape_class"],
+                 row["configuration"]]
         lines.append("| " + " | ".join([*cells, *counts]) + " |")
     return lines
 
 
-def _failures_section(rows: list[dict]) -> list[str]:
+def _failures_section(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     lines = ["", f"### Failures ({len(rows)})", "", "| case | verdict | reason | reproduce |", "|---|---|---|---|"]
@@ -266,13 +210,21 @@ def _failures_section(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _known_section(rows: list[dict]) -> list[str]:
+def _other_failures_section(nodeids: list[str]) -> list[str]:
+    if not nodeids:
+        return []
+    lines = ["", f"### Failed tests that are not one case each ({len(nodeids)})", ""]
+    lines += [f"- `{nodeid}`" for nodeid in nodeids[:FAILURES_SHOWN]]
+    return lines
+
+
+def _known_section(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     lines = ["", f"<details><summary>Known issues from the baseline ({len(rows)} xfailed)</summary>", "",
              "| case | verdict | known issue | link |", "|---|---|---|---|"]
     for row in rows[:FAILURES_SHOWN]:
-        issue = row.get("known_issue", {})
+        issue = row.get("known_issue") or {}
         lines.append(f"| `{row['case']}` | {row['verdict']} | {_cell(issue.get('reason', ''))} | "
                      f"{_cell(issue.get('link', ''))} |")
     return [*lines, "", "</details>"]
@@ -287,7 +239,8 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def write(directory: str, data: dict) -> None:
+def write(directory: str, data: dict[str, Any]) -> None:
+    """verdicts.json and verdicts.md into `directory`, each replaced whole (never half written)."""
     os.makedirs(directory, exist_ok=True)
     _replace(os.path.join(directory, "verdicts.json"), json.dumps(data, indent=1, default=str) + "\n")
     _replace(os.path.join(directory, "verdicts.md"), render_markdown(data))

@@ -6,19 +6,19 @@ first FSDP2 configuration: each regime of qgather.suite.shape_space's space at t
 of other configurations are shown when hit (they are covered pairwise, not promised).
 
 `qgather coverage [--impl ..] [--formats ..] [--world-sizes ..] [--scenarios ..] [--exhaustive]`
-prints the matrix of the suite's selection as Markdown (exit 1 if a promised cell is missing);
-the pytest plugin prints its summary at the end of a session.
+(qgather.cli.coverage) prints the matrix of the suite's selection as Markdown (exit 1 if a promised
+cell is missing); the pytest plugin prints its summary at the end of a session.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from qgather.model.case import CaseSpec
 from qgather.suite import shape_space
+from qgather.suite.modules import suite_sweeps
 
 DEFAULT_CONFIG = "default"
 
@@ -101,8 +101,6 @@ def summary_lines(cov: Coverage, limit: int = 20) -> list[str]:
 def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None,
                 exhaustive: bool = False) -> tuple[list[CaseSpec], set[str]]:
     """The suite's selected cases and the configuration tokens promised in full (each sweep's first)."""
-    from qgather.cli import suite_sweeps
-
     cases, primary = [], set()
     for _module, sweep, fixed in suite_sweeps():
         cases += sweep.cases(fixed or impls, formats=formats, world_sizes=world_sizes, scenarios=scenarios,
@@ -111,31 +109,3 @@ def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None
         if configs:
             primary.add(configs[0].token or DEFAULT_CONFIG)
     return cases, primary
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qgather coverage", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impl", action="append", default=None)
-    parser.add_argument("--formats", default=None)
-    parser.add_argument("--world-sizes", default=None)
-    parser.add_argument("--scenarios", default=None)
-    parser.add_argument("--exhaustive", action="store_true", help="the full product instead of the default run")
-    args = parser.parse_args(argv)
-    from qgather.cli import _csv, _usage
-    from qgather.formats import FORMATS
-
-    impls = [n for item in (args.impl or ["reference"]) for n in _csv(item)]
-    formats = _csv(args.formats)
-    unknown = [f for f in formats or [] if f not in FORMATS]
-    if unknown:
-        return _usage("coverage", f"--formats: unknown format {unknown[0]!r}; known: {', '.join(FORMATS)}")
-    try:
-        sizes = _csv(args.world_sizes, int)
-    except ValueError:
-        return _usage("coverage", "--world-sizes takes comma-separated integers, e.g. 2,4,8")
-    cases, primary = suite_cases(impls, formats, sizes, _csv(args.scenarios), args.exhaustive)
-    if not cases:
-        return _usage("coverage", "the selection has no cases")
-    cov = measure(cases, primary)
-    print(markdown(cov))
-    return 1 if cov.missing else 0

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
+from qgather.cli.common import add_run_options, run_options, shutdown_pools, usage
 from qgather.errors import UsageError
 from qgather.model.case import DTYPES, CaseSpec
 from qgather.model.report import CaseReport
@@ -35,8 +36,6 @@ from qgather.tools.exploration import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qgather.cli import _add_run_options
-
     parser = argparse.ArgumentParser(prog="qgather sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", required=True, help="implementation, e.g. reference, mutant:<bug>, pkg.mod:Obj")
     parser.add_argument("--format", required=True, dest="fmt", help="format, e.g. nvfp4_2d")
@@ -50,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scenario", default="steps", choices=REAL_SCENARIOS,
                         help="the real scenario run on the rank pools (default steps: the first gather, then "
                              "optimizer steps and re-gathers)")
-    _add_run_options(parser)
+    add_run_options(parser)
     return parser
 
 
@@ -145,17 +144,15 @@ def render(result: SweepResult, args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
-    from qgather.cli import _run_options, _shutdown_pools, _usage
-
     stream = stream or sys.stdout
     args = build_parser().parse_args(argv)
-    options = _run_options("sweep", args)
+    options = run_options("sweep", args)
     if options is None:
         return 2
     try:
         sweep = check_input(args)
     except InputProblem as exc:
-        return _usage("sweep", str(exc))
+        return usage("sweep", str(exc))
     lattice = sweep.lattice
     stream.write(f"sweep {sweep.impl} {sweep.fmt} {sweep.dtype} s{sweep.seed}: {len(lattice.points())} candidates "
                  f"(rows {lattice.rows[0]}..{lattice.rows[-1]}, cols {','.join(map(str, lattice.cols))}, world "
@@ -164,7 +161,7 @@ def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
     try:
         result = explore(runner, lattice, sweep.budget_s, Progress(stream), sweep.virtual)
     finally:
-        _shutdown_pools()
+        shutdown_pools()
     stream.write("\n".join(render(result, args)) + "\n")
     stream.flush()
     return 1 if result.groups else 0

@@ -18,6 +18,7 @@ import pytest
 
 from qgather.formats import FORMATS
 from qgather.model.config import FsdpConfig
+from qgather.pytest_plugin.options import settings
 from qgather.suite.sweeps import CaseSet, K, Sweep, alignment_shapes
 
 PAIRS = ((2, 4), (4, 2), (2, 2), (1, 3), (4, 1), (3, 2), (2, 3))  # (A saved, B loaded)
@@ -89,15 +90,6 @@ EXHAUSTIVE = CaseSet([
 ], marks=("slow",))
 
 
-def _impls(config: pytest.Config) -> list[str] | None:
-    raw = config.getoption("--impl")
-    return [n for item in raw for n in item.split(",") if n] if raw else None
-
-
-def _csv(value: str | None, cast=str):
-    return [cast(v) for v in value.split(",") if v] if value else None
-
-
 def _asked_for_slow(config: pytest.Config) -> bool:
     expr = config.getoption("markexpr", "") or ""
     return "slow" in expr and "not slow" not in expr
@@ -107,19 +99,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case` (torchao's own sets, when --impl is not given) and `exhaustive_case` (the full
     product, marked slow, for the session's implementations)."""
     config = metafunc.config
+    options = settings(config)
     for name, cases in (("torchao_case", TORCHAO), ("exhaustive_case", EXHAUSTIVE)):
         if name not in metafunc.fixturenames:
             continue
-        impls = _impls(config)
+        impls = list(options.impls) if options.impls_named else None
         if name == "exhaustive_case" and not _asked_for_slow(config):
             metafunc.parametrize(name, [])  # one skipped test: `make test` passes no -m slow
             continue
         if name == "torchao_case":
             impls = [] if impls else list(TORCHAO_IMPLS)
         specs = cases.cases(impls or ["reference"] if name == "exhaustive_case" else impls,
-                            formats=_csv(config.getoption("--formats")),
-                            world_sizes=_csv(config.getoption("--world-sizes"), int),
-                            scenarios=_csv(config.getoption("--scenarios")))
+                            formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
         marks = [getattr(pytest.mark, m) for m in cases.marks]
         metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=marks) for c in specs])
 

@@ -12,18 +12,14 @@ import torch
 from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec
+from qgather.pytest_plugin.options import settings
 
 K = 64
 
 
-def _impls(config):
-    raw = config.getoption("--impl") or ["reference"]
-    return [n for item in raw for n in item.split(",") if n]
-
-
 def pytest_generate_tests(metafunc):
     if "impl_fmt" in metafunc.fixturenames:
-        params = [(i, f) for i in _impls(metafunc.config) for f in FORMATS]
+        params = [(i, f) for i in settings(metafunc.config).impls for f in FORMATS]
         metafunc.parametrize("impl_fmt", params, ids=[f"{i}:{f}" for i, f in params])
 
 

@@ -3,6 +3,7 @@ up to 1024 ranks that no pool could run."""
 
 from qgather.model.case import CaseSpec
 from qgather.model.verdict import Verdict
+from qgather.pytest_plugin.options import settings
 from qgather.suite.sweeps import Sweep
 
 SWEEP = Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8, 16, 64, 256, 1024))
@@ -17,12 +18,10 @@ AGREEMENT = Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(1, 2, 3,
 
 def test_virtual_agrees_with_real_gathers(qgather, request):
     """On every size both can run, the emulated world gives the real gather's verdict."""
-    fmt = (request.config.getoption("--formats") or "nvfp4_2d").split(",")[0]
-    impls = [n for item in (request.config.getoption("--impl") or ["reference"]) for n in item.split(",")]
-    sizes = request.config.getoption("--world-sizes")
-    world_sizes = [int(w) for w in sizes.split(",")] if sizes else None
+    options = settings(request.config)
+    fmt = (options.formats or ("nvfp4_2d",))[0]
     disagree = []
-    for real in AGREEMENT.cases(impls, formats=[fmt], world_sizes=world_sizes):
+    for real in AGREEMENT.cases(options.impls, formats=[fmt], world_sizes=options.world_sizes):
         virtual = CaseSpec(real.impl, real.fmt, real.shape, real.dtype, real.world_size, "virtual", real.seed)
         a, b = qgather.run(real), qgather.run(virtual)
         if Verdict.SKIPPED in (a.verdict, b.verdict):

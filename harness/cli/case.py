@@ -1,0 +1,101 @@
+"""`qgather case` and `qgather repro`: run cases by id and print their reports; `repro` adds the
+environment and the command that reruns the case from a fresh shell."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+from qgather.cli.common import add_run_options, refusing_in_one_line, run_options, shutdown_pools, usage
+from qgather.errors import UsageError
+from qgather.model.repro import repro_command
+
+if TYPE_CHECKING:  # imported when a case runs: the CLI starts without torch
+    from qgather.engine.run import RunOptions
+
+
+@refusing_in_one_line("case")
+def main_case(argv: Sequence[str]) -> int:
+    """Run single cases by id and print their reports: the one-command reproduction."""
+    parser = argparse.ArgumentParser(prog="qgather case", description=main_case.__doc__)
+    parser.add_argument("case_ids", nargs="+", metavar="CASE_ID",
+                        help="e.g. reference:nvfp4_2d:136x64:bf16:ws8:gather:s0")
+    add_run_options(parser)
+    args = parser.parse_args(argv)
+    options = run_options("case", args)
+    if options is None:
+        return 2
+    from qgather.engine.run import run_case  # deferred: torch, once the options are checked
+    from qgather.impls import UnknownImplementationError
+    from qgather.model.case import CaseSpec
+
+    failed = 0
+    try:
+        for case_id in args.case_ids:
+            report = run_case(CaseSpec.parse(case_id), options)
+            print(report.render())
+            failed += not report.passed
+    except (UsageError, UnknownImplementationError) as exc:  # a bad case id, format, implementation or world
+        return usage("case", str(exc))
+    finally:
+        shutdown_pools()
+    return 1 if failed else 0
+
+
+@refusing_in_one_line("repro")
+def main_repro(argv: Sequence[str]) -> int:
+    """Run one case and print its full report, the environment, and the command that reproduces it."""
+    parser = argparse.ArgumentParser(prog="qgather repro", description=main_repro.__doc__)
+    parser.add_argument("case_id", metavar="CASE_ID")
+    add_run_options(parser)
+    args = parser.parse_args(argv)
+    options = run_options("repro", args)
+    if options is None:
+        return 2
+    from qgather.engine.run import run_case  # deferred: torch, once the options are checked
+    from qgather.impls import UnknownImplementationError
+    from qgather.model.case import CaseSpec
+
+    try:
+        spec = CaseSpec.parse(args.case_id)
+        report = run_case(spec, options)
+    except (UsageError, UnknownImplementationError) as exc:
+        return usage("repro", str(exc))
+    finally:
+        shutdown_pools()
+    print(report.render())
+    print()
+    for line in environment_lines(options, spec.world_size):
+        print(line)
+    command = repro_command(spec.id, options.backend, options.device, options.case_timeout, standalone=True)
+    print(f"reproduce: {command}")
+    return 0 if report.passed else 1
+
+
+def environment_lines(options: RunOptions, world_size: int) -> list[str]:
+    """python, torch, TransformerEngine, torchao versions, the GPU (or none) and the backend used."""
+    import torch  # deferred: the CLI's torch import (a case has run by now)
+
+    lines = [f"python: {platform.python_version()} ({sys.executable})", f"torch: {torch.__version__}"]
+    for label, module in (("transformer_engine", "transformer_engine"), ("torchao", "torchao")):
+        lines.append(f"{label}: {_module_version(module)}")
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        lines.append(f"gpu: {torch.cuda.device_count()} x {', '.join(names)}")
+    else:
+        lines.append("gpu: no GPU")
+    lines.append(f"device: {options.device_type()}; backend: {options.backend_for(world_size)}")
+    return lines
+
+
+def _module_version(module: str) -> str:
+    for dist in (module, module.replace("_", "-")):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "not installed"

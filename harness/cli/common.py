@@ -1,0 +1,130 @@
+"""What the command groups share: the shared options added to argparse with the same parsers the
+pytest plugin uses, the one-line usage error, the checked RunOptions, and the rank pools' cleanup
+(on return and on SIGTERM or Ctrl-C).
+
+Nothing here imports torch: `qgather --help` and an option refused by its syntax start without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from qgather.errors import QgatherError
+from qgather.model.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem
+
+if TYPE_CHECKING:  # imported when a case runs: the CLI starts without torch
+    from qgather.engine.run import RunOptions
+
+
+class OptionRefused(QgatherError):
+    """A bad option value met while parsing. Not a ValueError, which argparse would turn into its
+    two-line usage message: it reaches `qgather.cli.main`, which prints one line and exits 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _for_cli(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except OptionError as exc:
+            raise OptionRefused(str(exc)) from None
+
+    parsed.__name__ = parse.__name__
+    return parsed
+
+
+def refusing_in_one_line(command: str) -> Callable[[Callable[[Sequence[str]], int]], Callable[[Sequence[str]], int]]:
+    """Decorate a command's main: a bad option value (OptionRefused) is `usage(command, ...)`, exit 2."""
+
+    def decorate(main: Callable[[Sequence[str]], int]) -> Callable[[Sequence[str]], int]:
+        @functools.wraps(main)
+        def checked(argv: Sequence[str]) -> int:
+            try:
+                return main(argv)
+            except OptionRefused as exc:
+                return usage(command, exc.message)
+
+        return checked
+
+    return decorate
+
+
+def add_options(parser: argparse.ArgumentParser, specs: Iterable[OptionSpec]) -> None:
+    """Add shared options (qgather.model.options) as the plugin declares them, with the same parsers."""
+    for spec in specs:
+        parser.add_argument(spec.flag, **spec.keywords(_for_cli))
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """--backend, --device, --case-timeout: where a case runs (`case`, `repro`, `sweep`)."""
+    add_options(parser, RUN_OPTIONS)
+
+
+def add_selection_options(parser: argparse.ArgumentParser) -> None:
+    """--impl, --formats, --world-sizes, --scenarios, --exhaustive: which cases (`list`, `coverage`, `run`)."""
+    add_options(parser, SELECTION_OPTIONS)
+
+
+def usage(command: str, message: str) -> int:
+    """Print `qgather <command>: <message>` to stderr, one line; the usage-error exit status."""
+    print(f"qgather {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def run_options(command: str, args: argparse.Namespace) -> RunOptions | None:
+    """The checked RunOptions of parsed run options, or None after printing the one-line reason."""
+    problem = gpu_problem(args.device, args.backend)
+    if problem:
+        usage(command, problem)
+        return None
+    from qgather.engine.run import RunOptions  # after the check: a bad option is refused without torch
+
+    # A hung case is re-run under TORCH_DISTRIBUTED_DEBUG=DETAIL; QGATHER_HANG_DETAIL=0 skips that.
+    detail = command in ("case", "repro") and os.environ.get("QGATHER_HANG_DETAIL", "1") != "0"
+    return RunOptions(args.backend, args.device, args.case_timeout, detail_on_hang=detail)
+
+
+def shutdown_pools() -> None:
+    """Stop every rank pool this process started (none: nothing is imported)."""
+    if "qgather.runtime.registry" not in sys.modules:
+        return  # no pool was ever made (e.g. a bad option refused early): nothing to import torch for
+    from qgather.runtime import shutdown_pools as shutdown  # loaded already (see above)
+
+    shutdown()
+
+
+def with_cleanup_on_signals(command: str, run: Callable[[Sequence[str]], int], rest: Sequence[str]) -> int:
+    """SIGTERM and Ctrl-C unwind through the pools' own cleanup (their `finally`s stop every rank
+    and helper), then exit non-zero: 128 + the signal number, as a shell reports it.
+
+    SIGTERM is raised as KeyboardInterrupt, which an in-process pytest session (`qgather run`)
+    treats as the end of the session, where a SystemExit would only fail the running test.
+    """
+    received: list[int] = []
+
+    def terminate(signum: int, _frame: object) -> None:
+        received.append(signum)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        rc = run(rest)
+    except KeyboardInterrupt:
+        print(f"qgather {command}: interrupted", file=sys.stderr)
+        rc = 128 + (received[0] if received else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutdown_pools()
+    if received and rc == 0:
+        rc = 128 + received[0]
+    return rc

@@ -1,0 +1,26 @@
+"""`qgather coverage`: the coverage matrix (format x buffer x regime x scenario x configuration) of
+a selection as Markdown; exit 1 when a promised cell is missing."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from qgather.cli.common import add_selection_options, refusing_in_one_line, usage
+from qgather.model.options import joined_impls
+from qgather.suite.coverage import markdown, measure, suite_cases
+
+
+@refusing_in_one_line("coverage")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the coverage matrix of the selected cases."""
+    parser = argparse.ArgumentParser(prog="qgather coverage", description=main.__doc__)
+    add_selection_options(parser)
+    args = parser.parse_args(argv)
+    cases, primary = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
+                                 args.exhaustive)
+    if not cases:
+        return usage("coverage", "the selection has no cases")
+    cov = measure(cases, primary)
+    print(markdown(cov))
+    return 1 if cov.missing else 0

@@ -1,0 +1,57 @@
+"""Collection: a case module's `SWEEP` becomes the `case` parametrization of its tests, narrowed by
+the session's selection (--impl, --formats, --world-sizes, --scenarios, --exhaustive).
+
+Test modules under cases/ (qgather/suite/cases/ of an install) declare
+`SWEEP = qgather.suite.sweeps.Sweep(...)` (or another qgather.suite.sweeps.SuiteSweep), optionally
+`IMPLS = [...]`, and one test taking `case` and `qgather`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from qgather.pytest_plugin.options import settings
+from qgather.pytest_plugin.role import Role, role
+from qgather.runtime.launch import default_world_sizes, detect_launch
+from qgather.suite.sweeps import Sweep
+
+# How many cases each parametrized sweep yielded (a --world-sizes that no sweep has selects none).
+sweep_sizes_key = pytest.StashKey[list[int]]()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize `case` with the module's SWEEP under the session's selection."""
+    if "case" not in metafunc.fixturenames:
+        return
+    sweep = getattr(metafunc.module, "SWEEP", None)
+    if sweep is None:
+        return
+    options = settings(metafunc.config)
+    impls = getattr(metafunc.module, "IMPLS", None) or list(options.impls)
+    launch = detect_launch()
+    # Under a launcher the job's sizes, not a one-host pool's; --world-sizes selects as it does without one.
+    if launch is not None and isinstance(sweep, Sweep) and "virtual" not in sweep.scenarios and not options.world_sizes:
+        sweep = dataclasses.replace(sweep, world_sizes=default_world_sizes(launch.world_size))
+    selection = dict(formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
+    cases = sweep.cases(impls, **selection)
+    default = {c.id for c in cases}
+    if options.exhaustive:
+        cases = sweep.cases(impls, exhaustive=True, **selection)
+    metafunc.config.stash.setdefault(sweep_sizes_key, []).append(len(cases))
+    marks = [getattr(pytest.mark, m) for m in sweep.marks]
+    slow = [*marks, pytest.mark.slow]
+    params = [pytest.param(c, id=c.id, marks=marks if c.id in default else slow) for c in cases]
+    metafunc.parametrize("case", params)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A --world-sizes selection that no sweep has would otherwise pass green with nothing run."""
+    if role(session.config) is Role.XDIST_WORKER:
+        return  # an xdist worker cannot stop the session cleanly; `qgather run` checks before pytest starts
+    sizes = settings(session.config).world_sizes
+    counts = session.config.stash.get(sweep_sizes_key, None)
+    if sizes and counts is not None and sum(counts) == 0:
+        raise pytest.UsageError(f"--world-sizes {','.join(map(str, sizes))}: no case in the selected suite has "
+                                "that world size")

@@ -1,0 +1,171 @@
+"""The session's records, kept by the process that reports (the xdist controller, or the only
+process): a `Recorder` registered in pytest_configure and stored on `config.stash[recorder_key]`,
+the way pytest's junitxml keeps its LogXML. It reads every test report once, takes the case
+records off it (before JUnit writes the properties), counts each report where pytest's final line
+counts it, and at the end writes the reports and prints the summary from one `RunResults`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Generator
+
+import pytest
+
+from qgather.model.case_record import CaseRecord, Outcome
+from qgather.model.verdict import Verdict
+from qgather.pytest_plugin.fixture import RECORD_KEY
+from qgather.pytest_plugin.options import Settings
+from qgather.pytest_plugin.reports import build as build_reports
+from qgather.pytest_plugin.reports import write as write_reports
+from qgather.pytest_plugin.results import Row, RunResults
+from qgather.pytest_plugin.summary import write as write_summary
+
+JSON_EVERY_S = 1.0  # --qgather-json is rewritten at most this often while cases finish, and at the end
+
+
+@dataclasses.dataclass
+class _Checked:
+    """The report that decided a case's outcome (the worse, when tests checked the id twice)."""
+
+    record: CaseRecord
+    category: str
+
+
+def report_outcome(report: pytest.TestReport) -> Outcome:
+    """pytest's outcome of a test's call (a closed set: a report is passed, failed or skipped)."""
+    if hasattr(report, "wasxfail"):
+        return Outcome.XFAILED if report.skipped else Outcome.XPASSED
+    return Outcome(report.outcome)
+
+
+class Recorder:
+    """Collects the session's case records and counts; writes verdicts.json/md and --qgather-json."""
+
+    def __init__(self, config: pytest.Config, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        self._checked: dict[str, _Checked] = {}
+        self._also_ran: dict[str, CaseRecord] = {}
+        self._case_tests: set[str] = set()
+        self._other_tests: set[str] = set()
+        self._failing_other: list[str] = []
+        self._rows: dict[Row, Counter[str]] = {row: Counter() for row in Row}
+        self._json_written = 0.0
+        self.ran_nothing: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ hooks
+    @pytest.hookimpl(tryfirst=True)  # before junitxml's: the record is not a property for junit.xml
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Take the case records off the report, and count the report where pytest counts it."""
+        records = [CaseRecord.from_dict(v) for k, v in report.user_properties if k == RECORD_KEY]
+        if records:
+            report.user_properties = [(k, v) for k, v in report.user_properties if k != RECORD_KEY]
+        category = self._category(report)
+        if report.when == "call":  # the records of a test's cases, made while it ran
+            checked = [r for r in records if r.checked]
+            if len(checked) == 1:  # one case each: the test's outcome is the case's
+                self._case_tests.add(report.nodeid)
+                self._check(checked[0], report, category)
+                records = [r for r in records if not r.checked]
+            for record in records:  # run without being checked (or several checked by one test)
+                self._also_ran.setdefault(record.case, dataclasses.replace(record, checked=False))
+            if len(checked) == 1:
+                return
+        if category:
+            row = Row.AROUND if report.nodeid in self._case_tests else Row.OTHER
+            self._count(row, category, report.nodeid, report.failed)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        """A collection error or a skipped module counts in pytest's final line too."""
+        if report.failed:
+            self._count(Row.OTHER, "error", report.nodeid, True)
+        elif report.skipped:
+            self._count(Row.OTHER, "skipped", report.nodeid, False)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
+        """Before the other hooks: fail a run in which a named implementation ran nothing (so that
+        a launched job's ranks agree on that exit status). After them: write the reports."""
+        self._gate(session)
+        yield
+        self._write_json(force=True)
+        if self.settings.report_dir and not self.config.option.collectonly:
+            write_reports(self.settings.report_dir, build_reports(self.results(), self.settings, session))
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        """The ran-nothing gate's reason, the coverage of the cases run and, with --qgather-summary,
+        the verdicts reconciled with pytest's final line."""
+        write_summary(terminalreporter, self.results(), verdicts=self.settings.summary)
+
+    # ------------------------------------------------------------------ records
+    def results(self) -> RunResults:
+        """The snapshot every report reads."""
+        return RunResults(
+            cases=tuple(c.record for c in self._checked.values()),
+            also_ran=tuple(r for case, r in self._also_ran.items() if case not in self._checked),
+            rows={row: dict(counts) for row, counts in self._rows.items()},
+            other_tests=len(self._other_tests),
+            failing_other_tests=tuple(self._failing_other),
+            ran_nothing=dict(self.ran_nothing),
+        )
+
+    def _category(self, report: pytest.TestReport) -> str:
+        """The category pytest's terminal counts the report under ("" for one it does not count)."""
+        category = self.config.hook.pytest_report_teststatus(report=report, config=self.config)[0]
+        return category if isinstance(category, str) else category[0]
+
+    def _check(self, record: CaseRecord, report: pytest.TestReport, category: str) -> None:
+        record = dataclasses.replace(record, outcome=report_outcome(report))
+        old = self._checked.get(record.case)
+        if old is None:
+            self._checked[record.case] = _Checked(record, category)
+            self._rows[Row.CASES][category] += 1  # a call report always has a category
+        elif record.outcome.rank > old.record.outcome.rank:  # the worse outcome is the case's
+            self._rows[Row.CASES][old.category] -= 1
+            self._rows[Row.REPEATS][old.category] += 1
+            self._checked[record.case] = _Checked(record, category)
+            self._rows[Row.CASES][category] += 1
+        else:
+            self._rows[Row.REPEATS][category] += 1
+        self._write_json()
+
+    def _count(self, row: Row, category: str, nodeid: str, failed: bool) -> None:
+        self._rows[row][category] += 1
+        if row is Row.OTHER:
+            self._other_tests.add(nodeid)
+            if failed and nodeid not in self._failing_other:
+                self._failing_other.append(nodeid)
+
+    def _gate(self, session: pytest.Session) -> None:
+        """A gate on an implementation whose every case was skipped (TE missing, no GPU) tested
+        nothing of it: red, with the reason, instead of green."""
+        if not self.settings.impls_named:
+            return
+        records = [c.record for c in self._checked.values()] + list(self._also_ran.values())
+        for impl in self.settings.impls:
+            mine = [r for r in records if r.implementation == impl]
+            if mine and all(r.verdict is Verdict.SKIPPED for r in mine):
+                self.ran_nothing[impl] = mine[0].reason
+        if self.ran_nothing and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _write_json(self, force: bool = False) -> None:
+        """--qgather-json: every checked case's record, rewritten while the run goes, so that a run
+        killed from outside (a CI or device time limit) still leaves the verdicts it finished."""
+        path = self.settings.json_path
+        now = time.monotonic()
+        if not path or (not force and now - self._json_written < JSON_EVERY_S):
+            return
+        self._json_written = now
+        partial = path + ".partial"
+        with open(partial, "w") as fh:
+            json.dump([c.record.to_dict() for c in self._checked.values()], fh, indent=1)
+        os.replace(partial, path)
+
+
+recorder_key = pytest.StashKey[Recorder]()
