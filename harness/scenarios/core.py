@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from qgather.check.compare import compare_buffers, compare_value_blocks, compare_values, digest, locate
+from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import record_wire, summarize_wire
 from qgather.formats import FORMATS, Format, FormatError, QuantizedTensor
 from qgather.formats.base import flat_dims
@@ -361,7 +362,7 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
         _requantize_unchanged(ctx, impl, spec, module, master, setup, phases)
     param_types = (type(_local_shard(module)),)
     stages = []
-    with phases.at(Phase.SHARD), phases.following_hooks(param_types):
+    with phases.at(Phase.SHARD), hooks_moving_phase(phases, param_types):
         with impl.gather_context(ctx.group), record_wire(param_types) as wire:
             module.unshard()
     with phases.at(Phase.INSPECTION):
@@ -413,10 +414,10 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases:
                 with phases.at(Phase.INSPECTION):
                     return inspect(impl, fmt, weight, golden, x, shards, f"{label}, {what}", setup.param_dtype)
 
-            with phases.at(Phase.STEP), phases.following_hooks(param_types), impl.gather_context(ctx.group):
+            with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(ctx.group):
                 stages.extend(fsdp_setup.gather_through_forward(module, x.to(setup.param_dtype), judge))
             continue
-        with phases.at(Phase.STEP), phases.following_hooks(param_types), impl.gather_context(ctx.group):
+        with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(ctx.group):
             module.unshard()
         with phases.at(Phase.INSPECTION):
             stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label, setup.param_dtype))

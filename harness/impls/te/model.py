@@ -27,6 +27,7 @@ import os
 import torch
 
 from qgather.check.compare import compare_values, digest
+from qgather.check.patches import hooks_moving_phase
 from qgather.impls.base import HarnessFault
 from qgather.model.case import CaseSpec, ShardLayout
 from qgather.model.phases import Phase, PhaseTracker
@@ -206,7 +207,7 @@ def _gathered_params(route, model: torch.nn.Module, phases: PhaseTracker | None)
         if phases is None:
             module.unshard()
         else:
-            with phases.at(Phase.SHARD), phases.following_hooks(types):
+            with phases.at(Phase.SHARD), hooks_moving_phase(phases, types):
                 module.unshard()
     params = {}
     with torch.no_grad():
