@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map_only
 from qgather.formats import FORMATS, Format, FormatError
 from qgather.impls.base import PACKED_SLACK, Implementation
 from qgather.model.case import ShardLayout
+from qgather.model.layout import column_block
 
 aten = torch.ops.aten
 
@@ -195,8 +196,6 @@ class QuantizedParam(torch.Tensor):
         return start * width // k, math.ceil(end * width / k)
 
     def _check_col_alignment(self, start: int, what: str) -> None:
-        from qgather.scenarios.fsdp_setup import column_block
-
         block = column_block(self._fmt.name)
         if len(self._shape) != 2:
             raise ShardAlignmentError(f"reference:{self._fmt.name}: {what}: dim-1 shards of a "

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 
 from qgather.formats import FORMATS, FormatError
 from qgather.model.case import CaseSpec
+from qgather.model.layout import alignment_problem
 from qgather.model.phases import BEFORE_DATA_MOVED, phase_of
 from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
-from qgather.scenarios.fsdp_setup import alignment_problem
 
 
 class Verdict(str, enum.Enum):
