@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from qgather.check.patches import all_gathers_counted, pre_all_gather_observed
+from qgather.model.case import ColumnShardLayout, ShardLayout
 from qgather.model.records import WireSummary
 from qgather.runtime import whereabouts
 
 if TYPE_CHECKING:
     from qgather.formats import Format
     from qgather.impls.base import Implementation
-    from qgather.model.case import ShardLayout
     from qgather.scenarios.core import Golden
 
 
@@ -65,23 +65,24 @@ def record_wire(param_types: tuple[type, ...] = ()) -> Iterator[WireLog]:
         yield log
 
 
-def summarize_wire(wire: WireLog, fmt: Format, weight: torch.Tensor, shards: ShardLayout, golden: Golden,
-                   impl: Implementation) -> WireSummary:
-    """What the case moved, beside what its packed shard needed and what the implementation may move."""
+def summarize_wire(wire: WireLog, fmt: Format, weight: torch.Tensor, shards: ShardLayout | ColumnShardLayout,
+                   golden: Golden, impl: Implementation) -> WireSummary:
+    """What the case moved, beside what its packed shard needed and what the implementation may move
+    (`weight`: the full weight, or a tensor of its shape and dtype, e.g. on the meta device)."""
     padded_rows = shards.chunk * shards.inner_rows
     # Shard(1) (qgather.model.case.ColumnShardLayout): every row, a 1/ws slice of the columns
-    col_fraction = (shards.col_chunk, weight.shape[-1]) if hasattr(shards, "col_chunk") else (1, 1)
+    col_fraction = (shards.col_chunk, weight.shape[-1]) if isinstance(shards, ColumnShardLayout) else (1, 1)
     packed = packed_shard_bytes(fmt, golden, padded_rows)
-    summary = WireSummary(collective_bytes=wire.collective_bytes, collectives=wire.collectives,
-                          hook_calls=wire.hook_calls, hook_outputs=list(wire.hook_outputs),
-                          high_precision_elements=wire.high_precision_elements(),
-                          shard_numel=padded_rows * weight.shape[-1] * col_fraction[0] // col_fraction[1],
-                          param_itemsize=weight.element_size(),
-                          packed_bytes=None if packed is None else packed * col_fraction[0] // col_fraction[1])
-    if summary.packed_bytes:
-        summary.wire_mode, summary.allowed_bytes = impl.wire_allowance(fmt.name, tuple(weight.shape), shards,
-                                                                       summary.packed_bytes)
-    return summary
+    packed_bytes = None if packed is None else packed * col_fraction[0] // col_fraction[1]
+    wire_mode, allowed_bytes = "", None
+    if packed_bytes:
+        wire_mode, allowed_bytes = impl.wire_allowance(fmt.name, tuple(weight.shape), shards, packed_bytes)
+    return WireSummary(collective_bytes=wire.collective_bytes, collectives=wire.collectives,
+                       hook_calls=wire.hook_calls, hook_outputs=tuple(wire.hook_outputs),
+                       high_precision_elements=wire.high_precision_elements(),
+                       shard_numel=padded_rows * weight.shape[-1] * col_fraction[0] // col_fraction[1],
+                       param_itemsize=weight.element_size(), packed_bytes=packed_bytes,
+                       wire_mode=wire_mode, allowed_bytes=allowed_bytes)
 
 
 def packed_shard_bytes(fmt: Format, golden: Golden, shard_rows: int) -> int | None:

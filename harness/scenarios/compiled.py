@@ -53,7 +53,7 @@ def compiled_stage(impl, spec, module: torch.nn.Module, x: torch.Tensor, group, 
     """The module's eager forward, then its compiled forward (each with FSDP2's own unshard and
     reshard around it), compared bit for bit. Errors are recorded on the stage, not raised."""
     name = backend_name()
-    stage = Stage(f"compiled forward (torch.compile, backend {name}) against the eager forward")
+    label = f"compiled forward (torch.compile, backend {name}) against the eager forward"
     with phases.at(Phase.FORWARD), impl.gather_context(group), impl.forward_context(spec):
         eager = module(x)
     # A warm rank runs many cases through the same forward code: without a reset, Dynamo's cache
@@ -64,18 +64,15 @@ def compiled_stage(impl, spec, module: torch.nn.Module, x: torch.Tensor, group, 
         with phases.at(Phase.COMPILE), impl.gather_context(group), impl.forward_context(spec):
             compiled = torch.compile(module, backend=counting)(x)
     except Exception as exc:  # noqa: BLE001 - the compiled forward's error is the evidence
-        stage.forward_error = f"{type(exc).__name__} under torch.compile: " \
-                              f"{(str(exc).strip().splitlines() or [''])[0][:300]}"
-        return stage
+        return Stage(label, forward_error=f"{type(exc).__name__} under torch.compile: "
+                                          f"{(str(exc).strip().splitlines() or [''])[0][:300]}")
     finally:
         torch._dynamo.reset()
     if counting.graphs == 0:
-        stage.forward_error = "torch.compile captured no graph (Dynamo ran the whole forward eagerly): nothing compiled"
-        return stage
-    stage.output = _compare(compiled, eager)
-    stage.output_digest = digest({"output": compiled}, {})
-    stage.note = f"compiled forward: torch.compile backend {name}, {counting.graphs} graph(s), FSDP2 hooks eager"
-    return stage
+        return Stage(label, forward_error="torch.compile captured no graph (Dynamo ran the whole forward eagerly): "
+                                          "nothing compiled")
+    return Stage(label, output=_compare(compiled, eager), output_digest=digest({"output": compiled}, {}),
+                 note=f"compiled forward: torch.compile backend {name}, {counting.graphs} graph(s), FSDP2 hooks eager")
 
 
 def _compare(compiled: torch.Tensor, eager: torch.Tensor) -> Comparison:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from inspect import signature
 
 import torch
@@ -25,7 +25,7 @@ from qgather.impls import get_impl
 from qgather.impls.base import HarnessFault, Implementation, NoSingleDeviceTwin
 from qgather.model.case import CaseSpec, ShardLayout, shard_layout
 from qgather.model.phases import Phase, PhaseTracker
-from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage
+from qgather.model.records import BufferDiff, Comparison, ModuleCheck, RankResult, Stage
 from qgather.scenarios import fsdp_setup
 
 STEPS = 3
@@ -109,7 +109,7 @@ class Golden:
     error: str | None
     fmt: Format | None = None  # the format that dequantizes q
     source: str = "reference formats"
-    quantizer_diffs: list[str] | None = None  # own quantizer vs reference; None: no own quantizer
+    quantizer_diffs: tuple[BufferDiff, ...] | None = None  # own quantizer vs reference; None: no own quantizer
     _whole: torch.Tensor | None = field(default=None, repr=False)
 
     def dequantized_blocks(self) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -147,14 +147,13 @@ def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = 
         return _own_golden_only(fmt, weight, impl, own)
     if own is None:
         return Golden(ref, None, fmt)
-    diffs = compare_buffers(own, ref)
-    lines = [d.line() for d in diffs]
-    if any(d.problem in ("missing", "shape", "dtype") for d in diffs):
+    diffs = tuple(compare_buffers(own, ref))
+    if any(d.problem.breaks_layout for d in diffs):
         # Its own quantization does not even have the format's layout: judge against the reference.
-        return Golden(ref, None, fmt, quantizer_diffs=lines)
+        return Golden(ref, None, fmt, quantizer_diffs=diffs)
     buffers = {name: own[name].to(t.device) for name, t in ref.buffers.items()}
     q = QuantizedTensor(fmt.name, ref.shape, buffers, ref.valid)
-    return Golden(q, None, fmt, f"{impl.name}'s own quantizer", lines)
+    return Golden(q, None, fmt, f"{impl.name}'s own quantizer", diffs)
 
 
 def _own_golden_only(fmt: Format, weight: torch.Tensor, impl: Implementation | None, own) -> Golden:
@@ -186,37 +185,39 @@ def inspect(
     """Compare one gathered (unsharded) weight with the golden, and its dtype with `dtype` (what
     the mixed-precision policy asks for) when given. An error of the forward is recorded, not
     raised: the comparisons already made stay part of the verdict."""
-    stage = Stage(label, quantized=impl.is_quantized(param))
+    quantized = impl.is_quantized(param)
+    dtype_problem = ""
     if dtype is not None and param.dtype != dtype:
-        stage.dtype_problem = f"the unsharded weight is {param.dtype}, the mixed-precision policy asks for {dtype}"
+        dtype_problem = f"the unsharded weight is {param.dtype}, the mixed-precision policy asks for {dtype}"
     if golden.q is None:
-        stage.accepted_unholdable = golden.error or "the format cannot hold this shape"
-        return stage
+        return Stage(label, quantized, dtype_problem=dtype_problem,
+                     accepted_unholdable=golden.error or "the format cannot hold this shape")
     m, k = flat_dims(golden.q.shape)
     y_ref = torch.matmul(x.to(param.dtype), golden.dequantized_as(param.dtype).transpose(-1, -2))
-    if not stage.quantized:
+    if not quantized:
         values = param.detach().float().reshape(golden.q.shape)
-        stage.values = _against_golden(values.reshape(m, k), golden)
-        stage.digest = digest({"values": values}, {})
-        return stage
+        return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
+                     values=_against_golden(values.reshape(m, k), golden))
     got = impl.read_buffers(param)
-    diffs = compare_buffers(got, golden.q)
-    stage.buffer_diffs = [d.line() for d in diffs]
-    stage.digest = digest(got, golden.q.valid)
+    diffs = tuple(compare_buffers(got, golden.q))
+    buffers_digest = digest(got, golden.q.valid)
+    dequantized, where = None, ()
     if not diffs:
         # The harness's own dequantization reads only the valid regions it just found bit-identical.
-        stage.dequantized = Comparison(True, detail=IDENTICAL_BUFFERS)
-    elif not any(d.problem in ("missing", "shape", "dtype") for d in diffs):
+        dequantized = Comparison(True, detail=IDENTICAL_BUFFERS)
+    elif not any(d.problem.breaks_layout for d in diffs):
         gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
-        stage.dequantized = compare_value_blocks(
-            (fmt.dequantize_rows(gathered, rows.start, rows.stop), want) for rows, want in golden.dequantized_blocks())
-        stage.where = locate(fmt, gathered, golden.q, shards)
+        dequantized = compare_value_blocks((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
+                                           for rows, want in golden.dequantized_blocks())
+        where = tuple(locate(fmt, gathered, golden.q, shards))
     blocks = fmt.row_blocks(golden.q.shape)
     own = impl.own_dequantize_blocks(param, fmt, blocks)
-    if own is not None:
-        stage.own_dequantized = compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks)))
-    _forward_checks(stage, impl, fmt, param, x, y_ref)
-    return stage
+    own_dequantized = None if own is None else \
+        compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks)))
+    output, output_digest, forward_error = _forward_checks(impl, fmt, param, x, y_ref)
+    return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
+                 own_dequantized=own_dequantized, output=output, output_digest=output_digest,
+                 forward_error=forward_error, where=where, dtype_problem=dtype_problem)
 
 
 def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden, n_blocks: int):
@@ -239,14 +240,13 @@ def _against_golden(values: torch.Tensor, golden: Golden) -> Comparison:
     return compare_value_blocks((values[rows], want) for rows, want in golden.dequantized_blocks())
 
 
-def _forward_checks(stage: Stage, impl: Implementation, fmt: Format, param, x, y_ref) -> None:
+def _forward_checks(impl: Implementation, fmt: Format, param, x, y_ref) -> tuple[Comparison | None, str, str]:
+    """(the layer output against the golden layer's, its digest, the forward's error)."""
     try:
         y = impl.forward(param, x.to(param.dtype))
     except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
-        stage.forward_error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
-        return
-    stage.output = compare_values(y, y_ref, impl.output_tolerance(fmt.name))
-    stage.output_digest = digest({"output": y}, {})
+        return None, "", _one_line(exc)
+    return compare_values(y, y_ref, impl.output_tolerance(fmt.name)), digest({"output": y}, {}), ""
 
 
 @dataclass
@@ -347,7 +347,7 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
     if spec.scenario == "hooks":
         golden = golden_for(fmt, weight, impl)
         stages, wire_summary = _hooks_on_rank(ctx, impl, fmt, spec, weight, golden, x, setup.shards, phases)
-        return RankResult(ctx.rank, stages, wire_summary, golden.quantizer_diffs or None)
+        return RankResult(ctx.rank, tuple(stages), wire_summary, golden.quantizer_diffs or None)
     # The one-device twin first: its full-size module is gone before the golden and the shards exist.
     twin = twin_output(impl, spec, weight, x, setup.param_dtype)
     golden = golden_for(fmt, weight, impl)
@@ -366,16 +366,15 @@ def _run_on_rank(ctx, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | No
         with impl.gather_context(ctx.group), record_wire(param_types) as wire:
             module.unshard()
     with phases.at(Phase.INSPECTION):
-        stages.append(inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1", setup.param_dtype))
-        stages[-1].module = module_check(impl, spec, module, twin, x, setup.param_dtype)
-    stages[0].note = loaded
+        first = inspect(impl, fmt, module.weight, golden, x, shards, "unshard 1", setup.param_dtype)
+        stages.append(replace(first, module=module_check(impl, spec, module, twin, x, setup.param_dtype), note=loaded))
     module.reshard()
     if spec.config.compile:
         stages.append(compiled_forward.compiled_stage(impl, spec, module, x.to(spec.torch_dtype), ctx.group, phases))
         module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases))
-    return RankResult(ctx.rank, stages, summarize_wire(wire, fmt, weight_shape, shards, golden, impl), quantizer)
+    return RankResult(ctx.rank, tuple(stages), summarize_wire(wire, fmt, weight_shape, shards, golden, impl), quantizer)
 
 
 def _requantize_unchanged(ctx, impl, spec, module, master, setup, phases: PhaseTracker) -> None:
@@ -420,9 +419,9 @@ def _update_and_regather(ctx, impl, fmt, spec, module, master, x, setup, phases:
         with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(ctx.group):
             module.unshard()
         with phases.at(Phase.INSPECTION):
-            stages.append(inspect(impl, fmt, module.weight, golden, x, shards, label, setup.param_dtype))
+            stage = inspect(impl, fmt, module.weight, golden, x, shards, label, setup.param_dtype)
             twin = twin_output(impl, spec, full_param.detach().to(spec.torch_dtype), x, setup.param_dtype)
-            stages[-1].module = module_check(impl, spec, module, twin, x, setup.param_dtype)
+            stages.append(replace(stage, module=module_check(impl, spec, module, twin, x, setup.param_dtype)))
         module.reshard()
     return stages
 
@@ -543,10 +542,10 @@ def run_virtual(spec: CaseSpec) -> list[RankResult | BaseException]:
         deadlock.qgather_phase = Phase.COLLECTIVE.value
         return [deadlock] * spec.world_size
     outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
-    wire_summary = summarize_wire(wire, fmt, weight, shards, golden, impl)
-    wire_summary.collective_bytes = sum(t.numel() * t.element_size() for t in pre[0][0])
-    wire_summary.hook_calls = int(pre[0][1] is not PLAIN)
-    wire_summary.collectives = int(spec.world_size > 1)  # the emulated one
+    wire_summary = replace(summarize_wire(wire, fmt, weight, shards, golden, impl),
+                           collective_bytes=sum(t.numel() * t.element_size() for t in pre[0][0]),
+                           hook_calls=int(pre[0][1] is not PLAIN),
+                           collectives=int(spec.world_size > 1))  # the emulated one
     x = make_input(spec)
     results: list[RankResult | BaseException] = []
     seen: dict[str, Stage | BaseException] = {}
@@ -557,7 +556,7 @@ def run_virtual(spec: CaseSpec) -> list[RankResult | BaseException]:
                                          weight.dtype, golden, x, shards)
         stage = seen[key]
         results.append(stage if isinstance(stage, BaseException) else
-                       RankResult(rank, [stage], wire_summary, golden.quantizer_diffs or None))
+                       RankResult(rank, (stage,), wire_summary, golden.quantizer_diffs or None))
     return results
 
 
