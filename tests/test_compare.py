@@ -7,7 +7,7 @@ import torch
 
 from qgather.check.compare import _fingerprint, compare_values, digest, tensor_bytes
 from qgather.model.case import CaseSpec
-from qgather.scenarios.core import make_weight, row_scales
+from qgather.scenarios.data import make_weight, row_scales
 
 
 def test_fingerprint_sees_one_changed_word_and_swapped_rows():

@@ -8,19 +8,16 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from qgather.check.golden import Golden
 from qgather.check.patches import all_gathers_counted, pre_all_gather_observed
+from qgather.formats import Format
+from qgather.impls.base import Implementation
 from qgather.model.case import ColumnShardLayout, ShardLayout
 from qgather.model.records import WireSummary
 from qgather.runtime import whereabouts
-
-if TYPE_CHECKING:
-    from qgather.formats import Format
-    from qgather.impls.base import Implementation
-    from qgather.scenarios.core import Golden
 
 
 @dataclass

@@ -10,12 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
+from qgather.engine.checkpoint import saved_checkpoint
 from qgather.errors import UsageError
 from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec
 from qgather.model.verdict import CaseReport, Verdict, classify_errors, classify_results, expectation
 from qgather.scenarios import fsdp_setup
+from qgather.scenarios.registry import run_on_rank
+from qgather.scenarios.virtual import run_virtual
 
 VIRTUAL_MAX_WORLD = 1024
 STACK_FRAMES = 6  # innermost frames shown per rank in a HANG report
@@ -78,8 +81,6 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     elif spec.scenario == "virtual":
         report = _run_virtual(spec)
     elif spec.config.saved_at_world_size is not None:
-        from qgather.scenarios.checkpoint import saved_checkpoint
-
         with saved_checkpoint(spec, options) as (checkpoint, failure):
             report = failure or _run_on_pool(spec, options, checkpoint)
     else:
@@ -90,8 +91,6 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
 
 
 def _run_virtual(spec: CaseSpec) -> CaseReport:
-    from qgather.scenarios.core import run_virtual
-
     try:
         results = run_virtual(spec)
     except Exception as exc:  # noqa: BLE001 - raised before the virtual ranks split: same on every rank
@@ -109,7 +108,6 @@ def _rejections(spec: CaseSpec) -> frozenset[str]:
 
 def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> CaseReport:
     from qgather.runtime import PoolSpec, PoolSpecError, get_pool
-    from qgather.scenarios.core import run_on_rank
 
     backend = options.backend_for(spec.world_size)
     pool_spec = PoolSpec(backend=backend, world_size=spec.world_size, device=options.device_type())
@@ -124,7 +122,7 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> CaseReport:
     kwargs = {"case_id": spec.id, "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
-    outcome = pool.run(run_on_rank, spec.id, *case_args, **kwargs)
+    outcome = pool.run(run_on_rank, spec, *case_args, **kwargs)
     report = _report_outcome(spec, options, pool_spec, kwargs, outcome)
     if outcome.placement:
         report.placement = outcome.placement
@@ -173,11 +171,10 @@ DETAIL_LIMIT = 600  # characters kept of a rank's DETAIL error (the fingerprints
 def _detail_evidence(pool_spec, spec: CaseSpec, kwargs: dict) -> list[str]:
     """Re-run a hung case once on a fresh pool under TORCH_DISTRIBUTED_DEBUG=DETAIL and say what it showed."""
     from qgather.runtime import RankPool
-    from qgather.scenarios.core import run_on_rank
 
     pool = RankPool(pool_spec, env=DETAIL_ENV)
     try:
-        outcome = pool.run(run_on_rank, spec.id, **kwargs)
+        outcome = pool.run(run_on_rank, spec, **kwargs)
     finally:
         pool.shutdown()
     head = "TORCH_DISTRIBUTED_DEBUG=DETAIL re-run:"
