@@ -17,7 +17,7 @@ else
 SETUP :=
 endif
 
-.PHONY: run test test-multigpu selftest bench golden golden-check lint clean
+.PHONY: run test test-torch test-multigpu selftest bench golden golden-check lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -40,6 +40,21 @@ test: $(SETUP)
 	  $(PY) -m pytest -m "isolated and not gpu" -p no:cacheprovider -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: no isolated tests collected" >&2; exit 1; fi; exit $$rc
 
+# The CPU suite against another torch release, in a venv of its own (not part of CI): e.g.
+# `make test-torch TORCH=2.15.0`. A release past this machine's local pip cap (a constraints file in
+# pip's site configuration) comes from the package registry, configuration ignored: a CUDA build of
+# several GB.
+TORCH ?=
+TORCH_VENV ?= .venv-torch-$(TORCH)
+test-torch:
+	@test -n "$(TORCH)" || { echo "make test-torch: name a torch release, e.g. TORCH=2.15.0" >&2; exit 2; }
+	test -x $(TORCH_VENV)/bin/python || python3 -m venv $(TORCH_VENV)
+	echo "torch==$(TORCH)" > $(TORCH_VENV)/torch-constraint.txt
+	$(TORCH_VENV)/bin/python -m pip install -q -c $(TORCH_VENV)/torch-constraint.txt -e '.[dev]' \
+	  || PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q -c $(TORCH_VENV)/torch-constraint.txt -e '.[dev]'
+	$(TORCH_VENV)/bin/python -c 'import torch; print("make test-torch: torch", torch.__version__)'
+	$(MAKE) test PY=$(TORCH_VENV)/bin/python
+
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
 test-multigpu: $(SETUP)
@@ -60,4 +75,4 @@ lint: $(SETUP)
 	$(PY) -m ruff check harness tests cases conftest.py setup.py
 
 clean:
-	rm -rf $(VENV) *.egg-info build .pytest_cache .ruff_cache reports
+	rm -rf $(VENV) .venv-torch-* *.egg-info build .pytest_cache .ruff_cache reports

@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 from qgather.formats import FORMATS
-from qgather.impls.mutants import NibbleSwap
+from qgather.impls.mutants import FACTORIES
 from qgather.impls.reference import QuantizedParam, ReferenceImplementation
+
+NibbleSwap = FACTORIES["mutant:nibble_swap"]
 
 
 class WrongBytesThenRaisingForward(NibbleSwap):

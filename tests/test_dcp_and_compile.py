@@ -10,8 +10,8 @@ import tempfile
 
 import torch
 
-from qgather.engine.run import expectation
 from qgather.model.case import CaseSpec
+from qgather.model.policy import expectation
 from qgather.model.verdict import Verdict
 from qgather.scenarios.checkpoint import initial_master, saved_spec
 from qgather.scenarios.data import make_weight

@@ -10,7 +10,8 @@ import torch
 from qgather.engine.run import RunOptions, run_case
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec, ColumnShardLayout, shard_layout
-from qgather.model.verdict import Verdict, expectation
+from qgather.model.policy import expectation
+from qgather.model.verdict import Verdict
 from qgather.scenarios import fsdp_setup
 from qgather.suite.config_sweep import ConfigSweep
 from qgather.suite.covering import pairwise

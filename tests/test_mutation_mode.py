@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-from qgather.engine.run import expectation
 from qgather.impls.mutants import FACTORIES, MUTANTS
 from qgather.model.case import CaseSpec
-from qgather.model.verdict import CaseReport, Verdict
+from qgather.model.policy import expectation
+from qgather.model.report import CaseReport
+from qgather.model.verdict import Verdict
 from qgather.tools import selftest
 
 SUMMARY = re.compile(r"^mutants killed: (\d+)/(\d+), wrong-class verdicts: (\d+)$")

@@ -58,7 +58,7 @@ def random_draw(ctx):
     return torch.rand(4)
 
 
-def worker_environment(ctx, names):
+def rank_environment(ctx, names):
     return {name: os.environ.get(name) for name in names}
 
 
@@ -190,14 +190,14 @@ def test_seed_is_applied_on_every_rank():
     assert not torch.equal(a[0], c[0])
 
 
-def test_workers_get_the_runtime_environment(monkeypatch):
+def test_ranks_get_the_runtime_environment(monkeypatch):
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
     monkeypatch.setenv("QGATHER_TEST_MARKER", "from-parent")
     pool = RankPool(PoolSpec("gloo", 1, "cpu"))  # the environment is taken when the ranks spawn
     names = ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "GLOO_SOCKET_IFNAME", "QGATHER_TEST_MARKER"]
     try:
-        out = pool.run(worker_environment, names)
+        out = pool.run(rank_environment, names)
     finally:
         pool.shutdown()
     assert out.results[0] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -259,8 +259,8 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "/x/torch/distributed/distributed_c10d.py", line 4100 in barrier
   File "/x/torch/distributed/c10d_logger.py", line 81 in wrapper
   File "/work/main/tests/test_x.py", line 12 in skip_one
-  File "/work/main/harness/runtime/worker.py", line 170 in run_case
-  File "/work/main/harness/runtime/worker.py", line 150 in _serve
+  File "/work/main/harness/runtime/rank.py", line 170 in run_case_on_rank
+  File "/work/main/harness/runtime/rank.py", line 150 in _serve
 """
 
 
@@ -329,8 +329,8 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "/x/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", line 300 in unshard
   File "/x/torch/nn/modules/module.py", line 1700 in _call_impl
   File "/x/lib/python3.11/site-packages/my_adapter/param.py", line 90 in forward_step
-  File "/work/main/harness/runtime/worker.py", line 170 in run_case
-  File "/work/main/harness/runtime/worker.py", line 150 in _serve
+  File "/work/main/harness/runtime/rank.py", line 170 in run_case_on_rank
+  File "/work/main/harness/runtime/rank.py", line 150 in _serve
   File "/x/lib/python3.11/multiprocessing/process.py", line 108 in run
 """
 
@@ -390,7 +390,7 @@ def test_default_world_sizes_under_a_launcher():
 
 
 def test_placement_within_and_across_nodes():
-    from qgather.runtime.external import placement
+    from qgather.runtime.job import placement
 
     nodes = ["a", "a", "b", "b"]  # 2 nodes x 2 ranks
     assert placement(1, nodes, "x") == ((0,), "intra-node")

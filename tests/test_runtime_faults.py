@@ -166,8 +166,12 @@ def test_dead_rank_is_a_crash(pool, how, code, words):
     assert out.exit_codes == {1: code}
     assert out.duration_s < PROMPT_S
     assert out.summary().startswith(f"CRASH: {words}")
+    assert out.headline() == out.summary().splitlines()[0]
     if how == "SIGSEGV":
         assert "Segmentation fault" in out.stacks[1] and "in rank1_dies" in out.stacks[1]
+    # a CRASH keeps what the surviving ranks dumped when the pool stopped them, as a HANG does
+    assert {0, 2, 3} <= set(out.stacks)
+    assert all("most recent call first" in out.stacks[rank] for rank in (0, 2, 3))
     assert_recovers(pool)
 
 

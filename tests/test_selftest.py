@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from qgather.engine.run import expectation
 from qgather.impls import available, get_impl
-from qgather.impls.mutants import MUTANTS
+from qgather.impls.mutants import MUTANTS, ZOO, Mutant
+from qgather.impls.reference import QuantizedParam
 from qgather.model.case import CaseSpec
-from qgather.model.verdict import CaseReport, Verdict
+from qgather.model.policy import expectation
+from qgather.model.report import CaseReport
+from qgather.model.verdict import Verdict
 from qgather.tools import selftest
 
 FAILING_VERDICTS = {Verdict.SILENT_MISMATCH, Verdict.RANK_DIVERGENCE, Verdict.DEGRADED, Verdict.ERROR,
@@ -32,6 +34,19 @@ def test_one_registered_mutant_per_bug_class():
         assert mutant.expected in FAILING_VERDICTS, mutant.name
         assert mutant.catching_cases and all(CaseSpec.parse(c).impl == mutant.name for c in mutant.catching_cases)
         assert (mutant.__doc__ or mutant.param_class.__doc__ or "").strip(), f"{mutant.name} says what it models"
+
+
+def test_every_mutant_is_built_from_one_row_of_the_zoo_table():
+    assert [m.spec for m in MUTANTS] == sorted(ZOO, key=lambda spec: spec.bug_class)
+    assert len({spec.bug for spec in ZOO}) == len(ZOO)
+    for spec, mutant in zip(sorted(ZOO, key=lambda s: s.bug_class), MUTANTS):
+        assert (mutant.bug, mutant.bug_class, mutant.expected) == (spec.bug, spec.bug_class, spec.expected)
+        assert mutant.verdicts == spec.also | {spec.expected} and mutant.catching_cases == spec.catching_cases
+        assert spec.doc and "\n" not in spec.doc and spec.doc in mutant.__doc__
+        # the broken behaviour, a parameter class or an adapter's step path, says which real failure it models
+        broken = [c for c in (spec.param_class, spec.adapter) if c not in (QuantizedParam, Mutant)]
+        assert broken and all((c.__doc__ or "").strip() for c in broken), spec.bug
+        assert all(c.__module__.startswith("qgather.impls.mutants.") for c in broken), spec.bug
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.bug)

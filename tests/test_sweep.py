@@ -15,9 +15,10 @@ from qgather.engine.run import RunOptions
 from qgather.formats import FORMATS
 from qgather.impls import available
 from qgather.model.case import CaseSpec
-from qgather.model.verdict import expectation
+from qgather.model.policy import expectation
 from qgather.runtime import shutdown_pools
-from qgather.tools import explore as sweep
+from qgather.tools import exploration as sweep
+from qgather.tools.explore import main as sweep_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FMT = "nvfp4_2d"
@@ -51,7 +52,7 @@ def _smallest_misaligned_rows(world_size: int, cols: int) -> int:
 
 @pytest.fixture(autouse=True)
 def _keep_the_forkserver(monkeypatch: pytest.MonkeyPatch) -> None:
-    """sweep.main ends as the command does, stopping its pools and the forkserver; in this process the
+    """sweep_main ends as the command does, stopping its pools and the forkserver; in this process the
     next sweep would restart the forkserver (torch preloaded, ~4 s). The pools still stop; it stays."""
     from qgather.runtime import registry
 
@@ -60,7 +61,7 @@ def _keep_the_forkserver(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _sweep(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    rc = sweep.main(list(argv), stream=out)
+    rc = sweep_main(list(argv), stream=out)
     return rc, out.getvalue()
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from qgather.engine.classify import classify_errors
 from qgather.engine.run import RunOptions, run_case
+from qgather.impls.rejections import DeclaredRejections
 from qgather.model.case import CaseSpec
-from qgather.model.verdict import Verdict, classify_errors
-from qgather.runtime import shutdown_pools
+from qgather.model.verdict import Verdict
+from qgather.runtime import RankError, shutdown_pools
 
 A = "tests._why_adapters:"
 CPU = RunOptions("gloo", "cpu", 60.0)
@@ -68,7 +70,9 @@ def test_the_harness_padded_size_rule_is_never_a_rejection():
               for r in (0, 1)}
     for error in errors.values():
         error.qgather_phase = "pre-all-gather hook"
-    verdict, _, details = classify_errors(None, errors, 2, frozenset({"PaddedSizeRule", "HarnessFault"}))
+    errors = {r: RankError.from_exception(r, e) for r, e in errors.items()}
+    found = classify_errors(errors, 2, DeclaredRejections.of(("PaddedSizeRule", "HarnessFault")).problem)
+    verdict, details = found.verdict, found.details
     assert verdict is Verdict.ERROR and any("internal fault" in d for d in details)
 
 

@@ -18,10 +18,11 @@ import tempfile
 from collections.abc import Iterator
 from typing import Protocol
 
+from qgather.engine.classify import Classification, classify_errors
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec
-from qgather.model.verdict import CaseReport, Verdict, classify_errors
-from qgather.runtime import PoolSpec, PoolSpecError, get_pool
+from qgather.model.verdict import Verdict
+from qgather.runtime import OutcomeStatus, PoolSpec, PoolSpecError, get_pool
 from qgather.runtime.lifeline import POOL_DIR_PREFIX
 from qgather.scenarios.checkpoint import save_on_rank, saved_spec
 
@@ -39,9 +40,9 @@ class PoolOptions(Protocol):
 
 
 @contextlib.contextmanager
-def saved_checkpoint(spec: CaseSpec, options: PoolOptions) -> Iterator[tuple[str | None, CaseReport | None]]:
+def saved_checkpoint(spec: CaseSpec, options: PoolOptions) -> Iterator[tuple[str | None, Classification | None]]:
     """In the runner: (the checkpoint directory, None) once world size A saved it, or (None, the
-    case's report) when the save could not run or failed. The directory is removed on exit."""
+    case's classification) when the save could not run or failed. The directory is removed on exit."""
     path = tempfile.mkdtemp(prefix=f"{POOL_DIR_PREFIX}{os.getpid()}-dcp-")
     try:
         yield _save(spec, options, path)
@@ -49,23 +50,23 @@ def saved_checkpoint(spec: CaseSpec, options: PoolOptions) -> Iterator[tuple[str
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _save(spec: CaseSpec, options: PoolOptions, path: str) -> tuple[str | None, CaseReport | None]:
+def _save(spec: CaseSpec, options: PoolOptions, path: str) -> tuple[str | None, Classification | None]:
     size = spec.config.saved_at_world_size
     where = f"checkpoint save at world size {size}"
     pool_spec = PoolSpec(backend=options.backend_for(size), world_size=size, device=options.device_type())
     try:
         pool = get_pool(pool_spec.validate())
     except PoolSpecError as exc:
-        return None, CaseReport(spec, Verdict.SKIPPED, f"{where}: {exc}")
+        return None, Classification(Verdict.SKIPPED, f"{where}: {exc}")
     kwargs = {"case_id": f"{saved_spec(spec).id} (DCP save for {spec.id})", "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
     outcome = pool.run(save_on_rank, spec, path, **kwargs)
-    if outcome.status == "ok":
+    if outcome.status is OutcomeStatus.OK:
         return path, None
-    if outcome.status == "error":
-        rejections = get_impl(spec.impl).declared_rejections()
-        verdict, reason, details = classify_errors(spec, outcome.errors, size, rejections)
-        return None, CaseReport(spec, verdict, f"{where}: {reason}", details)
-    verdict = Verdict.HANG if outcome.status == "hang" else Verdict.CRASH
-    return None, CaseReport(spec, verdict, f"{where}: {outcome.summary().splitlines()[0]}")
+    if outcome.status is OutcomeStatus.ERROR:
+        # the adapter's own refusal rule (qgather.engine.run.refusal_check; not imported: run imports this module)
+        found = classify_errors(outcome.errors, size, get_impl(spec.impl).refusal_problem)
+        return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
+    verdict = Verdict.HANG if outcome.status is OutcomeStatus.HANG else Verdict.CRASH
+    return None, Classification(verdict, f"{where}: {outcome.headline()}")

@@ -1,9 +1,12 @@
-"""Implementations under test, by name.
+"""The registry of implementations under test: `get_impl(name)` loads, checks and caches an adapter.
 
 Built-in names: `reference`, `mutant:<bug>` (the bug zoo), `torchao`, `te` adapters. External
 implementations load without editing qgather, either
   - on the command line: `--impl package.module:object` (an Implementation subclass or instance), or
   - through the `qgather.impls` entry-point group: `name = "package.module:object"`.
+Every adapter, built-in or not, is checked when it is loaded: one that lacks a method it needs
+(`qgather.impls.base.missing_methods`) or declares its rejection types wrongly is refused with
+one line, an `AdapterLoadError` naming it and what is missing.
 """
 
 from __future__ import annotations
@@ -12,27 +15,35 @@ import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from qgather.impls.base import Implementation
+from qgather.errors import AdapterError, UsageError
+from qgather.impls.base import Implementation, missing_methods
+from qgather.impls.rejections import DeclaredRejections
+
+__all__ = ["AdapterLoadError", "UnknownImplementationError", "available", "get_impl"]
 
 Factory = Callable[[], Implementation]
 
+#: the modules that register the built-in adapters (each has FACTORIES: name -> adapter class).
+#: Imported on the first lookup, like entry points: every rank and scenario imports this package,
+#: and the built-ins import the scenarios' helpers in turn.
+BUILTIN_MODULES = ("qgather.impls.reference", "qgather.impls.mutants", "qgather.impls.torchao.adapter",
+                   "qgather.impls.te")
 
-class UnknownImplementationError(LookupError):
-    pass
+
+class UnknownImplementationError(UsageError, LookupError):
+    """No implementation of that name, or one that cannot be loaded: the message says which and why."""
+
+
+class AdapterLoadError(AdapterError, UnknownImplementationError):
+    """An adapter refused at load (a required method missing, rejection types that are neither
+    classes nor names). An AdapterError; also an UnknownImplementationError, so that every caller
+    that reports a failed lookup in one line reports this one too."""
 
 
 def _builtin() -> dict[str, Factory]:
-    from qgather.impls.reference import ReferenceImplementation
-
-    factories: dict[str, Factory] = {"reference": ReferenceImplementation}
-    for module_name in ("qgather.impls.mutants", "qgather.impls.torchao.adapter", "qgather.impls.te"):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                continue  # not built yet
-            raise
-        factories.update(module.FACTORIES)
+    factories: dict[str, Factory] = {}
+    for module_name in BUILTIN_MODULES:
+        factories.update(importlib.import_module(module_name).FACTORIES)
     return factories
 
 
@@ -62,8 +73,24 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else "no message"
 
 
-def _instantiate(name: str, obj) -> Implementation:
+def _refuse_incomplete(name: str, adapter: type[Implementation] | Implementation) -> None:
+    """Raise AdapterLoadError when the adapter lacks a method it needs or misdeclares its rejections."""
+    cls = adapter if isinstance(adapter, type) else type(adapter)
+    missing = missing_methods(adapter)
+    if missing:
+        raise AdapterLoadError(f"implementation {name!r} ({cls.__module__}.{cls.__qualname__}) cannot be used: "
+                               f"it does not implement {'; '.join(missing)}")
+    try:
+        DeclaredRejections.of(adapter.rejection_types, f"implementation {name!r}")
+    except AdapterError as exc:
+        raise AdapterLoadError(str(exc)) from None
+
+
+def _instantiate(name: str, obj: object) -> Implementation:
+    """The adapter `obj` names (an Implementation subclass, built here, or an instance), checked."""
     is_adapter_class = isinstance(obj, type) and issubclass(obj, Implementation)
+    if is_adapter_class:
+        _refuse_incomplete(name, obj)  # before construction: an abstract class cannot be built
     try:
         impl = obj() if is_adapter_class else obj
     except Exception as exc:  # noqa: BLE001 - the adapter's own constructor failed
@@ -74,10 +101,11 @@ def _instantiate(name: str, obj) -> Implementation:
         raise UnknownImplementationError(
             f"implementation {name!r} is a {type(impl).__name__}, not a qgather.impls.base.Implementation"
         )
+    _refuse_incomplete(name, impl)  # again on the instance: its constructor may set `scenarios`
     return impl
 
 
-def _load_entry_point(name: str, load: Factory):
+def _load_entry_point(name: str, load: Factory) -> object:
     try:
         return load()
     except Exception as exc:  # noqa: BLE001 - a broken plugin package
@@ -88,6 +116,7 @@ def _load_entry_point(name: str, load: Factory):
 
 
 def available() -> list[str]:
+    """Every implementation name this process can load: the built-ins and the entry points."""
     return sorted({*_builtin(), *_from_entry_points()})
 
 
@@ -97,7 +126,16 @@ _BUILTIN_PREFIXES = ("mutant", "torchao", "te")
 
 
 def get_impl(name: str) -> Implementation:
-    """The implementation called `name` (built-in, entry point, or package.module:object)."""
+    """The implementation called `name`: built-in, entry point, or package.module:object.
+
+    Args:
+        name: e.g. "reference", "mutant:nibble_swap", "mypkg.adapters:MyImpl".
+    Returns:
+        The adapter instance, loaded once per process (cached).
+    Raises:
+        UnknownImplementationError: no such name, or it cannot be imported or built;
+            AdapterLoadError (a subclass) when the adapter is incomplete.
+    """
     if name in _CACHE:
         return _CACHE[name]
     builtin, plugins = _builtin(), _from_entry_points()

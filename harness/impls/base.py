@@ -1,27 +1,41 @@
-"""The adapter protocol between qgather and an implementation under test.
+"""The adapter protocol between qgather and an implementation under test: `Implementation`.
 
 An implementation is a tensor subclass (or a library) that FSDP2 all-gathers through
 `fsdp_pre_all_gather` / `fsdp_post_all_gather`. The harness needs only a handful of things from
-it, listed on `Implementation`; everything else (sharding, gathering, comparing against the
+it, listed on `Implementation` (an abstract base: an adapter missing a required method is refused
+when it is loaded, `missing_methods`); everything else (sharding, gathering, comparing against the
 golden reference) is the harness's job.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 from collections.abc import Iterator
 
 import torch
 
-from qgather.model.case import CaseSpec
+from qgather.errors import HarnessFault
+from qgather.impls.rejections import DeclaredRejections, RejectionType
+from qgather.model.case import SCENARIOS, CaseSpec
+
+__all__ = ["PACKED_SLACK", "SCENARIO_METHODS", "HarnessFault", "Implementation", "NoSingleDeviceTwin",
+           "missing_methods"]
 
 PACKED_SLACK = 1.1
 
-
-class HarnessFault(RuntimeError):
-    """An error in the harness's own glue around an implementation (an adapter's emulation or
-    bookkeeping): never counted as the implementation rejecting a shape."""
+#: the methods a scenario calls beyond those every adapter provides: an adapter that lists the
+#: scenario in `scenarios` must override them (checked at load, `missing_methods`)
+SCENARIO_METHODS: dict[str, tuple[str, ...]] = {
+    "steps": ("requantize_shard",),
+    "reshard": ("requantize_shard",),
+    "hooks": ("make_param",),  # the hooks and virtual scenarios shard the parameter themselves
+    "virtual": ("make_param",),
+    "model": ("run_model",),
+}
+#: the two routes to a sharded module: the harness's own FSDP2 route, or the library's own
+ROUTES = ("make_param", "make_sharded_module")
 
 
 class NoSingleDeviceTwin(HarnessFault):
@@ -29,8 +43,11 @@ class NoSingleDeviceTwin(HarnessFault):
     as the sharded one (its message says why); the library's forward is then not compared."""
 
 
-class Implementation:
-    """Base class for adapters. Subclasses set the class attributes and override the methods.
+class Implementation(abc.ABC):
+    """Base class for adapters. Subclasses set the class attributes and override the methods:
+    `read_buffers` and `is_quantized` always (abstract), one of `make_param` / `make_sharded_module`,
+    and the methods their scenarios call (SCENARIO_METHODS); the registry refuses an adapter that
+    lacks one, naming it (`missing_methods`).
 
     The harness calls, on every rank:
       1. `skip_reason(spec, device)`: None to run, else a one-line reason to skip the case.
@@ -48,7 +65,8 @@ class Implementation:
 
     name: str = ""
     formats: tuple[str, ...] = ()
-    scenarios: tuple[str, ...] = ("gather", "steps", "reshard", "hooks", "virtual")
+    #: every scenario but `model`, which only a library with layers of its own runs (te)
+    scenarios: tuple[str, ...] = tuple(s for s in SCENARIOS if s != "model")
     devices: tuple[str, ...] = ("cpu", "cuda")
     #: backends whose all-gather this implementation can use as it is
     backends: tuple[str, ...] = ("gloo", "nccl")
@@ -56,10 +74,20 @@ class Implementation:
     #: "ClassName: message prefix" where a broad type (AssertionError) is a refusal only with that
     #: message. Raised on every rank before any data moved, they make a case REJECTED; any other
     #: error is an ERROR. Undeclared (the default): no error is ever a rejection.
-    rejection_types: tuple[type[BaseException] | str, ...] = ()
+    #: A class matches by its qualified name (module.qualname), so a class of the same name from
+    #: another module never does; a string matches by bare class name (qgather.impls.rejections).
+    rejection_types: tuple[RejectionType, ...] = ()
 
-    def declared_rejections(self) -> frozenset[str]:
-        return frozenset(t if isinstance(t, str) else t.__name__ for t in self.rejection_types)
+    def refusal_problem(self, error: object) -> str:
+        """Whether `error` is one of this implementation's declared refusals (`rejection_types`).
+
+        Args:
+            error: what a rank raised: a qgather.runtime.outcome.RankError (matched through its
+                `type_qualnames`, `type_names` and `message`) or the exception itself.
+        Returns:
+            "" when it is a declared refusal, else one line saying it is not, naming the declared types.
+        """
+        return DeclaredRejections.of(self.rejection_types, self.name or type(self).__name__).problem(error)
 
     def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
         if spec.fmt not in self.formats:
@@ -71,7 +99,11 @@ class Implementation:
         return None
 
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The quantized parameter of the FULL weight (every rank builds the same one from the same
+        seed), which the harness wraps in a linear layer and shards with `fully_shard`. Required
+        unless the adapter builds its sharded module itself (`make_sharded_module`), and for the
+        hooks and virtual scenarios."""
+        raise HarnessFault(f"{self.name} has no make_param")
 
     def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor,
                             setup=None) -> torch.nn.Module | None:
@@ -92,13 +124,18 @@ class Implementation:
         None (the default): the harness wraps `make_param(fmt, weight)` in a bias-free linear layer."""
         return None
 
+    @abc.abstractmethod
     def read_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The gathered weight's buffers under the format's TransformerEngine names
+        (qgather.formats), compared bit for bit with the golden."""
 
     def requantize_shard(
         self, local: torch.Tensor, master_rows: torch.Tensor, group: torch.distributed.ProcessGroup | None
     ) -> None:
-        raise NotImplementedError
+        """Re-quantize this rank's shard `local` in place from its updated high-precision master rows,
+        as an optimizer step would (the amax reduced over `group` where the format scales per
+        tensor). Required for the steps and reshard scenarios."""
+        raise HarnessFault(f"{self.name} has no requantize_shard")
 
     def config_skip_reason(self, spec: CaseSpec) -> str | None:
         """Why this implementation cannot run the case's FSDP2 configuration (SKIPPED), or None.
@@ -112,7 +149,9 @@ class Implementation:
 
     def after_step(self, module: torch.nn.Module, group) -> None:
         """Called on every rank after all shards were re-quantized for a step (e.g. to precompute
-        scales for the next all-gather, as torchao's precompute_float8_dynamic_scale_for_fsdp does)."""
+        scales for the next all-gather, as torchao's precompute_float8_dynamic_scale_for_fsdp does).
+        Nothing by default."""
+        return None
 
     def reference_quantize(self, fmt, weight: torch.Tensor):
         """The reference format's quantization this implementation's recipe asks for (a
@@ -181,6 +220,36 @@ class Implementation:
         kernel (e.g. an FP8 GEMM); it is printed with every verdict that used it."""
         return None
 
+    @abc.abstractmethod
     def is_quantized(self, param: torch.Tensor) -> bool:
         """Whether `param` still is the implementation's quantized type (not a high-precision fallback)."""
-        raise NotImplementedError
+
+
+def _overrides(adapter: type[Implementation], method: str) -> bool:
+    return getattr(adapter, method, None) is not getattr(Implementation, method)
+
+
+def missing_methods(adapter: type[Implementation] | Implementation) -> list[str]:
+    """What an adapter (class or instance) lacks to run the scenarios it lists, one entry per
+    method (empty: complete): the abstract methods it leaves abstract, a route to a sharded module
+    (`make_param` or `make_sharded_module`), and the methods of SCENARIO_METHODS its `scenarios` need.
+
+    Example:
+        >>> class Half(Implementation):
+        ...     def is_quantized(self, param): return True
+        >>> missing_methods(Half)
+        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard)', \
+'make_param (for hooks, virtual)']
+    """
+    cls = adapter if isinstance(adapter, type) else type(adapter)
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if not any(_overrides(cls, route) for route in ROUTES):
+        missing.append(" or ".join(ROUTES))
+    needs: dict[str, list[str]] = {}
+    for scenario in adapter.scenarios:
+        for method in SCENARIO_METHODS.get(scenario, ()):
+            needs.setdefault(method, []).append(scenario)
+    for method, scenarios in needs.items():
+        if not _overrides(cls, method):
+            missing.append(f"{method} (for {', '.join(scenarios)})")
+    return missing

@@ -21,7 +21,8 @@ import pytest
 from qgather.engine.run import RunOptions, run_case
 from qgather.model.case import CaseSpec
 from qgather.model.options import options_problem
-from qgather.model.verdict import CaseReport, Verdict
+from qgather.model.report import CaseReport
+from qgather.model.verdict import Verdict
 from qgather.pytest_plugin.baseline import match
 from qgather.pytest_plugin.reports import case_record
 from qgather.runtime.launch import default_world_sizes, detect_launch

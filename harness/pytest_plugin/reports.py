@@ -18,7 +18,8 @@ import sys
 from collections import Counter
 
 from qgather.model.case import CaseSpec, shard_layout
-from qgather.model.verdict import CaseReport, Verdict
+from qgather.model.report import CaseReport
+from qgather.model.verdict import Verdict
 
 OUTCOMES = ("passed", "failed", "xfailed", "xpassed", "skipped")
 MATRIX_KEYS = ("impl", "format", "world_size", "shape_class", "configuration")
@@ -29,7 +30,7 @@ def shape_class(spec: CaseSpec) -> str:
     """aligned / misaligned / unholdable (the policy's view of the shape), then `uneven` and
     `zero-row` when FSDP2's dim-0 split is uneven or leaves a rank without rows."""
     from qgather.formats import FORMATS, FormatError
-    from qgather.model.verdict import expectation
+    from qgather.model.policy import expectation
 
     fmt = FORMATS.get(spec.fmt)
     if fmt is None:

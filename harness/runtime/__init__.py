@@ -3,8 +3,9 @@
     spec = PoolSpec(backend="gloo", world_size=4, device="cpu")   # PoolSpec.auto(4) picks by GPUs
     spec.validate()                                   # PoolSpecError: one line saying why not
     out = get_pool(spec).run(fn, *args, timeout=30.0, case_id="...", seed=0)
-    out.status                                        # "ok" | "error" | "hang" | "crash"
-    out.results, out.errors, out.stacks, out.exit_codes, out.duration_s, out.summary()
+    out.status                                        # OutcomeStatus.OK | ERROR | HANG | CRASH
+    out.results, out.errors, out.stacks, out.exit_codes, out.duration_s, out.headline()
+    same_error_on_every_rank(out.errors, out.world_size)  # the lowest rank's RankError, or None
     shutdown_pools()                                  # also registered with atexit
 
 `fn(ctx: CaseContext, *args)` must be a module-level function; it runs on every rank after a
@@ -12,31 +13,42 @@ barrier and `torch.manual_seed(seed)`, and returns something picklable (tensors 
 the CPU). A pool is per process (so per pytest-xdist worker) and per spec; its ranks start on
 the first case, stay warm, and are respawned on the next case after a hang, a crash, or an
 error that left some rank behind. Under torchrun/SLURM, get_pool returns an ExternalPool bound
-to the launcher's world instead, with the same `run`.
+to the launcher's world instead, with the same `run`. The runtime knows nothing of cases: runner
+and ranks speak the closed protocol of runtime/protocol.py.
+
+Modules: spec (what a pool is), pool (the runner side), rank (the rank side), protocol (their
+messages), outcome (what a case run returns), whereabouts (where a running case is), helpers (the
+forkserver and resource tracker), lifeline (nothing outlives the runner), registry (one pool per
+spec), launch/job/external (ranks a launcher started), probes and bench (the runtime's benchmark).
 
 Environment knobs: QGATHER_START_METHOD=spawn (instead of a forkserver with torch preloaded),
 QGATHER_GPU_SPLIT=0 (no GPU sharing-out between xdist workers), QGATHER_PIN_CPUS=0 (no CPU pinning
 of CPU ranks).
 """
 
-from qgather.runtime.external import ExternalPool, external_world, is_reporting_rank
-from qgather.runtime.outcome import CaseOutcome, RankError
+from qgather.runtime.external import ExternalPool
+from qgather.runtime.launch import external_world, is_reporting_rank
+from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
 from qgather.runtime.pool import RankPool
+from qgather.runtime.protocol import ProtocolError
+from qgather.runtime.rank import CaseContext
 from qgather.runtime.registry import get_pool, shutdown_pools
 from qgather.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
-from qgather.runtime.worker import CaseContext
 
 __all__ = [
     "CaseContext",
     "CaseOutcome",
     "ExternalPool",
+    "OutcomeStatus",
     "PoolSpec",
     "PoolSpecError",
+    "ProtocolError",
     "RankError",
     "RankPool",
     "external_world",
     "get_pool",
     "is_reporting_rank",
+    "same_error_on_every_rank",
     "shutdown_pools",
     "visible_gpus",
 ]

@@ -19,9 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from qgather.runtime import PoolSpec, RankPool, shutdown_pools
+import torch
+import torch.distributed as dist
+
+from qgather.runtime import OutcomeStatus, PoolSpec, RankPool, shutdown_pools
 from qgather.runtime.probes import collectives_only, crash_rank, trivial
-from qgather.runtime.spec import WORKER_ENV_DEFAULTS
+from qgather.runtime.spec import RANK_ENV_DEFAULTS
 
 WARMUP_CASES = 20
 RECOVERY_REPS = 3
@@ -30,6 +33,8 @@ SPAWN_TIMEOUT_S = 300.0
 
 @dataclass
 class Row:
+    """One world size's measurements (the table's row)."""
+
     world_size: int
     cold_s: float
     warm_ms: float
@@ -40,6 +45,7 @@ class Row:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Measure every world size, print the table, the goals and the headline ratio; 0 on success."""
     args = _parse(argv)
     print(_header())
     rows = []
@@ -72,8 +78,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _header() -> str:
-    import torch
-
     method = os.environ.get("QGATHER_START_METHOD", "forkserver")
     return (f"runtime benchmark: gloo on CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"python {sys.version.split()[0]}, start method {method}")
@@ -104,7 +108,7 @@ def _recovery(pool: RankPool) -> float:
     """A crash (rank 1 exits while the others wait), then the next trivial case on fresh ranks."""
     start = time.perf_counter()
     crashed = pool.run(crash_rank)
-    if crashed.status != "crash":
+    if crashed.status is not OutcomeStatus.CRASH:
         raise RuntimeError(f"expected a crash, got {crashed.summary()}")
     _expect_ok(pool.run(trivial))
     return time.perf_counter() - start
@@ -115,7 +119,7 @@ def _spawn_per_case(world_size: int) -> float:
     context = mp.get_context("spawn")
     tmpdir = tempfile.mkdtemp(prefix="qgather-bench-")
     env_backup = dict(os.environ)
-    os.environ.update({**WORKER_ENV_DEFAULTS, "OMP_NUM_THREADS": "1",
+    os.environ.update({**RANK_ENV_DEFAULTS, "OMP_NUM_THREADS": "1",
                        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
     start = time.perf_counter()
     try:
@@ -141,9 +145,7 @@ def _spawn_per_case(world_size: int) -> float:
 
 
 def spawned_rank(rank: int, world_size: int, store_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
+    """One rank of a spawn-per-case run: join, the same barrier and all-gather a pool case does, leave."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=SPAWN_TIMEOUT_S))
@@ -159,8 +161,6 @@ def spawned_rank(rank: int, world_size: int, store_path: str) -> None:
 
 
 def _maybe_nccl(cases: int) -> None:
-    import torch
-
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("nccl 2 ranks: skipped (needs >= 2 CUDA GPUs)")
         return
@@ -218,7 +218,7 @@ def _timed(action: Callable[[], object]) -> float:
 
 
 def _expect_ok(outcome):
-    if outcome.status != "ok":
+    if not outcome.ok:
         raise RuntimeError(f"benchmark case failed: {outcome.summary()}")
     return outcome
 

@@ -12,6 +12,7 @@ import atexit
 import os
 import shutil
 import sys
+from multiprocessing import forkserver
 
 from qgather.runtime.lifeline import CLEAN_STOP_MARKER, remove_pool_dirs_of
 
@@ -19,8 +20,6 @@ _RUNNER_PID = os.getppid()
 
 
 def _cleanup() -> None:
-    from multiprocessing import forkserver
-
     address = getattr(forkserver._forkserver, "_forkserver_address", None)
     socket_dir = os.path.dirname(address) if isinstance(address, str) and address[:1] != "\0" else ""
     if socket_dir and os.path.exists(os.path.join(socket_dir, CLEAN_STOP_MARKER)):

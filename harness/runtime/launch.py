@@ -20,6 +20,8 @@ SLURM_PORT_BASE, SLURM_PORT_SPAN = 12000, 20000  # below Linux's ephemeral range
 
 @dataclass(frozen=True)
 class Launch:
+    """This process as one rank of a launched job: its numbering, its node and the job's meeting point."""
+
     kind: str  # "torchrun" | "slurm"
     rank: int
     world_size: int
@@ -31,6 +33,7 @@ class Launch:
 
     @property
     def host(self) -> str:
+        """This machine's host name (for reports: which host a job rank ran on)."""
         return socket.gethostname()
 
 
@@ -53,7 +56,26 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch | None:
     return None
 
 
+def external_world() -> tuple[int, int] | None:
+    """(rank, world size) when a launcher started this process as one rank of a job, else None."""
+    launch = detect_launch()
+    return None if launch is None else (launch.rank, launch.world_size)
+
+
+def local_rank() -> int:
+    """This process's rank on its node under a launcher (0 for a plain process)."""
+    launch = detect_launch()
+    return 0 if launch is None else launch.local_rank
+
+
+def is_reporting_rank() -> bool:
+    """True on the one process that should print (rank 0 of an external job, or a plain process)."""
+    world = external_world()
+    return world is None or world[0] == 0
+
+
 def slurm_master_addr(env: Mapping[str, str]) -> str:
+    """Where a SLURM job meets: MASTER_ADDR, else SLURM_LAUNCH_NODE_IPADDR, else the first host listed."""
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"]
     if env.get("SLURM_LAUNCH_NODE_IPADDR"):
@@ -63,6 +85,7 @@ def slurm_master_addr(env: Mapping[str, str]) -> str:
 
 
 def slurm_master_port(env: Mapping[str, str]) -> str:
+    """MASTER_PORT, else one derived from SLURM_JOB_ID (the same on every task of the job)."""
     if env.get("MASTER_PORT"):
         return env["MASTER_PORT"]
     job = env.get("SLURM_JOB_ID", "")

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import threading
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 POLL_S = 0.5
@@ -52,6 +53,7 @@ def runner_identity() -> tuple[int, int]:
 
 
 def is_gone(pid: int, started: int) -> bool:
+    """Whether process `pid` (started at `started` ticks; 0: any start) is gone or was replaced."""
     if pid <= 0:
         return False
     if not os.path.isdir("/proc"):
@@ -67,10 +69,12 @@ def is_gone(pid: int, started: int) -> bool:
 
 
 def make_pool_dir() -> str:
+    """A new temp dir for one pool, named after this runner so that orphans can be told apart."""
     return tempfile.mkdtemp(prefix=f"{POOL_DIR_PREFIX}{os.getpid()}-")
 
 
 def remove_pool_dirs_of(pid: int) -> None:
+    """Remove every pool dir of the runner `pid`."""
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{POOL_DIR_PREFIX}{pid}-*")):
         shutil.rmtree(path, ignore_errors=True)
 
@@ -83,10 +87,18 @@ def sweep_orphaned_pool_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def sweep_orphaned_pool_dirs_once() -> None:
+    """`sweep_orphaned_pool_dirs`, on the first pool this process starts only."""
+    if not _swept:
+        _swept.append(True)
+        sweep_orphaned_pool_dirs()
+
+
+_swept: list[bool] = []
+
+
 def drop_inherited_helper_fds() -> None:
     """Close this rank's copies of the forkserver "alive" and resource tracker write ends."""
-    from multiprocessing import forkserver, resource_tracker
-
     server = forkserver._forkserver
     tracker = resource_tracker._resource_tracker
     for owner, attr in ((server, "_forkserver_alive_fd"), (tracker, "_fd")):

@@ -1,15 +1,27 @@
-"""What a case run returns: per-rank results, errors, stacks and exit codes, plus a summary."""
+"""What a case run returns: per-rank results, errors, stacks and exit codes, and its one-line headline.
+
+`RankError` is an exception as it crosses a process boundary, `OutcomeStatus` how a case ended,
+`CaseOutcome` the whole verdict-neutral record, and `same_error_on_every_rank` the one place that
+decides whether every rank refused alike. The rest reads faulthandler dumps: which thread runs the
+case (`case_frames`) and where a rank is blocked (`where_blocked`).
+"""
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import signal
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-STATUSES = ("ok", "error", "hang", "crash")
+# The rank-side function that runs a case (runtime/rank.py, runtime/external.py): the thread with
+# this frame in a stack dump is the case's thread.
+CASE_FRAME = "run_case_on_rank"
+
+_NUMBER = re.compile(r"\d+")
 
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # "[.../pair.cc:537] " from C++
@@ -26,19 +38,30 @@ class RankError:
     traceback_text: str = ""
     phase: str = ""  # where in the case it was raised (qgather.model.phases), when the case tagged it
     type_names: tuple[str, ...] = ()  # the exception's class and its bases, innermost first
+    # The same classes as "module.qualname" (e.g. "qgather.errors.Refusal"), innermost first: what
+    # `instance_of` matches, so a class is told from another of the same bare name.
+    type_qualnames: tuple[str, ...] = ()
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> RankError:
+        """The record of `exc` raised on `rank`: its type (and every base), message, traceback and phase."""
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        names = tuple(c.__name__ for c in type(exc).__mro__)
-        return cls(rank, type(exc).__name__, str(exc), text, getattr(exc, "qgather_phase", None) or "", names)
+        mro = type(exc).__mro__
+        return cls(rank, type(exc).__name__, str(exc), text, getattr(exc, "qgather_phase", None) or "",
+                   tuple(c.__name__ for c in mro), tuple(qualified_name(c) for c in mro))
 
-    def first_line(self, limit: int = 160) -> str:
+    def instance_of(self, cls: type) -> bool:
+        """Whether the exception was an instance of `cls` (by the classes' module and qualified name)."""
+        return qualified_name(cls) in self.type_qualnames
+
+    def first_line(self, limit: int | None = 160) -> str:
+        """The type and the message's first line ("Type: line"), cut to `limit` characters (None: whole;
+        C++ source prefixes dropped)."""
         lines = self.message.strip().splitlines()
         if not lines:
             return self.type_name
         text = _SOURCE_PREFIX.sub("", lines[0])
-        if len(text) > limit:
+        if limit is not None and len(text) > limit:
             text = text[: limit - 3] + "..."
         return f"{self.type_name}: {text}"
 
@@ -46,11 +69,50 @@ class RankError:
         return f"rank {self.rank} raised {self.first_line()}"
 
 
-@dataclass
-class CaseOutcome:
-    """The verdict-neutral record of one case on every rank of a pool."""
+def qualified_name(cls: type) -> str:
+    """A class as "module.qualname": what `RankError.type_qualnames` holds."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
-    status: str
+
+def same_error_on_every_rank(errors: Mapping[int, RankError], world_size: int) -> RankError | None:
+    """The lowest rank's error when every rank of `world_size` raised the same exception type with the
+    same first line up to numbers (each rank may name its own shard size), else None.
+
+    The one place that decides it: a pool keeps its ranks, and a launched job its group, only then
+    (no rank can be left inside a collective), and only then can a verdict be a rejection.
+    """
+    if world_size < 1 or set(errors) != set(range(world_size)):
+        return None
+    kinds = {(e.type_name, e.type_qualnames[:1], _NUMBER.sub("#", e.first_line(limit=None))) for e in errors.values()}
+    return errors[0] if len(kinds) == 1 else None
+
+
+class OutcomeStatus(str, enum.Enum):
+    """How a case ended on its ranks, before any verdict (the `str` mix-in keeps `status == "ok"` true):
+
+    - ``OK``: every rank returned; `CaseOutcome.results` holds each rank's value.
+    - ``ERROR``: some rank raised and no rank died; `errors` holds what each rank raised, and
+      `unfinished` the ranks that never answered (seen waiting for it in a collective, or out of time).
+    - ``HANG``: the deadline passed with no rank raising or dying and some rank not returning;
+      `unfinished` names those ranks and `stacks` holds their stack dumps (on a pool: every rank's).
+    - ``CRASH``: a rank's process died (`exit_codes`: its exit code, or minus the signal), or a
+      launched job lost a rank; `stacks` holds what every rank still alive dumped when it was stopped.
+    """
+
+    OK = "ok"
+    ERROR = "error"
+    HANG = "hang"
+    CRASH = "crash"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class CaseOutcome:
+    """The verdict-neutral record of one case on every rank of a pool, built once when the case ends."""
+
+    status: OutcomeStatus
     results: list[Any]
     errors: dict[int, RankError] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
@@ -65,26 +127,36 @@ class CaseOutcome:
     job_ranks: tuple[int, ...] = ()
     hosts: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", OutcomeStatus(self.status))  # ValueError for anything else
+
     @property
     def world_size(self) -> int:
+        """The number of ranks the case ran on."""
         return len(self.results)
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        """Whether every rank returned."""
+        return self.status is OutcomeStatus.OK
+
+    def headline(self) -> str:
+        """What happened, in one line (the case id is not repeated: callers print it beside it)."""
+        return self.summary().splitlines()[0]
 
     def summary(self) -> str:
-        """One line for humans (the case id is not repeated: callers print it beside the summary)."""
-        head = {"ok": _summary_ok, "error": _summary_error, "hang": _summary_hang,
-                "crash": _summary_crash}[self.status](self)
+        """What happened, for humans: the headline, with the note (e.g. why a pool did not start)."""
+        head = _HEADLINES[self.status](self)
         return f"{head} ({self.note})" if self.note else head
 
 
 def format_ranks(ranks: list[int] | set[int]) -> str:
+    """Ranks in order, comma-separated ("0,2,3")."""
     return ",".join(str(r) for r in sorted(ranks))
 
 
 def describe_exit(code: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -102,10 +174,10 @@ _LIBRARY_PARTS = ("/torch/", "/multiprocessing/", RUNTIME_DIR, "/threading.py", 
 
 def case_frames(stack_text: str) -> list[Frame]:
     """The frames (innermost first) of the thread running the case in a faulthandler dump: the one
-    with a `run_case` frame, else the first thread listed (faulthandler puts the current one first)."""
+    with a CASE_FRAME frame, else the first thread listed (faulthandler puts the current one first)."""
     threads = _threads(stack_text)
     for frames in threads:
-        if any(func == "run_case" for _, _, func in frames):
+        if any(func == CASE_FRAME for _, _, func in frames):
             return frames
     return threads[0] if threads else []
 
@@ -128,8 +200,8 @@ def where_blocked(stack_text: str) -> str:
     waits in that collective; the first frame of the code under test (an adapter spinning or
     waiting in its own code) is named instead when it comes first.
     """
-    frames = [f for f in case_frames(stack_text)]
-    if not any(func == "run_case" for _, _, func in frames):
+    frames = case_frames(stack_text)
+    if not any(func == CASE_FRAME for _, _, func in frames):
         return "not running the case"
     for frame in frames:  # innermost first
         file, line, func = frame
@@ -175,11 +247,11 @@ def _summary_ok(outcome: CaseOutcome) -> str:
 
 
 def _summary_error(outcome: CaseOutcome) -> str:
+    same = same_error_on_every_rank(outcome.errors, outcome.world_size)
+    if same is not None:
+        return f"every rank raised {same.first_line()}"
     errors = list(outcome.errors.values())
     first = errors[0]
-    same = {(e.type_name, e.message) for e in errors}
-    if len(errors) == outcome.world_size and len(same) == 1:
-        return f"every rank raised {first.first_line()}"
     text = str(first)
     if len(errors) > 1:
         text += f" (also raised on {_ranks_word([e.rank for e in errors[1:]])})"
@@ -215,3 +287,7 @@ def _summary_crash(outcome: CaseOutcome) -> str:
                          for errors in by_type.values())
         text += f" (then {then})"
     return text
+
+
+_HEADLINES = {OutcomeStatus.OK: _summary_ok, OutcomeStatus.ERROR: _summary_error, OutcomeStatus.HANG: _summary_hang,
+              OutcomeStatus.CRASH: _summary_crash}

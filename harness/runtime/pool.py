@@ -1,38 +1,36 @@
 """A warm pool of rank processes that runs one case at a time and contains every failure.
 
-The parent sends each case to every rank, then waits on the ranks' result pipes and process
-sentinels together, always with a deadline:
+The parent sends each case (RunCase) to every rank, then waits on the ranks' reply pipes and
+process sentinels together, always with a deadline:
 
-* every rank replies                  -> "ok", or "error" (the pool stays warm after a health check)
-* a rank raises, another never replies -> "error" after a short grace, then the pool is aborted
-* a rank process dies                  -> "crash" with its exit code or signal, then aborted
-* the deadline passes                  -> "hang", then aborted
+* every rank replies                   -> OK, or ERROR (the pool stays warm after a health check)
+* a rank raises, another never replies -> ERROR once the others are seen waiting for it in a
+                                          collective (or at the deadline), then the pool is aborted
+* a rank process dies                  -> CRASH with its exit code or signal, then aborted
+* the deadline passes                  -> HANG, then aborted
 
 Aborting sends SIGTERM, which makes each rank dump all its threads' Python stacks (faulthandler)
-into a per-rank file before it dies, then SIGKILL for anything left. The next case respawns.
+into a per-rank file before it dies, then SIGKILL for anything left; the stacks go into the
+outcome, for a CRASH as for a HANG. The next case respawns.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import multiprocessing as mp
 import os
-import pickle
 import shutil
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from qgather.runtime import lifeline, whereabouts
-from qgather.runtime.outcome import CaseOutcome, RankError
-from qgather.runtime.spec import PoolSpec, rank_cpus, threads_per_rank, worker_env
-from qgather.runtime.worker import PICKLE_PROTOCOL, WorkerConfig, worker_main
+from qgather.runtime import lifeline, protocol, whereabouts
+from qgather.runtime.helpers import mp_context, signal_pid
+from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
+from qgather.runtime.protocol import decode, encode, send
+from qgather.runtime.rank import RankConfig, rank_main
+from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank
 
 # After a first failure, how often the parent asks the other ranks where they are; a rank counts
 # as waiting for the failed one only when seen inside a collective of its case on every look for
@@ -42,19 +40,11 @@ WAIT_EVIDENCE_S = 1.0
 WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
 KILL_WAIT_S = 5.0
-HELPER_STOP_S = 5.0
 REAP_WAIT_S = 5.0  # a dead rank's exit status comes via the forkserver, a moment after its pipe closes
 STOP_WAIT_S = 5.0  # graceful stop: destroy_process_group and exit
 CHECK_TIMEOUT_S = 10.0
 # Collectives must never time out before the case deadline does: the parent decides, not gloo/NCCL.
 PG_TIMEOUT_S = 4 * 3600.0
-# Preloaded by the forkserver, so a (re)spawned rank starts without paying the torch import.
-FORKSERVER_PRELOAD = [
-    "torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch._dynamo",
-    "qgather.runtime.worker", "qgather.runtime.forkserver_hook",
-]
-
-_owned_helpers: dict[str, int | None] = {}  # multiprocessing helpers this runtime started
 
 
 @dataclass
@@ -67,9 +57,10 @@ class _Rank:
 
 @dataclass
 class _Replies:
-    """What the ranks said (or did) in answer to one message."""
+    """What the ranks said (or did) in answer to one message; `accepts`: the replies it may get."""
 
     world_size: int
+    accepts: tuple[type, ...] = protocol.RANK_REPLYING
     results: list[Any] = field(default_factory=list)
     errors: dict[int, RankError] = field(default_factory=dict)
     exit_codes: dict[int, int] = field(default_factory=dict)
@@ -82,6 +73,7 @@ class _Replies:
         self.pending = set(range(self.world_size))
 
     def failed(self) -> None:
+        """A rank raised or died: from now on, look where the others are."""
         if self.first_failure_at is None:
             self.first_failure_at = time.monotonic()
 
@@ -92,12 +84,13 @@ class _Replies:
         return min(deadline, time.monotonic() + WHERE_POLL_S)
 
     @property
-    def status(self) -> str:
+    def status(self) -> OutcomeStatus:
+        """A death wins over an error, an error over ranks that never answered."""
         if self.exit_codes:
-            return "crash"
+            return OutcomeStatus.CRASH
         if self.errors:
-            return "error"
-        return "hang" if self.pending else "ok"
+            return OutcomeStatus.ERROR
+        return OutcomeStatus.HANG if self.pending else OutcomeStatus.OK
 
 
 class RankPool:
@@ -105,7 +98,7 @@ class RankPool:
 
     def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None) -> None:
         self.spec = spec.validate()
-        self.extra_env = dict(env or {})  # on top of worker_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
+        self.extra_env = dict(env or {})  # on top of rank_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
         self.spawn_count = 0
         self._ranks: list[_Rank] = []
         self._tmpdir: str | None = None
@@ -114,14 +107,17 @@ class RankPool:
 
     @property
     def started(self) -> bool:
+        """Whether the ranks are up (they start on the first case, or with `start`)."""
         return bool(self._ranks)
 
     @property
     def pids(self) -> list[int]:
+        """The ranks' process ids, by rank."""
         return [r.process.pid for r in self._ranks]
 
     @property
     def tmpdir(self) -> str | None:
+        """The pool's temp dir (its store and stack files) while the ranks are up."""
         return self._tmpdir
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
@@ -132,20 +128,19 @@ class RankPool:
         `timeout` (seconds) bounds the case itself, not the spawn of a cold pool; None: the
         spec's default for its backend.
         """
-        blob = _pickle_case(fn, args)
-        limit = _check_timeout(timeout, self.spec.case_timeout_s)
+        blob = protocol.encode_case(fn, args)
+        limit = check_timeout(timeout, self.spec.case_timeout_s)
         if not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if self._ranks and self._idle_rank_gone():
             self._teardown()  # a rank died while idle (OOM killer, a stray signal): not this case's doing
         if not self._ranks:
-            failure = self.start()
+            failure = self.start(case_id)
             if failure is not None:
-                failure.case_id = case_id
                 return failure
         start = time.monotonic()
         try:
-            replies = self._exchange(_dumps(("case", case_id, seed, blob)), limit)
+            replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit)
             return self._conclude(replies, time.monotonic() - start, case_id)
         except BaseException:
             # Interrupted mid-case (Ctrl-C, a bug here): the ranks' late replies would be read as
@@ -158,28 +153,28 @@ class RankPool:
         # before a forkserver has reaped it and made its sentinel ready.
         return bool(wait([w for r in self._ranks for w in (r.conn, r.process.sentinel)], timeout=0))
 
-    def start(self) -> CaseOutcome | None:
-        """Spawn the ranks and join the process group; returns the failure if that fails."""
+    def start(self, case_id: str = "") -> CaseOutcome | None:
+        """Spawn the ranks and join the process group; returns the failure (for `case_id`) if that fails."""
         if self._ranks:
             return None
         start = time.monotonic()
         try:
             self._spawn()
-            replies = self._collect(_Replies(self.spec.world_size), start + self.spec.startup_timeout_s)
+            replies = self._collect(_Replies(self.spec.world_size, protocol.RANK_STARTING),
+                                    start + self.spec.startup_timeout_s)
+            if replies.status is OutcomeStatus.OK:
+                return None
+            replies.results = [None] * self.spec.world_size  # the pids of the ranks that did start
+            return self._conclude(replies, time.monotonic() - start, case_id,
+                                  note=f"pool startup failed for {self.spec}")
         except BaseException:
             self._teardown()
             raise
-        if replies.status == "ok":
-            return None
-        outcome = self._conclude(replies, time.monotonic() - start, "")
-        outcome.results = [None] * self.spec.world_size
-        outcome.note = f"pool startup failed for {self.spec}"
-        return outcome
 
     def shutdown(self) -> None:
         """Stop every rank (gracefully, then SIGTERM, then SIGKILL) and remove the temp dir."""
         for r in self._ranks:
-            _send_quietly(r.conn, _dumps(("stop",)))
+            send(r.conn, encode(protocol.Stop()))
         _wait_dead(self._ranks, STOP_WAIT_S)
         self._teardown()
 
@@ -190,17 +185,17 @@ class RankPool:
     # -- spawning -------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        context = _mp_context()
-        _sweep_once()
+        context = mp_context()
+        lifeline.sweep_orphaned_pool_dirs_once()
         self._tmpdir = lifeline.make_pool_dir()
         threads = threads_per_rank(self.spec.world_size)
-        env = {**worker_env(self.spec, threads), **self.extra_env}
+        env = {**rank_env(self.spec, threads), **self.extra_env}
         cpus = rank_cpus(self.spec)
         runner_pid, runner_start = lifeline.runner_identity()
         life_r, self._lifeline = context.Pipe(duplex=False)
         try:
             for rank in range(self.spec.world_size):
-                config = WorkerConfig(
+                config = RankConfig(
                     rank=rank, world_size=self.spec.world_size, backend=self.spec.backend,
                     device=self.spec.device, store_path=os.path.join(self._tmpdir, "store"),
                     stacks_path=self._stacks_path(rank), env=env, threads=threads, pg_timeout_s=PG_TIMEOUT_S,
@@ -208,7 +203,7 @@ class RankPool:
                 )
                 parent_conn, child_conn = context.Pipe(duplex=True)
                 where_parent, where_child = context.Pipe(duplex=True)
-                process = context.Process(target=worker_main, args=(config, child_conn, life_r, where_child),
+                process = context.Process(target=rank_main, args=(config, child_conn, life_r, where_child),
                                           name=f"qgather-rank{rank}", daemon=True)
                 process.start()
                 child_conn.close()
@@ -225,10 +220,10 @@ class RankPool:
     # -- talking to the ranks -------------------------------------------------------------
 
     def _exchange(self, message: bytes, timeout: float) -> _Replies:
-        replies = _Replies(self.spec.world_size)
+        replies = _Replies(self.spec.world_size, protocol.RANK_REPLYING)
         deadline = time.monotonic() + timeout
         for r in self._ranks:
-            if not _send_quietly(r.conn, message):
+            if not send(r.conn, message):
                 self._bury(r, replies)
         return self._collect(replies, deadline)
 
@@ -263,7 +258,7 @@ class RankPool:
         for r in self._ranks:
             if r.rank not in replies.pending:
                 continue
-            frame = whereabouts.in_collective(self._where(r).get("frames", []))
+            frame = whereabouts.in_collective(self._where(r).frames)
             if frame is None:
                 replies.waiting.pop(r.rank, None)
             elif r.rank not in replies.waiting:
@@ -271,17 +266,11 @@ class RankPool:
         return all(rank in replies.waiting and now - replies.waiting[rank][1] >= WAIT_EVIDENCE_S
                    for rank in replies.pending)
 
-    def _where(self, r: _Rank) -> dict:
-        """{"frames": innermost frames of the rank's case, "notes": what the case noted}, or {}."""
+    def _where(self, r: _Rank) -> protocol.Whereabouts:
+        """Where the rank's case is (its innermost frames, what it noted); empty if it does not say."""
         if r.where is None or not r.process.is_alive():
-            return {}
-        try:
-            r.where.send_bytes(b"?")
-            if not r.where.poll(WHERE_REPLY_S):
-                return {}
-            return r.where.recv()
-        except (EOFError, OSError):
-            return {}
+            return protocol.Whereabouts()
+        return whereabouts.ask(r.where, WHERE_REPLY_S)
 
     def _receive(self, r: _Rank, replies: _Replies) -> None:
         try:
@@ -292,17 +281,24 @@ class RankPool:
         self._record(r, data, replies)
 
     def _record(self, r: _Rank, data: bytes, replies: _Replies) -> None:
+        """File one rank's reply; a message this exchange cannot get raises ProtocolError."""
         replies.pending.discard(r.rank)
         try:
-            kind, value = pickle.loads(data)
-        except Exception as exc:
-            kind, value = "error", RankError(r.rank, type(exc).__name__,
-                                             f"the parent could not unpickle this rank's reply: {exc}")
-        if kind in ("error", "init_error"):
-            replies.errors[r.rank] = value
-            replies.failed()
-        else:
-            replies.results[r.rank] = value
+            message = decode(data, replies.accepts)
+        except protocol.UnreadableMessage as exc:  # e.g. a result of a class the parent cannot import
+            error = RankError(r.rank, type(exc.cause).__name__,
+                              f"the parent could not unpickle this rank's reply: {exc.cause}")
+            message = protocol.Raised(error)
+        match message:
+            case protocol.Returned(value=value):
+                replies.results[r.rank] = value
+            case protocol.Ready(pid=pid):
+                replies.results[r.rank] = pid
+            case protocol.Raised(error=error) | protocol.StartFailed(error=error):
+                replies.errors[r.rank] = error
+                replies.failed()
+            case other:
+                raise protocol.ProtocolError(f"rank {r.rank} sent {type(other).__qualname__}: the pool cannot file it")
 
     def _bury(self, r: _Rank, replies: _Replies) -> None:
         """The rank's process is gone (or its pipe broke): a crash, unless it replied first."""
@@ -327,25 +323,29 @@ class RankPool:
 
     # -- deciding -------------------------------------------------------------------------
 
-    def _conclude(self, replies: _Replies, duration: float, case_id: str) -> CaseOutcome:
-        outcome = CaseOutcome(
-            status=replies.status, results=replies.results, errors=replies.errors,
+    def _conclude(self, replies: _Replies, duration: float, case_id: str, note: str = "") -> CaseOutcome:
+        """The outcome, once: a failure that left a rank behind (or the group out of step) aborts the
+        ranks first, and their stacks go into it, for a CRASH as for a HANG."""
+        status = replies.status
+        notes: dict[int, dict[str, str]] = {}
+        stacks: dict[int, str] = {}
+        if status is not OutcomeStatus.OK:
+            left_behind = bool(replies.pending or replies.exit_codes)
+            if left_behind:
+                notes = {r.rank: dict(where.notes) for r in self._ranks if (where := self._where(r)).notes}
+            if left_behind or not self._healthy():
+                stacks = self._abort()
+        return CaseOutcome(
+            status=status, results=replies.results, errors=replies.errors, stacks=stacks,
             exit_codes=replies.exit_codes, duration_s=duration, case_id=case_id,
-            unfinished=tuple(sorted(replies.pending)),
+            unfinished=tuple(sorted(replies.pending)), note=note, notes=notes,
         )
-        if outcome.status == "ok":
-            return outcome
-        if replies.pending or replies.exit_codes:
-            outcome.notes = {r.rank: notes for r in self._ranks if (notes := self._where(r).get("notes"))}
-        if replies.pending or replies.exit_codes or not self._healthy():
-            outcome.stacks = self._abort()
-        return outcome
 
     def _healthy(self) -> bool:
         """After a case failed on ranks that all replied: is the process group still in step?"""
         self._checks += 1
-        replies = self._exchange(_dumps(("check", self._checks)), CHECK_TIMEOUT_S)
-        return replies.status == "ok"
+        replies = self._exchange(encode(protocol.HealthCheck(self._checks)), CHECK_TIMEOUT_S)
+        return replies.status is OutcomeStatus.OK
 
     def _abort(self) -> dict[int, str]:
         """Kill every rank, keeping the stacks they dump on SIGTERM (and any fatal-signal dump)."""
@@ -383,50 +383,9 @@ class RankPool:
             self._tmpdir = None
 
 
-_swept: list[bool] = []
-
-
-def _sweep_once() -> None:
-    if not _swept:
-        _swept.append(True)
-        lifeline.sweep_orphaned_pool_dirs()
-
-
-def _pickle_case(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
-    if not callable(fn):
-        raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
-    try:
-        return _dumps((fn, args))
-    except Exception as exc:
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise TypeError(f"cannot send case {name} to the ranks (fn must be a module-level function "
-                        f"and args picklable): {exc}") from None
-
-
-def _check_timeout(timeout: float | None, default: float) -> float:
-    if timeout is None:
-        return default
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-            or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
-
-
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
-
-
-def _send_quietly(conn: Connection, data: bytes) -> bool:
-    try:
-        conn.send_bytes(data)
-        return True
-    except (BrokenPipeError, ConnectionError, OSError):
-        return False
-
-
 def _signal_all(ranks: list[_Rank], signum: int) -> None:
     for r in ranks:
-        _signal_pid(r.process.pid, signum)
+        signal_pid(r.process.pid, signum)
 
 
 def _wait_dead(ranks: list[_Rank], timeout: float) -> None:
@@ -445,102 +404,3 @@ def _read_text(path: str) -> str:
             return f.read()
     except OSError:
         return ""
-
-
-def _mp_context() -> Any:
-    """A forkserver that has torch preloaded, or plain spawn where that is not available.
-
-    Either way multiprocessing runs a resource tracker; what this runtime started, it stops.
-    """
-    tracker_started = _helper_pid("tracker") is None
-    context = _forkserver_context() or mp.get_context("spawn")
-    if tracker_started:
-        resource_tracker.ensure_running()
-        _owned_helpers["tracker"] = _helper_pid("tracker")
-    return context
-
-
-def _forkserver_context() -> Any:
-    method = os.environ.get("QGATHER_START_METHOD", "forkserver")
-    if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
-        return None
-    context = mp.get_context("forkserver")
-    server = forkserver._forkserver
-    started = _helper_pid("forkserver") is None
-    if started:
-        context.set_forkserver_preload(FORKSERVER_PRELOAD)
-    try:
-        with _nvml_cuda_checks():
-            server.ensure_running()
-    except Exception:
-        return None
-    if started:
-        _owned_helpers["forkserver"] = _helper_pid("forkserver")
-    return context
-
-
-@contextlib.contextmanager
-def _nvml_cuda_checks() -> Iterator[None]:
-    """Start the forkserver with torch's fork-safe (NVML) CUDA availability check.
-
-    Should anything it preloads ask torch.cuda.is_available(), the CUDA driver must not get
-    initialized there: every rank forked from it would inherit a driver it cannot use.
-    """
-    name = "PYTORCH_NVML_BASED_CUDA_CHECK"
-    previous = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
-def _helper_pid(name: str) -> int | None:
-    if name == "forkserver":
-        return getattr(forkserver._forkserver, "_forkserver_pid", None)
-    return getattr(resource_tracker._resource_tracker, "_pid", None)
-
-
-def stop_helpers() -> None:
-    """Stop the forkserver and resource tracker if this runtime started them (they are our children).
-
-    Both exit as soon as their "alive" pipe closes, which is what their `_stop` does.
-    """
-    helpers = {"forkserver": forkserver._forkserver, "tracker": resource_tracker._resource_tracker}
-    _mark_clean_stop()
-    for name, helper in helpers.items():
-        pid = _owned_helpers.pop(name, None)
-        stop = getattr(helper, "_stop", None)
-        if pid is not None and pid == _helper_pid(name) and stop is not None:
-            _bounded(stop, pid)
-
-
-def _mark_clean_stop() -> None:
-    """Tell our forkserver's exit hook that this is a clean stop: the runner removes its own dirs."""
-    address = getattr(forkserver._forkserver, "_forkserver_address", None)
-    if _owned_helpers.get("forkserver") is None or not isinstance(address, str) or address[:1] == "\0":
-        return
-    with contextlib.suppress(OSError):
-        open(os.path.join(os.path.dirname(address), lifeline.CLEAN_STOP_MARKER), "w").close()
-
-
-def _bounded(stop: Callable[[], None], pid: int) -> None:
-    """Run a helper's `_stop` (which waits for the helper without a timeout) with a deadline:
-    a helper still there after HELPER_STOP_S is killed, which ends that wait."""
-    timer = threading.Timer(HELPER_STOP_S, _signal_pid, args=(pid, signal.SIGKILL))
-    timer.daemon = True
-    timer.start()
-    try:
-        stop()
-    finally:
-        timer.cancel()
-
-
-def _signal_pid(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass

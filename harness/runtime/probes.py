@@ -8,8 +8,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from qgather.runtime.rank import CaseContext
 
-def trivial(ctx) -> list[int]:
+
+def trivial(ctx: CaseContext) -> list[int]:
     """The runtime's barrier, then a one-element all-gather: the least a real case does."""
     mine = torch.tensor([ctx.rank], device=ctx.device)
     gathered = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
@@ -17,7 +19,7 @@ def trivial(ctx) -> list[int]:
     return [int(t) for t in gathered]
 
 
-def collectives_only(ctx, iterations: int) -> float:
+def collectives_only(ctx: CaseContext, iterations: int) -> float:
     """Seconds per (barrier-equivalent + one-element all-gather), timed inside the rank."""
     token = torch.zeros(1, device=ctx.device)
     mine = torch.tensor([ctx.rank], device=ctx.device)
@@ -31,7 +33,7 @@ def collectives_only(ctx, iterations: int) -> float:
     return (time.perf_counter() - start) / iterations
 
 
-def crash_rank(ctx, rank: int = 1) -> None:
+def crash_rank(ctx: CaseContext, rank: int = 1) -> None:
     """Rank `rank` dies with exit code 3 while the others wait in a barrier."""
     if ctx.rank == rank:
         os._exit(3)

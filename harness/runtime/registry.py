@@ -5,8 +5,10 @@ from __future__ import annotations
 import atexit
 import threading
 
-from qgather.runtime.external import ExternalPool, external_world
-from qgather.runtime.pool import RankPool, stop_helpers
+from qgather.runtime.external import ExternalPool
+from qgather.runtime.helpers import stop_helpers
+from qgather.runtime.launch import external_world
+from qgather.runtime.pool import RankPool
 from qgather.runtime.spec import PoolSpec
 
 _pools: dict[PoolSpec, RankPool | ExternalPool] = {}

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
+import torch
+
+from qgather.errors import UsageError
 from qgather.runtime.launch import detect_launch
 
 BACKENDS = ("gloo", "nccl")
@@ -16,20 +20,23 @@ DEFAULT_CASE_TIMEOUT_S = {("gloo", "cpu"): 60.0, ("gloo", "cuda"): 90.0, ("nccl"
 DEFAULT_STARTUP_TIMEOUT_S = {("gloo", "cpu"): 120.0, ("gloo", "cuda"): 180.0, ("nccl", "cuda"): 300.0}
 
 # The GPU host needs NVLink multicast off; an explicit setting in the environment wins.
-WORKER_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+RANK_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
-class PoolSpecError(ValueError):
+class PoolSpecError(UsageError):
     """A pool that cannot exist here; the message is one line that says why."""
 
 
 @dataclass(frozen=True)
 class PoolSpec:
+    """What a pool is: its backend ("gloo" | "nccl"), number of ranks and device ("cpu" | "cuda")."""
+
     backend: str = "gloo"
     world_size: int = 2
     device: str = "cpu"
 
     def validate(self) -> PoolSpec:
+        """This spec, if a pool of it can run here; else PoolSpecError, one line saying why not."""
         problem = self._problem()
         if problem:
             raise PoolSpecError(f"{self}: {problem}")
@@ -37,14 +44,17 @@ class PoolSpec:
 
     @property
     def key(self) -> tuple[str, str]:
+        """(backend, device): what the default timeouts depend on."""
         return (self.backend, self.device)
 
     @property
     def case_timeout_s(self) -> float:
+        """A case's default timeout on this backend and device."""
         return DEFAULT_CASE_TIMEOUT_S[self.key]
 
     @property
     def startup_timeout_s(self) -> float:
+        """The bound on spawning the ranks and joining their process group."""
         return DEFAULT_STARTUP_TIMEOUT_S[self.key]
 
     @classmethod
@@ -107,10 +117,8 @@ def _xdist_slot() -> tuple[int, int]:
 def _parent_gpu_names() -> list[str]:
     """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries for a child process."""
     try:
-        import torch
-
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
+    except Exception:  # a broken driver: no GPUs, rather than no pools at all
         count = 0
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is None:
@@ -119,7 +127,7 @@ def _parent_gpu_names() -> list[str]:
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process's pools may use (CUDA_VISIBLE_DEVICES entries for the workers).
+    """The GPUs this process's pools may use (CUDA_VISIBLE_DEVICES entries for their ranks).
 
     Under pytest-xdist with several GPUs, the GPUs are dealt round-robin to the xdist workers so
     that two workers never put NCCL ranks on the same GPU; QGATHER_GPU_SPLIT=0 turns that off.
@@ -133,10 +141,20 @@ def visible_gpus() -> list[str]:
     return [names[index % len(names)]]
 
 
-def worker_env(spec: PoolSpec, threads: int) -> dict[str, str]:
-    """Environment for a pool's workers: the parent's, plus what the runtime needs."""
+def check_timeout(timeout: float | None, default: float) -> float:
+    """A case timeout in seconds: `default` for None, else a positive finite number (ValueError otherwise)."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def rank_env(spec: PoolSpec, threads: int) -> dict[str, str]:
+    """Environment for a pool's ranks: the parent's, plus what the runtime needs."""
     env = dict(os.environ)
-    for name, value in WORKER_ENV_DEFAULTS.items():
+    for name, value in RANK_ENV_DEFAULTS.items():
         env.setdefault(name, value)
     # All ranks of a pool are local; loopback avoids hosts whose hostname resolves to nothing usable.
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -147,6 +165,7 @@ def worker_env(spec: PoolSpec, threads: int) -> dict[str, str]:
 
 
 def threads_per_rank(world_size: int) -> int:
+    """Torch threads per rank: this process's share of the CPUs (under xdist) over its ranks."""
     count, _ = _xdist_slot()
     return max(1, (os.cpu_count() or 1) // (world_size * count))
 

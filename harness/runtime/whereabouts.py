@@ -12,7 +12,10 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
+
+from qgather.runtime.protocol import WHERE_QUERIES, WHERE_REPLIES, Whereabouts, WhereQuery, decode, encode
 
 FRAMES = 12  # innermost frames sent back
 # Frames of these files mean: inside a torch.distributed collective (c10d, FSDP2's collectives).
@@ -26,29 +29,42 @@ NOTES: dict[str, str] = {}
 
 
 def note(key: str, value: str) -> None:
+    """Leave a fact on this rank for a HANG report (the latest value per key counts)."""
     NOTES[key] = value
 
 
 def serve(conn: Connection) -> threading.Thread:
-    """Answer every request on `conn` with the main thread's innermost frames and the case's notes
-    (a daemon thread)."""
+    """Answer every WhereQuery on `conn` with Whereabouts: the main thread's innermost frames and the
+    case's notes (a daemon thread; anything but a WhereQuery raises ProtocolError and ends it)."""
     main = threading.main_thread().ident
 
     def loop() -> None:
         while True:
             try:
-                conn.recv_bytes()
+                data = conn.recv_bytes()
             except (EOFError, OSError):
                 return
-            frames = frames_of(main)
+            decode(data, WHERE_QUERIES)
+            reply = encode(Whereabouts(tuple(frames_of(main)), dict(NOTES)))
             try:
-                conn.send({"frames": frames, "notes": dict(NOTES)})
+                conn.send_bytes(reply)
             except (OSError, ValueError):
                 return
 
     thread = threading.Thread(target=loop, name="qgather-whereabouts", daemon=True)
     thread.start()
     return thread
+
+
+def ask(conn: Connection, timeout: float) -> Whereabouts:
+    """The runner's side: where a rank's case is now, as `serve` answers (empty if no answer in `timeout` s)."""
+    try:
+        conn.send_bytes(encode(WhereQuery()))
+        if not conn.poll(timeout):
+            return Whereabouts()
+        return decode(conn.recv_bytes(), WHERE_REPLIES)
+    except (EOFError, OSError):
+        return Whereabouts()
 
 
 def frames_of(thread_id: int | None) -> list[str]:
@@ -60,11 +76,11 @@ def frames_of(thread_id: int | None) -> list[str]:
 
 
 # The rank's own barrier before each case: a rank still in it is late, not waiting for a failed one.
-OWN_BARRIER = "runtime/worker.py"  # harness/runtime/ in a checkout, qgather/runtime/ in an install
+OWN_BARRIER = "runtime/rank.py"  # harness/runtime/ in a checkout, qgather/runtime/ in an install
 OWN_BARRIERS = (OWN_BARRIER, "runtime/external.py")
 
 
-def in_collective(frames: list[str]) -> str | None:
+def in_collective(frames: Sequence[str]) -> str | None:
     """The collective frame a rank's case is waiting in (innermost first), or None."""
     if any(own in f.replace("\\", "/") and f.endswith(" barrier") for f in frames for own in OWN_BARRIERS):
         return None

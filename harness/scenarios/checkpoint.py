@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec
 from qgather.model.phases import Phase, PhaseTracker
-from qgather.runtime.worker import CaseContext
+from qgather.runtime.rank import CaseContext
 from qgather.scenarios.data import make_input, make_weight
 from qgather.scenarios.module import build_sharded_module
 

@@ -16,7 +16,7 @@ from qgather.impls import get_impl
 from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
 from qgather.model.phases import PhaseTracker
-from qgather.runtime.worker import CaseContext
+from qgather.runtime.rank import CaseContext
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.data import make_input
 

@@ -21,7 +21,7 @@ from qgather.check.wire import record_wire, summarize_wire
 from qgather.model.case import CaseSpec
 from qgather.model.phases import Phase, PhaseTracker
 from qgather.model.records import RankResult, Stage
-from qgather.runtime.worker import CaseContext
+from qgather.runtime.rank import CaseContext
 from qgather.scenarios import checkpoint as checkpoint_reshard
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.compiled import compiled_stage

@@ -34,7 +34,7 @@ from torch.distributed.tensor import Shard
 from qgather.impls.base import Implementation
 from qgather.model.case import DTYPES, CaseSpec, ColumnShardLayout, ShardLayout, shard_layout, shard_world_size
 from qgather.model.records import Stage
-from qgather.runtime.worker import CaseContext
+from qgather.runtime.rank import CaseContext
 
 #: the settings fully_shard applies here (compile and DCP: qgather.scenarios.compiled, qgather.scenarios.checkpoint)
 APPLIED = ("param_dtype", "reduce_dtype", "reshard_after_forward", "hsdp", "shard_dim")

@@ -14,7 +14,7 @@ from qgather.errors import HarnessFault
 from qgather.model.case import CaseSpec
 from qgather.model.phases import Phase, PhaseTracker
 from qgather.model.records import RankResult
-from qgather.runtime.worker import CaseContext
+from qgather.runtime.rank import CaseContext
 from qgather.scenarios.context import RankCase
 from qgather.scenarios.data import make_weight
 from qgather.scenarios.emulation import check_padded_inputs, fsdp2_chunks, pre_all_gather, shard_like_fsdp2

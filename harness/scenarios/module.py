@@ -11,7 +11,7 @@ from qgather.impls import get_impl
 from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec
 from qgather.model.phases import Phase, PhaseTracker
-from qgather.runtime.worker import CaseContext
+from qgather.runtime.rank import CaseContext
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.data import make_weight
 

@@ -14,7 +14,7 @@ from qgather.impls import get_impl
 from qgather.model.case import SCENARIOS, CaseSpec
 from qgather.model.phases import PhaseTracker
 from qgather.model.records import RankResult
-from qgather.runtime.worker import CaseContext
+from qgather.runtime.rank import CaseContext
 from qgather.scenarios.fsdp import run_fsdp
 from qgather.scenarios.hooks import run_hooks
 from qgather.scenarios.virtual import run_virtual

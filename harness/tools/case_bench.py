@@ -212,9 +212,11 @@ def _traceback_tail(outcome, lines: int = 12) -> str:
 
 def _print_verdict(case_id: str, results: list[dict]) -> bool:
     """The measured case's own verdict: timings of a case that does not pass measure another path."""
-    from qgather.model.verdict import Verdict, classify_results
+    from qgather.engine.classify import classify_results
+    from qgather.model.verdict import Verdict
 
-    verdict, reason, _ = classify_results(CaseSpec.parse(case_id), [r["result"] for r in results])
+    found = classify_results([r["result"] for r in results])
+    verdict, reason = found.verdict, found.reason
     print(f"    {case_id}: {verdict.value}" + (f" ({reason})" if reason else ""))
     return verdict is Verdict.EXACT
 

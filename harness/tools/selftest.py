@@ -31,7 +31,8 @@ from qgather.engine.run import RunOptions, run_case
 from qgather.impls.mutants import MUTANTS, Mutant
 from qgather.model.case import CaseSpec
 from qgather.model.config import DEFAULT
-from qgather.model.verdict import CaseReport, Verdict
+from qgather.model.report import CaseReport
+from qgather.model.verdict import Verdict
 from qgather.suite.sweeps import K, alignment_shapes
 
 OPTIONS = RunOptions(backend="gloo", device="cpu")

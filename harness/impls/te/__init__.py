@@ -1,4 +1,4 @@
-"""TransformerEngine adapters.
+"""The TransformerEngine adapters, registered by name (FACTORIES):
 
   te                 TE's supported FSDP2 route: modules on meta under quantized_model_init,
                      fully_shard, reset_parameters (route.py)

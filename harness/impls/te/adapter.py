@@ -1,4 +1,4 @@
-"""What every TE adapter shares: how TE refuses, how its tensors are read, dequantized,
+"""What every TE adapter shares (`TEAdapter`): how TE refuses, how its tensors are read, dequantized,
 re-quantized and multiplied, and the skips that follow from TE being absent or the GPU lacking
 a kernel. The adapters differ only in how the sharded parameter comes to exist."""
 
@@ -8,6 +8,7 @@ import torch
 
 from qgather.impls.base import Implementation
 from qgather.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
+from qgather.impls.te.quantizers import te_quantize
 from qgather.impls.te.tensors import read_te_buffers, row_layout_of, row_slice
 from qgather.model.case import CaseSpec
 
@@ -43,8 +44,6 @@ class TEAdapter(Implementation):
         so there is no TE quantizer in the case to check (TE's Python reference quantizer agrees with
         the reference formats bit for bit, tests/gpu/test_te_crosscheck.py; run whole on a large
         weight, it held 11x the weight's bf16 size)."""
-        from qgather.impls.te.quantizers import te_quantize
-
         if fmt in NVFP4 and not has_nvfp4_kernels():
             return None
         return te_quantize(fmt, weight.cuda())
@@ -57,7 +56,7 @@ class TEAdapter(Implementation):
         local.quantize_(master_rows.to(local.device))
 
     def is_quantized(self, param: torch.Tensor) -> bool:
-        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor  # TE is optional: imported on use
 
         return isinstance(param, QuantizedTensor)
 

@@ -9,7 +9,7 @@ import torch
 
 def te_import_error() -> str | None:
     """None when transformer_engine.pytorch imports, else one line saying why not."""
-    try:
+    try:  # TE is optional: imported here to learn whether it can be
         import transformer_engine.pytorch  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure is a skip reason
         return f"transformer_engine unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
@@ -31,7 +31,7 @@ def has_nvfp4_kernels() -> bool:
 
 def mxfp8_unavailable_reason() -> str | None:
     """TE's own reason why MXFP8 cannot run on this GPU, or None."""
-    from transformer_engine.pytorch.quantization import is_mxfp8_available
+    from transformer_engine.pytorch.quantization import is_mxfp8_available  # TE is optional: imported on use
 
     available, reason = is_mxfp8_available(return_reason=True)
     return None if available else f"TE: {reason}"
@@ -46,7 +46,7 @@ def recipe_unavailable_reason(recipe) -> str | None:
     """TE's own reason why `recipe` cannot run under te.autocast on this GPU, or None. Asked before
     entering te.autocast: TE 2.20's autocast_enter enables its global FP8 state and only then
     asserts availability, so a refused autocast leaves the process in FP8 mode (docs/findings.md)."""
-    from transformer_engine.pytorch import quantization
+    from transformer_engine.pytorch import quantization  # TE is optional: imported on use
 
     checks = ["is_fp8_available", _RECIPE_CHECKS.get(type(recipe).__name__)]
     for name in filter(None, checks):

@@ -22,14 +22,19 @@ holds, and TE's dequantize()) and the loss and output, bit for bit against the o
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
 import torch
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from qgather.check.compare import compare_values, digest
 from qgather.check.patches import hooks_moving_phase
-from qgather.impls.base import HarnessFault
+from qgather.errors import HarnessFault
+from qgather.formats import FORMATS, FormatError
+from qgather.impls.te.environment import recipe_unavailable_reason
+from qgather.impls.te.recipes import make_recipe
 from qgather.model.case import CaseSpec, ShardLayout
 from qgather.model.phases import Phase, PhaseTracker
 from qgather.model.records import BufferDiff, Comparison, DiffProblem, RankResult, Stage
@@ -81,9 +86,7 @@ class TinyTEModel(torch.nn.Module):
 
 
 def _build(route, spec: CaseSpec, hidden: int, ffn: int, rank: int, world_size: int) -> TinyTEModel:
-    import transformer_engine.pytorch as te
-
-    from qgather.impls.te.route import make_recipe
+    import transformer_engine.pytorch as te  # TE is optional: imported on use
 
     full_shapes = [(3 * hidden, hidden), (ffn, hidden), (hidden, ffn), (hidden, hidden)]
     init = _rows_of_masters(spec, full_shapes, rank, world_size)
@@ -125,14 +128,12 @@ def _batch(spec: CaseSpec, hidden: int, device: torch.device) -> torch.Tensor:
 
 
 def _te_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # TE is optional: on use
 
     return [m for m in model.modules() if isinstance(m, TransformerEngineBaseModule)]
 
 
 def _shard(model: TinyTEModel, mesh) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     for child in (model.proj, model.mlp, model.block):
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -150,10 +151,7 @@ def _reset(model: TinyTEModel) -> None:
 # ------------------------------------------------------------------ training
 def _train(route, spec: CaseSpec, model: TinyTEModel, x: torch.Tensor, phases: PhaseTracker | None):
     """Yields (parameters after the gather, output) before the first step and after each step."""
-    import transformer_engine.pytorch as te
-
-    from qgather.impls.te.environment import recipe_unavailable_reason
-    from qgather.impls.te.route import make_recipe
+    import transformer_engine.pytorch as te  # TE is optional: imported on use
 
     recipe = make_recipe(spec.fmt, route.recipes)
     reason = recipe_unavailable_reason(recipe)  # before te.autocast: a refused one leaves FP8 enabled
@@ -177,30 +175,25 @@ def _train(route, spec: CaseSpec, model: TinyTEModel, x: torch.Tensor, phases: P
 
 def _optimizer(model: torch.nn.Module):
     """TE's FusedAdam with fp32 master weights, as TE's FSDP2 example trains quantized weights."""
-    from transformer_engine.pytorch.optimizers import FusedAdam
+    from transformer_engine.pytorch.optimizers import FusedAdam  # TE is optional: imported on use
 
     return FusedAdam(model.parameters(), lr=LEARNING_RATE, master_weights=True)
 
 
 def _bf16_autocast(spec: CaseSpec):
     # TE's NVFP4 recipe runs under torch.autocast as well (TE 2.20's fsdp2 tests)
-    import contextlib
-
     if spec.fmt.startswith("nvfp4"):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
 def _at(phases: PhaseTracker | None, phase: Phase):
-    import contextlib
-
     return phases.at(phase) if phases is not None else contextlib.nullcontext()
 
 
 def _gathered_params(route, model: torch.nn.Module, phases: PhaseTracker | None) -> dict[str, dict]:
     """Every parameter of the model as the gather left it: buffers of quantized ones (by TE's
     names), TE's dequantize(), plain values otherwise. Cloned, then the modules are resharded."""
-    from torch.distributed.fsdp import FSDPModule
 
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
     types = _quantized_types()
@@ -220,6 +213,7 @@ def _gathered_params(route, model: torch.nn.Module, phases: PhaseTracker | None)
 
 
 def _quantized_types() -> tuple[type, ...]:
+    # TE is optional: imported on use
     from transformer_engine.pytorch.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
     return (Float8Tensor, Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor)
@@ -276,8 +270,6 @@ def _digest(spec: CaseSpec, params: dict) -> str:
 
 def _valid_regions(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[slice, ...]]:
     """The format's valid region of each buffer (scale padding may hold anything)."""
-    from qgather.formats import FORMATS, FormatError
-
     try:
         return FORMATS[fmt].valid_regions(shape) if len(shape) == 2 else {}
     except FormatError:

@@ -22,6 +22,7 @@ import torch
 from qgather.formats import FORMATS
 from qgather.impls.te.adapter import NVFP4, TEAdapter
 from qgather.impls.te.environment import has_nvfp4_kernels
+from qgather.impls.te.quantizers import make_quantizer
 from qgather.impls.te.tensors import nvfp4_tensor_from_bits
 
 
@@ -32,13 +33,11 @@ class PrequantizedImplementation(TEAdapter):
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         if fmt in NVFP4 and not has_nvfp4_kernels():
             return _nvfp4_from_reference_bits(fmt, weight)
-        from qgather.impls.te.quantizers import make_quantizer
-
         return make_quantizer(fmt)(weight.cuda())
 
 
 def _nvfp4_from_reference_bits(fmt: str, weight: torch.Tensor) -> torch.Tensor:
-    from transformer_engine.pytorch.tensor import NVFP4Quantizer
+    from transformer_engine.pytorch.tensor import NVFP4Quantizer  # TE is optional: imported on use
 
     quantizer = NVFP4Quantizer(rowwise=True, columnwise=True, with_2d_quantization=fmt == "nvfp4_2d")
     return nvfp4_tensor_from_bits(fmt, weight.cuda(), quantizer)

@@ -13,17 +13,19 @@ import math
 
 import torch
 
+from qgather.errors import HarnessFault
 from qgather.formats import FORMATS
 
 
-class TEUnavailable(RuntimeError):
-    pass
+class TEUnavailable(HarnessFault):
+    """TE's quantizers cannot run in this process (no CUDA GPU, TE not importable, or this GPU lacks
+    the format's kernels): the harness cannot ask TE, which is never the library refusing a shape."""
 
 
 def _te():
     if not torch.cuda.is_available():
         raise TEUnavailable("TransformerEngine quantizers need a CUDA GPU")
-    try:
+    try:  # TE is optional: imported on use, its absence said in one line
         import transformer_engine.pytorch  # noqa: F401  (loads the extension)
         import transformer_engine_torch as tex
         from transformer_engine.pytorch.custom_recipes import reference_utils
@@ -48,7 +50,7 @@ def make_quantizer(fmt: str):
         return block(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, amax_epsilon=0.0,
                      force_pow_2_scales=True, block_scaling_dim=2 if fmt == "fp8_block" else 1)
     if fmt == "mxfp8":
-        from transformer_engine.pytorch.quantization import is_mxfp8_available
+        from transformer_engine.pytorch.quantization import is_mxfp8_available  # TE is optional: on use
 
         available, reason = is_mxfp8_available(return_reason=True)
         if not available:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+# A subclass of TE's class: this module imports TE at its top, so only route.py's function that
+# installs the quantizer imports it, on a GPU where TE imported (TE is optional).
 from transformer_engine.pytorch.tensor import NVFP4Quantizer
 
+from qgather.errors import HarnessFault
 from qgather.formats import FormatError
-from qgather.impls.base import HarnessFault
 from qgather.impls.te.tensors import nvfp4_tensor_from_bits
 
 #: quantizer settings the reference bits do not model
@@ -22,6 +25,8 @@ UNMODELLED = ("with_rht", "stochastic_rounding", "row_scaled_nvfp4", "nvfp4_use_
 
 
 class ReferenceBitsNVFP4Quantizer(NVFP4Quantizer):
+    """TE's NVFP4Quantizer whose quantization is the harness's reference bits (see the module docstring)."""
+
     fmt: str = "nvfp4_2d"
 
     @classmethod

@@ -21,39 +21,22 @@ report says so.
 
 from __future__ import annotations
 
-import torch
+import importlib
 
-from qgather.impls.base import HarnessFault, NoSingleDeviceTwin
+import torch
+from torch.distributed.fsdp import fully_shard
+
+from qgather.errors import HarnessFault
+from qgather.formats.numerics import FP8_E4M3_MAX
+from qgather.impls.base import NoSingleDeviceTwin
 from qgather.impls.te.adapter import NVFP4, TEAdapter
 from qgather.impls.te.environment import has_nvfp4_kernels, recipe_unavailable_reason, sm_name
+from qgather.impls.te.model import run_model_case
+from qgather.impls.te.recipes import NOT_ON_THIS_ROUTE, RECIPES, make_recipe
 from qgather.impls.te.tensors import read_te_buffers
 from qgather.model.case import CaseSpec
 from qgather.model.records import RankResult
 from qgather.scenarios import fsdp_setup
-
-#: format -> (recipe class name in transformer_engine.common.recipe, keyword arguments)
-RECIPES: dict[str, tuple[str, dict]] = {
-    "fp8_tensor": ("Float8CurrentScaling", {}),
-    "fp8_block": ("Float8BlockScaling", {}),
-    "mxfp8": ("MXFP8BlockScaling", {}),
-    "nvfp4_2d": ("NVFP4BlockScaling", {"disable_2d_quantization": False}),
-}
-
-#: formats TE's FSDP2 route does not offer, with TE's reason
-NOT_ON_THIS_ROUTE = {
-    "fp8_tensor_e5m2": "TE's recipes quantize weights in E4M3 (\"Pure E5M2 training is not supported\")",
-    "fp8_block_1x128": "TE's Float8BlockwiseQTensor.fsdp_pre_all_gather supports 2-D block scaling only "
-                       "(Float8BlockScaling(w_block_scaling_dim=1) raises NotImplementedError)",
-    "nvfp4_1d": "TE's NVFP4Tensor.fsdp_pre_all_gather needs 2-D weight quantization when training uses the "
-                "columnwise copy (NVFP4BlockScaling(disable_2d_quantization=True) fails its assertion)",
-}
-
-
-def make_recipe(fmt: str, recipes: dict[str, tuple[str, dict]] = RECIPES):
-    from transformer_engine.common import recipe
-
-    name, kwargs = recipes[fmt]
-    return getattr(recipe, name)(**kwargs)
 
 
 class TransformerEngineRoute(TEAdapter):
@@ -70,16 +53,12 @@ class TransformerEngineRoute(TEAdapter):
         return None
 
     def run_model(self, ctx, spec: CaseSpec, phases) -> RankResult:
-        from qgather.impls.te.model import run_model_case
-
         return run_model_case(self, ctx, spec, phases)
 
     def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor, setup=None) -> torch.nn.Module:
         """The case's configuration applies as a TE user writes it: `fully_shard(module, mesh=...,
         mp_policy=..., reshard_after_forward=..., shard_placement_fn=...)` before reset_parameters
         (which reduces the amax over the mesh's "shard" dimension under HSDP)."""
-        from torch.distributed.fsdp import fully_shard
-
         _check_no_leaked_autocast()
         setup = setup or fsdp_setup.prepare(ctx, spec)
         rows = setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype)
@@ -102,7 +81,7 @@ class TransformerEngineRoute(TEAdapter):
     def forward_context(self, spec: CaseSpec):
         """te.autocast with the case's recipe; raises TE's own reason, without entering it, where
         the GPU cannot run the recipe (see environment.recipe_unavailable_reason)."""
-        import transformer_engine.pytorch as te
+        import transformer_engine.pytorch as te  # TE is optional: imported on use
 
         recipe = make_recipe(spec.fmt, self.recipes)
         reason = recipe_unavailable_reason(recipe)
@@ -137,7 +116,7 @@ class TransformerEngineRoute(TEAdapter):
             return module(x).float()
 
     def _linear_on_meta(self, spec: CaseSpec, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        import transformer_engine.pytorch as te
+        import transformer_engine.pytorch as te  # TE is optional: imported on use
 
         out_features, in_features = spec.shape
         with te.quantized_model_init(enabled=True, recipe=make_recipe(spec.fmt, self.recipes)):
@@ -151,7 +130,7 @@ class TransformerEngineRoute(TEAdapter):
 def _check_no_leaked_autocast() -> None:
     """TE reads its global FP8 state when a module is built (e.g. whether `_extra_state` will be
     saved): a state left enabled by an earlier case on this rank would change this case."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # TE is optional: imported on use
 
     if FP8GlobalStateManager.is_fp8_enabled() or FP8GlobalStateManager.with_fp8_parameters():
         raise HarnessFault("TE's global FP8 state is still enabled on this rank when the case starts "
@@ -180,7 +159,7 @@ def _writes(rows: torch.Tensor):
 
 
 def _install_reference_bits_quantizer(module: torch.nn.Module, fmt: str) -> None:
-    from qgather.impls.te.reference_bits import ReferenceBitsNVFP4Quantizer
+    from qgather.impls.te.reference_bits import ReferenceBitsNVFP4Quantizer  # subclasses a TE class: imports TE
 
     index = module.param_init_meta["weight"].fp8_meta_index
     original = module.quantizers["scaling_fwd"][index]
@@ -197,15 +176,11 @@ class DelayedScalingRoute(TransformerEngineRoute):
     formats = ("fp8_tensor",)
 
     def reference_quantize(self, fmt, weight: torch.Tensor):
-        from qgather.formats.numerics import FP8_E4M3_MAX
-
         # current scaling with amax = fp8_max is exactly scale 1 (scale = fp8_max / amax)
         return fmt.quantize(weight, amax=torch.tensor(FP8_E4M3_MAX, device=weight.device))
 
     def own_quantization(self, fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        import importlib
-
-        from transformer_engine.pytorch.tensor import Float8Quantizer
+        from transformer_engine.pytorch.tensor import Float8Quantizer  # TE is optional: imported on use
 
         # the extension is importable only after transformer_engine.pytorch has loaded it
         tex = importlib.import_module("transformer_engine_torch")

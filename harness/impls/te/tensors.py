@@ -44,6 +44,7 @@ def nvfp4_tensor_from_bits(fmt: str, weight: torch.Tensor, quantizer, amax: torc
     """An NVFP4Tensor holding the harness's reference bits of `weight` (bit-exact with TE's
     reference quantizer), for GPUs without TE's NVFP4 kernels. `amax`: the global amax to scale
     with (the tensor's own amax when None)."""
+    # TE is optional: imported on use
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Tensor
 

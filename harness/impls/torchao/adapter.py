@@ -66,6 +66,7 @@ SKIP_VIRTUAL = (
 
 def _torchao():
     """torchao's float8 API, imported on first use (the module imports without torchao)."""
+    # torchao is optional: imported on use
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic

@@ -1,8 +1,7 @@
-"""The rank side of a pool: one process per rank, serving cases sent down its pipe.
+"""The rank side of a pool: one process per rank, serving the cases sent down its pipe.
 
-Messages are pickled by the runtime itself (not by multiprocessing's ForkingPickler) so that
-tensors travel inline instead of through torch's shared-memory file-descriptor passing, which
-would need a resource-sharer thread and socket in every process.
+A rank joins the process group, says Ready (or StartFailed, then exits), and then answers each
+RunCase or HealthCheck with Returned or Raised until Stop or EOF (runtime/protocol.py).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import datetime
 import faulthandler
 import gc
 import os
-import pickle
 import random
 import signal
 import sys
@@ -23,18 +21,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from qgather.quiet import quiet_torchao
 from qgather.runtime import whereabouts
 from qgather.runtime.lifeline import drop_inherited_helper_fds, watch_runner
 from qgather.runtime.outcome import RankError
+from qgather.runtime.protocol import (
+    RUNNER_TO_RANK,
+    HealthCheck,
+    ProtocolError,
+    Raised,
+    Ready,
+    Returned,
+    RunCase,
+    StartFailed,
+    Stop,
+    decode,
+    decode_case,
+    encode,
+    send,
+)
 
-PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _PR_SET_PDEATHSIG = 1
 
 
 class CaseContext:
-    """What a case function gets on each rank. Built inside the worker; never pickled."""
+    """What a case function gets on each rank. Built inside the rank's process; never pickled."""
 
     def __init__(self, rank: int, world_size: int, backend: str, device: torch.device,
                  group: dist.ProcessGroup, seed: int, case_id: str,
@@ -59,7 +72,9 @@ class CaseContext:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class RankConfig:
+    """How one rank process sets itself up and joins its pool's process group."""
+
     rank: int
     world_size: int
     backend: str
@@ -77,13 +92,14 @@ class WorkerConfig:
 
 @dataclass
 class _RankState:
-    config: WorkerConfig
+    config: RankConfig
     device: torch.device
     group: dist.ProcessGroup
     meshes: dict[str, Any] = field(default_factory=dict)
     token: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
 
     def barrier(self) -> None:
+        """The rank's own barrier before each case (whereabouts.OWN_BARRIER: not a case's collective)."""
         # On gloo a one-element all_reduce synchronizes like dist.barrier() (no rank leaves before
         # every rank arrived) at half its cost; NCCL's barrier is already such an all_reduce.
         if self.config.backend == "gloo":
@@ -92,9 +108,8 @@ class _RankState:
             dist.barrier()
 
     def mesh(self) -> Any:
+        """A 1-D DeviceMesh over the pool's ranks, made on first use."""
         if "world" not in self.meshes:
-            from torch.distributed.device_mesh import init_device_mesh
-
             self.meshes["world"] = init_device_mesh(self.device.type, (self.config.world_size,))
         return self.meshes["world"]
 
@@ -102,8 +117,8 @@ class _RankState:
 _keep_alive: list[Any] = []  # faulthandler writes to this file from a signal handler
 
 
-def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | None = None,
-                where: Connection | None = None) -> None:
+def rank_main(config: RankConfig, conn: Connection, lifeline: Connection | None = None,
+              where: Connection | None = None) -> None:
     """Entry point of a rank process: set up, join the process group, then serve cases.
 
     `lifeline` is the read end of a pipe only the runner can write to: EOF means it died.
@@ -115,13 +130,13 @@ def worker_main(config: WorkerConfig, conn: Connection, lifeline: Connection | N
     try:
         state = _join_group(config)
     except BaseException as exc:  # report, then exit: the parent treats it as a failed start
-        _send(conn, ("init_error", RankError.from_exception(config.rank, exc)))
+        send(conn, encode(StartFailed(RankError.from_exception(config.rank, exc))))
         return
-    _send(conn, ("ready", os.getpid()))
+    send(conn, encode(Ready(os.getpid())))
     _serve(state, conn)
 
 
-def _prepare_process(config: WorkerConfig, lifeline: Connection | None) -> None:
+def _prepare_process(config: RankConfig, lifeline: Connection | None) -> None:
     # A forkserver child inherits the forkserver's environment, not the parent's current one.
     os.environ.update(config.env)
     # torch.distributed reads TORCH_DISTRIBUTED_DEBUG once, at import: in the forkserver, before this env.
@@ -158,7 +173,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _bind_device(config: WorkerConfig) -> torch.device:
+def _bind_device(config: RankConfig) -> torch.device:
     if config.device == "cpu":
         return torch.device("cpu")
     if torch.cuda._is_in_bad_fork():
@@ -169,7 +184,7 @@ def _bind_device(config: WorkerConfig) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _join_group(config: WorkerConfig) -> _RankState:
+def _join_group(config: RankConfig) -> _RankState:
     device = _bind_device(config)
     store = dist.FileStore(config.store_path, config.world_size)
     dist.init_process_group(
@@ -182,41 +197,49 @@ def _join_group(config: WorkerConfig) -> _RankState:
 
 
 def _serve(state: _RankState, conn: Connection) -> None:
+    """Answer the runner's messages until Stop or EOF; anything outside RUNNER_TO_RANK raises."""
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())  # blocks: no polling between cases
+            data = conn.recv_bytes()  # blocks: no polling between cases
         except (EOFError, OSError):
             break  # the parent is gone
-        if message[0] == "stop":
-            break
-        reply = run_case(state, *message[1:]) if message[0] == "case" else _check(state, message[1])
-        if not _send_bytes(conn, reply):
+        match decode(data, RUNNER_TO_RANK):
+            case Stop():
+                break
+            case RunCase() as message:
+                reply = run_case_on_rank(state, message)
+            case HealthCheck(sequence=sequence):
+                reply = _health_check(state, sequence)
+            case other:
+                raise ProtocolError(f"rank {state.config.rank} cannot serve {type(other).__qualname__}")
+        if not send(conn, reply):
             break
     dist.destroy_process_group()
 
 
-def run_case(state: _RankState, case_id: str, seed: int, blob: bytes) -> bytes:
-    """Barrier, seed, run the case function, and pickle its reply (this name is looked for in stacks)."""
+def run_case_on_rank(state: _RankState, message: RunCase) -> bytes:
+    """Barrier, seed, run the case function, and encode its reply (outcome.CASE_FRAME: this name is
+    looked for in stacks)."""
     config = state.config
     whereabouts.NOTES.clear()
     try:
-        fn, args = pickle.loads(blob)
+        fn, args = decode_case(message.blob)
         state.barrier()
-        torch.manual_seed(seed)
-        random.seed(seed)
+        torch.manual_seed(message.seed)
+        random.seed(message.seed)
         ctx = CaseContext(config.rank, config.world_size, config.backend, state.device, state.group,
-                          seed, case_id, state.mesh)
+                          message.seed, message.case_id, state.mesh)
         result = to_cpu(fn(ctx, *args))
     except BaseException as exc:  # the case's failure is data: report it, keep serving
-        return _dumps(("error", RankError.from_exception(config.rank, exc)))
+        return encode(Raised(RankError.from_exception(config.rank, exc)))
     finally:
         _release_device_memory(state.device)
     try:
-        return _dumps(("ok", result))
+        return encode(Returned(result))
     except Exception as exc:
         error = RankError(config.rank, type(exc).__name__,
                           f"result of {getattr(fn, '__qualname__', fn)} is not picklable: {exc}")
-        return _dumps(("error", error))
+        return encode(Raised(error))
 
 
 def _release_device_memory(device: torch.device) -> None:
@@ -227,7 +250,7 @@ def _release_device_memory(device: torch.device) -> None:
         gc.collect()
 
 
-def _check(state: _RankState, sequence: int) -> bytes:
+def _health_check(state: _RankState, sequence: int) -> bytes:
     """A collective every rank must complete after a failed case before the pool is trusted again."""
     try:
         mine = torch.tensor([sequence], device=state.device)
@@ -235,9 +258,9 @@ def _check(state: _RankState, sequence: int) -> bytes:
         dist.all_gather(gathered, mine)
         if any(int(t.item()) != sequence for t in gathered):
             raise RuntimeError(f"health check out of step: {[int(t.item()) for t in gathered]}")
-        return _dumps(("ok", None))
+        return encode(Returned(None))
     except BaseException as exc:
-        return _dumps(("error", RankError.from_exception(state.config.rank, exc)))
+        return encode(Raised(RankError.from_exception(state.config.rank, exc)))
 
 
 def to_cpu(value: Any) -> Any:
@@ -253,18 +276,3 @@ def to_cpu(value: Any) -> Any:
         return type(value)(to_cpu(item) for item in value)
     return value
 
-
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
-
-
-def _send(conn: Connection, obj: Any) -> bool:
-    return _send_bytes(conn, _dumps(obj))
-
-
-def _send_bytes(conn: Connection, data: bytes) -> bool:
-    try:
-        conn.send_bytes(data)
-        return True
-    except (BrokenPipeError, OSError):
-        return False

@@ -1,0 +1,261 @@
+"""Decides a case's verdict from what every rank returned or raised: `classify_results` when every
+rank returned its records, `classify_errors` when some raised. The verdict policy (which verdicts
+pass) is qgather.model.policy's; this module only says what happened, with the evidence.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from qgather.model.phases import BEFORE_DATA_MOVED
+from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
+from qgather.model.verdict import Verdict
+from qgather.runtime.outcome import RankError, same_error_on_every_rank
+
+
+@dataclass(frozen=True)
+class Classification:
+    """What happened to a case, and the evidence: the engine turns it into the case's CaseReport."""
+
+    verdict: Verdict
+    reason: str
+    details: tuple[str, ...] = ()
+
+
+#: Whether an error is the implementation refusing a shape: "" when it is one of its declared
+#: rejection types, else a one-line reason (Implementation.refusal_problem).
+RefusalCheck = Callable[[RankError], str]
+
+
+def no_declared_rejections(error: RankError) -> str:
+    return f"{error.type_name} is not a declared rejection type (the implementation declares none)"
+
+
+# Exception types that say the implementation's own code broke (a None where a tensor belongs, a
+# missing attribute, a bad key or index), not that it refused a shape: never a rejection, even when
+# every rank raises the same one.
+INTERNAL_ERRORS = frozenset({"AttributeError", "TypeError", "NameError", "UnboundLocalError", "KeyError",
+                             "IndexError", "ZeroDivisionError", "RecursionError", "HarnessFault"})
+
+# Messages of Python's own faults that arrive as a ValueError (a hook unpacking fewer buffers than
+# it expects): an internal fault, not a constraint being named.
+INTERNAL_MESSAGES = re.compile(r"ValueError: (not enough|too many) values to unpack")
+TRACEBACK_LINES = 6  # last lines of the first raising rank's traceback shown in an ERROR report
+
+
+def classify_errors(errors: Mapping[int, RankError], world_size: int,
+                    refusal_problem: RefusalCheck = no_declared_rejections) -> Classification:
+    """Some ranks raised. REJECTED only when every rank raised the same error (up to numbers: each
+    rank may name its own shard size), before any data moved, of a type the implementation declares
+    as its rejection (`refusal_problem` returns ""), and no internal fault (INTERNAL_ERRORS,
+    INTERNAL_MESSAGES). Anything else is an ERROR with each rank's own message."""
+    lines = {rank: _line(e) for rank, e in errors.items()}
+    internal = any(INTERNAL_ERRORS & set(e.type_names or (e.type_name,)) for e in errors.values()) \
+        or any(INTERNAL_MESSAGES.match(m) for m in lines.values())
+    same = same_error_on_every_rank(errors, world_size) is not None
+    refusal = _refusal(errors, refusal_problem)
+    if same and not internal and not refusal:
+        details = [f"rank {r}: {m}" for r, m in sorted(lines.items())] if len(set(lines.values())) > 1 else []
+        return Classification(Verdict.REJECTED, lines[min(errors)], tuple(details))
+    rank = min(errors)
+    waiting = sorted(set(range(world_size)) - set(errors))
+    reason = f"rank {rank} raised {lines[rank]}"
+    if errors[rank].phase:
+        reason += f" (in the {errors[rank].phase})"
+    details = [f"rank {r}: {m}" for r, m in sorted(lines.items())]
+    if waiting:
+        details.append(f"ranks {_ranks(waiting)} did not raise (they would wait in the collective)")
+    elif internal and same:
+        details.append(f"every rank raised {errors[rank].type_name}: an internal fault of the "
+                       "implementation, not a rejection naming a constraint")
+    elif same and refusal:
+        details.append(f"every rank raised the same error, but not a rejection: {refusal}")
+    if errors[rank].traceback_text:
+        details.append(f"rank {rank} traceback (last lines):")
+        details.extend("  " + line for line in errors[rank].traceback_text.strip().splitlines()[-TRACEBACK_LINES:])
+    return Classification(Verdict.ERROR, reason, tuple(details))
+
+
+def _refusal(errors: Mapping[int, RankError], refusal_problem: RefusalCheck) -> str:
+    """Why these errors are not the implementation refusing a shape ("" when they are)."""
+    for error in errors.values():
+        problem = refusal_problem(error)
+        if problem:
+            return problem
+        if error.phase not in BEFORE_DATA_MOVED:
+            return f"raised in the {error.phase or 'unknown phase'}, not before any data moved"
+    return ""
+
+
+def _line(error: RankError) -> str:
+    """'Type: first line of the message', whole (no cut: two ranks' messages are compared with it)."""
+    return f"{error.type_name}: {(error.message.strip().splitlines() or [''])[0]}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def classify_results(results: Sequence[RankResult]) -> Classification:
+    """Every rank returned: compare them with each other and with the golden."""
+    details: list[str] = []
+    n_stages = max(len(r.stages) for r in results)
+    for index in range(n_stages):
+        stages = [r.stages[index] for r in results if index < len(r.stages)]
+        verdict, reason = _classify_stage(stages, results, details)
+        if verdict is not Verdict.EXACT:
+            return Classification(verdict, f"{stages[0].label}: {reason}", tuple(details))
+    wire = _wire_verdict(results[0].wire)
+    if wire:
+        return Classification(Verdict.DEGRADED, wire, tuple(details))
+    if results[0].quantizer:
+        return Classification(Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference",
+                              tuple(d.line() for d in results[0].quantizer))
+    details = _wire_details(results[0].wire) + [s.note for s in results[0].stages if s.note]
+    output = results[0].stages[0].output
+    if output is not None and output.tolerance:
+        details.append(f"layer output compared within {output.tolerance} (not bitwise: another GEMM kernel)")
+    details.extend(_module_lines(results[0].stages[0].module))
+    return Classification(Verdict.EXACT, "", tuple(details))
+
+
+def _module_lines(check: ModuleCheck | None) -> list[str]:
+    if check is None:
+        return []
+    if check.note:
+        return [f"library forward not compared: {check.note}"]
+    return ["library forward with the gathered weight: bit-identical to the same module on one device"]
+
+
+def _equal(comparison: Comparison | None) -> bool:
+    return comparison is None or comparison.equal
+
+
+def _classify_stage(stages: list[Stage], results: Sequence[RankResult], details: list[str]) -> tuple[Verdict, str]:
+    if any(not s.quantized for s in stages):
+        ranks = [r.rank for r, s in zip(results, stages) if not s.quantized]
+        values = stages[0].values
+        details.append(f"values vs golden dequantized: {'equal' if values and values.equal else 'differ'}")
+        return Verdict.DEGRADED, f"the gathered weight is a plain high-precision tensor on ranks {_ranks(ranks)}"
+    if stages[0].accepted_unholdable:
+        return Verdict.SILENT_MISMATCH, f"accepted a shape the format cannot hold ({stages[0].accepted_unholdable})"
+    wrong_dtype = [r.rank for r, s in zip(results, stages) if s.dtype_problem]
+    if wrong_dtype:
+        return Verdict.SILENT_MISMATCH, f"{stages[0].dtype_problem or 'wrong dtype'} (ranks {_ranks(wrong_dtype)})"
+    digests = _group_ranks(results, stages, lambda s: s.digest)
+    if len(digests) > 1:
+        details.append(_grouping_line("gathered buffers", digests))
+        details.extend(_stage_details(stages[0], results[0].rank))
+        return Verdict.RANK_DIVERGENCE, f"ranks hold {len(digests)} different gathered results"
+    stage = stages[0]
+    if stage.buffer_diffs or not _equal(stage.dequantized):
+        details.extend(_stage_details(stage, None))
+        details.extend(_forward_error_lines(stages, results))
+        return Verdict.SILENT_MISMATCH, "; ".join(d.line() for d in stage.buffer_diffs) or "dequantized values differ"
+    own = [r.rank for r, s in zip(results, stages) if not _equal(s.own_dequantized)]
+    if own:
+        worst = next(s.own_dequantized for s in stages if not _equal(s.own_dequantized))
+        details.append(f"its own dequantize(): {worst.n_diff} elements differ, max |diff| {worst.max_abs:.3g}")
+        return Verdict.SILENT_MISMATCH, (f"the gathered buffers match, but its own dequantization of them "
+                                         f"differs from the golden's on ranks {_ranks(own)}")
+    return _classify_outputs(stages, results, details)
+
+
+def _group_ranks(results: list[RankResult], stages: list[Stage], key) -> dict[str, list[int]]:
+    """Ranks grouped by what `key` reads from their stage (a digest): one group means they agree."""
+    groups: dict[str, list[int]] = {}
+    for result, stage in zip(results, stages):
+        groups.setdefault(key(stage), []).append(result.rank)
+    return groups
+
+
+def _grouping_line(what: str, groups: dict[str, list[int]]) -> str:
+    return f"ranks grouped by identical {what}: " + "; ".join(f"[{_ranks(r)}]" for r in groups.values())
+
+
+def _forward_error_lines(stages: list[Stage], results: list[RankResult]) -> list[str]:
+    return [f"rank {r.rank}: the forward then raised {s.forward_error}"
+            for r, s in zip(results, stages) if s.forward_error]
+
+
+def _classify_outputs(stages: list[Stage], results: Sequence[RankResult], details: list[str]) -> tuple[Verdict, str]:
+    """The layer output of every rank: against the golden layer's and against each other."""
+    raised = [r.rank for r, s in zip(results, stages) if s.forward_error]
+    if raised:
+        details.extend(_forward_error_lines(stages, results))
+        first = next(s.forward_error for s in stages if s.forward_error)
+        return Verdict.ERROR, f"the forward raised on ranks {_ranks(raised)} ({first}) with the right weight"
+    outputs = _group_ranks(results, stages, lambda s: s.output_digest)
+    if len(outputs) > 1:
+        details.append(_grouping_line("layer outputs", outputs))
+        return Verdict.RANK_DIVERGENCE, "ranks compute different layer outputs from the same gathered weight"
+    wrong = [s.output for s in stages if s.output is None or not s.output.equal]
+    if wrong:
+        out = wrong[0]
+        if out is None:
+            return Verdict.ERROR, "no layer output was computed"
+        details.append(f"layer output: {out.n_diff} elements differ, max |diff| {out.max_abs:.3g}"
+                       + (f" (allowed: {out.tolerance})" if out.tolerance else ""))
+        return Verdict.SILENT_MISMATCH, "layer output differs from the golden layer's"
+    return _classify_module(stages, results, details)
+
+
+def _classify_module(stages: list[Stage], results: Sequence[RankResult], details: list[str]) -> tuple[Verdict, str]:
+    """The library's own layer with the gathered weight against the same layer on one device."""
+    checks = [(r.rank, s.module) for r, s in zip(results, stages) if s.module is not None]
+    raised = [(rank, c.error) for rank, c in checks if c.error]
+    if raised:
+        details.extend(f"rank {rank}: its own forward raised {error}" for rank, error in raised)
+        return Verdict.ERROR, (f"the library's own forward raised on ranks {_ranks([r for r, _ in raised])} with the "
+                               "gathered weight, but not on one device with the full weight")
+    wrong = [(rank, c.output) for rank, c in checks if c.output is not None and not c.output.equal]
+    if wrong:
+        rank, out = wrong[0]
+        details.append(f"rank {rank}: {out.n_diff} output elements differ from the one-device module's, "
+                       f"max |diff| {out.max_abs:.3g}")
+        return Verdict.SILENT_MISMATCH, (f"the library's own forward with the gathered weight differs from the same "
+                                         f"module on one device, on ranks {_ranks([r for r, _ in wrong])}")
+    return Verdict.EXACT, ""
+
+
+def _stage_details(stage: Stage, rank: int | None) -> list[str]:
+    prefix = f"rank {rank}: " if rank is not None else ""
+    lines = [prefix + d.line() for d in stage.buffer_diffs]
+    deq = stage.dequantized
+    if deq is not None and not deq.equal:
+        lines.append(f"{prefix}dequantized weight: {deq.n_diff} elements differ, max |diff| {deq.max_abs:.3g}")
+    lines.extend(stage.where)
+    return lines
+
+
+def _wire_verdict(wire: WireSummary | None) -> str:
+    """DEGRADED when the gather moved more than the quantized shard: judged by the bytes measured at
+    the collective against the implementation's allowance for its wire mode, whatever dtype labels
+    the pre-hook put on them; a high-precision label is named beside it as evidence."""
+    if wire is None:
+        return ""
+    numel, itemsize = wire.shard_numel, wire.param_itemsize
+    if wire.hook_calls == 0 and wire.collective_bytes >= numel * min(itemsize, 2):
+        return f"no pre-all-gather hook ran; {wire.collective_bytes} bytes moved per rank for {numel} elements"
+    labels = (f"; the pre-hook handed {wire.high_precision_elements} high-precision elements to the gather"
+              if wire.high_precision_elements else "")
+    if wire.allowed_bytes and wire.collectives and wire.collective_bytes > wire.allowed_bytes:
+        ratio = wire.collective_bytes / wire.packed_bytes
+        return (f"{wire.collective_bytes} bytes moved per rank, {ratio:.2f}x the format's packed shard "
+                f"({wire.packed_bytes} bytes), above the {wire.allowed_bytes} its {wire.wire_mode} wire may move"
+                f"{labels}")
+    if wire.high_precision_elements * 2 >= numel > 0:
+        return (f"the pre-hook handed {wire.high_precision_elements} high-precision elements to the gather "
+                f"(shard has {numel})")
+    return ""
+
+
+def _wire_details(wire: WireSummary | None) -> list[str]:
+    if wire is None or not wire.packed_bytes:
+        return []
+    if wire.collectives == 0:
+        return ["wire: no collective ran (world size 1)"]
+    ratio = wire.collective_bytes / wire.packed_bytes
+    return [f"wire: {wire.collective_bytes} bytes per rank ({ratio:.2f}x the packed shard size)"]

@@ -1,0 +1,51 @@
+"""The verdict policy: which verdicts pass a case. The one place this is decided.
+
+A shape whose every shard is aligned to the format's row (or column) block passes only as EXACT; a
+shape that violates alignment, or that the format cannot hold at all, passes as EXACT or REJECTED.
+Everything else fails, with a report that says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from qgather.formats import FORMATS, FormatError
+from qgather.model.case import CaseSpec
+from qgather.model.layout import alignment_problem
+from qgather.model.verdict import Verdict
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a case may end as: `aligned` cases only EXACT; others EXACT or REJECTED (`reason` says why)."""
+
+    aligned: bool
+    reason: str  # why a rejection would be acceptable (empty when aligned)
+
+    def accepts(self, verdict: Verdict) -> bool:
+        if verdict is Verdict.EXACT:
+            return True
+        return verdict is Verdict.REJECTED and not self.aligned
+
+    def wanted(self) -> str:
+        """'EXACT' or 'EXACT or REJECTED', with why, for a failure report."""
+        if self.aligned:
+            return "EXACT (every shard is aligned)"
+        return f"EXACT or REJECTED ({self.reason})"
+
+
+def expectation(spec: CaseSpec) -> Expectation:
+    """The policy's expectation of a case, from its format's rules and FSDP2's split at its world size."""
+    fmt = FORMATS[spec.fmt]
+    try:
+        fmt.check(spec.shape, spec.torch_dtype)
+    except FormatError as exc:
+        return Expectation(False, str(exc))
+    # a checkpoint saved at world size A was sharded there too: aligned only if aligned at both sizes
+    saved = spec.config.saved_at_world_size
+    for size in (spec.world_size, *(() if saved is None else (saved,))):
+        problem = alignment_problem(replace(spec, world_size=size))  # rows, or K under dim1, over the shard mesh
+        if problem:
+            at = f" at world size {size} (where the checkpoint was saved)" if size != spec.world_size else ""
+            return Expectation(False, problem + at)
+    return Expectation(True, "")

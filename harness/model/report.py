@@ -1,0 +1,55 @@
+"""The one report of a case (`CaseReport`), built once by the engine: every output (terminal,
+JSON, Markdown, JUnit, baseline) is made from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qgather.model.case import CaseSpec
+from qgather.model.policy import Expectation
+from qgather.model.repro import repro_command
+from qgather.model.verdict import Verdict
+
+
+@dataclass(frozen=True)
+class CaseReport:
+    """One case's verdict with its evidence, built once by the engine and never changed.
+
+    Args:
+        spec: the case.
+        verdict, reason: what happened, and one line saying why.
+        details: evidence lines (per-rank errors, differences, stacks).
+        expectation: the policy's view of the case (None only for a report made before it could be
+            asked, e.g. a case id that names no known format).
+        duration_s: wall time of the whole case.
+        placement: under a launcher, "intra-node" or "cross-node".
+    """
+
+    spec: CaseSpec
+    verdict: Verdict
+    reason: str
+    details: tuple[str, ...] = ()
+    expectation: Expectation | None = None
+    duration_s: float = 0.0
+    placement: str = ""
+
+    @property
+    def passed(self) -> bool:
+        if self.verdict is Verdict.SKIPPED:
+            return True
+        return self.expectation is not None and self.expectation.accepts(self.verdict)
+
+    @property
+    def repro(self) -> str:
+        return repro_command(self.spec.id)
+
+    def render(self) -> str:
+        head = f"{self.spec.id}: {self.verdict.value}"
+        if self.reason:
+            head += f" - {self.reason}"
+        lines = [head, *(f"  {d}" for d in self.details)]
+        if not self.passed and self.expectation is not None:
+            lines.append(f"  expected {self.expectation.wanted()}")
+        if self.verdict is not Verdict.SKIPPED:
+            lines.append(f"  reproduce: {self.repro}")
+        return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""The multiprocessing helpers that pools start ranks through: a forkserver with torch preloaded and
+the resource tracker; what this runtime started, it stops (`stop_helpers`).
+
+A forkserver forks each rank from a process that has already imported torch, so a (re)spawned rank
+starts in well under a second; QGATHER_START_METHOD=spawn (or a platform without forkserver) uses
+plain spawn instead. Either way multiprocessing runs a resource tracker. Both helpers are children
+of the runner; lifeline.py says how they end when the runner dies without stopping them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing import forkserver, resource_tracker
+from typing import Any
+
+from qgather.runtime import lifeline
+
+HELPER_STOP_S = 5.0
+# Preloaded by the forkserver, so a (re)spawned rank starts without paying the torch import.
+FORKSERVER_PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch._dynamo",
+    "qgather.runtime.rank", "qgather.runtime.forkserver_hook",
+]
+
+_owned_helpers: dict[str, int | None] = {}  # multiprocessing helpers this runtime started
+
+
+def mp_context() -> Any:
+    """A forkserver that has torch preloaded, or plain spawn where that is not available.
+
+    Either way multiprocessing runs a resource tracker; what this runtime started, it stops.
+    """
+    tracker_started = _helper_pid("tracker") is None
+    context = _forkserver_context() or mp.get_context("spawn")
+    if tracker_started:
+        resource_tracker.ensure_running()
+        _owned_helpers["tracker"] = _helper_pid("tracker")
+    return context
+
+
+def _forkserver_context() -> Any:
+    method = os.environ.get("QGATHER_START_METHOD", "forkserver")
+    if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
+        return None
+    context = mp.get_context("forkserver")
+    server = forkserver._forkserver
+    started = _helper_pid("forkserver") is None
+    if started:
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    try:
+        with _nvml_cuda_checks():
+            server.ensure_running()
+    except Exception:
+        return None
+    if started:
+        _owned_helpers["forkserver"] = _helper_pid("forkserver")
+    return context
+
+
+@contextlib.contextmanager
+def _nvml_cuda_checks() -> Iterator[None]:
+    """Start the forkserver with torch's fork-safe (NVML) CUDA availability check.
+
+    Should anything it preloads ask torch.cuda.is_available(), the CUDA driver must not get
+    initialized there: every rank forked from it would inherit a driver it cannot use.
+    """
+    name = "PYTORCH_NVML_BASED_CUDA_CHECK"
+    previous = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def _helper_pid(name: str) -> int | None:
+    if name == "forkserver":
+        return getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
+
+
+def stop_helpers() -> None:
+    """Stop the forkserver and resource tracker if this runtime started them (they are our children).
+
+    Both exit as soon as their "alive" pipe closes, which is what their `_stop` does.
+    """
+    helpers = {"forkserver": forkserver._forkserver, "tracker": resource_tracker._resource_tracker}
+    _mark_clean_stop()
+    for name, helper in helpers.items():
+        pid = _owned_helpers.pop(name, None)
+        stop = getattr(helper, "_stop", None)
+        if pid is not None and pid == _helper_pid(name) and stop is not None:
+            _bounded(stop, pid)
+
+
+def _mark_clean_stop() -> None:
+    """Tell our forkserver's exit hook that this is a clean stop: the runner removes its own dirs."""
+    address = getattr(forkserver._forkserver, "_forkserver_address", None)
+    if _owned_helpers.get("forkserver") is None or not isinstance(address, str) or address[:1] == "\0":
+        return
+    with contextlib.suppress(OSError):
+        open(os.path.join(os.path.dirname(address), lifeline.CLEAN_STOP_MARKER), "w").close()
+
+
+def _bounded(stop: Callable[[], None], pid: int) -> None:
+    """Run a helper's `_stop` (which waits for the helper without a timeout) with a deadline:
+    a helper still there after HELPER_STOP_S is killed, which ends that wait."""
+    timer = threading.Timer(HELPER_STOP_S, signal_pid, args=(pid, signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
+    try:
+        stop()
+    finally:
+        timer.cancel()
+
+
+def signal_pid(pid: int, signum: int) -> None:
+    """Send `signum` to `pid`, which may be gone already."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
