@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch.distributed.fsdp import fully_shard
 
 from qgather.impls.reference import ReferenceImplementation
-from qgather.scenarios.core import QuantizedLinear
+from qgather.scenarios.module import QuantizedLinear
 
 
 class ConfiguredOwnRoute(ReferenceImplementation):

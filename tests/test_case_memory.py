@@ -13,26 +13,29 @@ def weight_alive_at_inspection(ctx, case_id: str) -> list[bool]:
     import gc
     import weakref
 
-    from qgather.scenarios import core as scenarios
+    from qgather.check.inspection import Inspector
+    from qgather.model.case import CaseSpec
+    from qgather.scenarios import fsdp
+    from qgather.scenarios.registry import run_on_rank
 
     refs, alive = [], []
-    make_weight, inspect = scenarios.make_weight, scenarios.inspect
+    make_weight, judge = fsdp.make_weight, Inspector.judge
 
     def recording_make_weight(*args, **kwargs):
         weight = make_weight(*args, **kwargs)
         refs.append(weakref.ref(weight))
         return weight
 
-    def checking_inspect(*args, **kwargs):
+    def checking_judge(*args, **kwargs):
         gc.collect()
         alive.append(any(ref() is not None for ref in refs))
-        return inspect(*args, **kwargs)
+        return judge(*args, **kwargs)
 
-    scenarios.make_weight, scenarios.inspect = recording_make_weight, checking_inspect
+    fsdp.make_weight, Inspector.judge = recording_make_weight, checking_judge
     try:
-        scenarios.run_on_rank(ctx, case_id)
+        run_on_rank(ctx, CaseSpec.parse(case_id))
     finally:
-        scenarios.make_weight, scenarios.inspect = make_weight, inspect
+        fsdp.make_weight, Inspector.judge = make_weight, judge
     return alive
 
 

@@ -7,7 +7,7 @@ import torch
 
 from qgather.check.compare import _fingerprint, compare_values, digest, tensor_bytes
 from qgather.model.case import CaseSpec
-from qgather.scenarios.core import make_weight, row_scales
+from qgather.scenarios.data import make_weight, row_scales
 
 
 def test_fingerprint_sees_one_changed_word_and_swapped_rows():
@@ -70,3 +70,25 @@ def test_differences_are_counted_in_blocks_of_rows(monkeypatch):
     monkeypatch.setattr(compare, "_DEVICE_CHUNK", 48 * 5)  # blocks of 5 rows
     (diff,) = compare.compare_buffers({"data": have}, golden)
     assert (diff.n_diff, diff.n_valid) == (1 + 2 * 48, 64 * 48)
+
+
+def test_buffer_differences_are_records_rendered_only_as_lines():
+    from qgather.check.compare import compare_buffers
+    from qgather.formats import QuantizedTensor
+    from qgather.model.records import BufferDiff, DiffProblem
+
+    want = {"data": torch.zeros(4, 8, dtype=torch.uint8), "scale": torch.ones(4, 1), "amax": torch.ones(1)}
+    golden = QuantizedTensor("fp8_tensor", (4, 8), want, {name: (slice(None),) * t.dim() for name, t in want.items()})
+    got = {"data": want["data"].clone(), "scale": torch.ones(2, 1)}
+    got["data"][1, 3] = 7
+    diffs = compare_buffers(got, golden)
+    assert diffs == [BufferDiff("data", DiffProblem.BITS, n_diff=1, n_valid=32),
+                     BufferDiff("scale", DiffProblem.SHAPE, detail="(2, 1) != golden (4, 1)"),
+                     BufferDiff("amax", DiffProblem.MISSING, detail="(the implementation has no such buffer)")]
+    assert [d.line() for d in diffs] == ["data: 1 of 32 valid elements differ", "scale: shape (2, 1) != golden (4, 1)",
+                                         "amax: missing (the implementation has no such buffer)"]
+    assert [d.problem.breaks_layout for d in diffs] == [False, True, True]
+    assert BufferDiff("w.data", DiffProblem.BITS, n_diff=3).line() == "w.data: 3 bytes differ"
+    assert BufferDiff("w", DiffProblem.HELD_ONLY, detail="on one GPU").line() == "w: held only on one GPU"
+    assert BufferDiff("w", DiffProblem.VALUES, n_diff=2, max_abs=0.5).line() == \
+        "w: 2 dequantized values differ, max |diff| 0.5"

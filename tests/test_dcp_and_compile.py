@@ -14,7 +14,7 @@ from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
 from qgather.model.verdict import Verdict
 from qgather.scenarios.checkpoint import initial_master, saved_spec
-from qgather.scenarios.core import make_weight
+from qgather.scenarios.data import make_weight
 from qgather.tools import selftest
 
 DCP = "fp8_tensor:128x64:bf16:ws2:gather:s0:dcp-ws4"

@@ -14,7 +14,8 @@ import torch
 from qgather.formats import FORMATS
 from qgather.model.case import CaseSpec
 from qgather.model.verdict import Verdict
-from qgather.scenarios.core import LEARNING_RATE, make_gradient, make_weight
+from qgather.scenarios.data import make_gradient, make_weight
+from qgather.scenarios.fsdp import LEARNING_RATE
 from qgather.tools import selftest
 
 NVFP4_2D = FORMATS["nvfp4_2d"]

@@ -85,7 +85,7 @@ BLOCKED_CASES = [
 def test_a_case_judged_in_row_blocks_gets_the_same_records(case_id, monkeypatch):
     """Every comparison of a case (values, dequantized weight, outputs, the map of differing rows)
     is the same whether the golden is dequantized whole or in row blocks."""
-    from qgather.scenarios.core import run_virtual
+    from qgather.scenarios.virtual import run_virtual
 
     whole = run_virtual(CaseSpec.parse(case_id))
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
@@ -94,7 +94,7 @@ def test_a_case_judged_in_row_blocks_gets_the_same_records(case_id, monkeypatch)
 
 
 def test_the_blocked_comparison_counts_what_differs(monkeypatch):
-    from qgather.scenarios.core import run_virtual
+    from qgather.scenarios.virtual import run_virtual
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
     stage = run_virtual(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0"))[0].stages[0]
@@ -107,7 +107,7 @@ def test_an_adapter_yielding_another_number_of_blocks_is_named(yielded, monkeypa
     """A case whose implementation dequantizes into too few or too many row blocks ERRORs with the
     counts, rather than comparing some rows twice or not at all."""
     from qgather.impls.reference import ReferenceImplementation
-    from qgather.scenarios.core import run_virtual
+    from qgather.scenarios.virtual import run_virtual
 
     def wrong_count(self, param, fmt, blocks):
         start, stop = blocks[0]

@@ -18,7 +18,7 @@ from qgather.formats import FORMATS  # noqa: E402
 from qgather.impls import get_impl  # noqa: E402
 from qgather.model.case import CaseSpec  # noqa: E402
 from qgather.model.verdict import Verdict  # noqa: E402
-from qgather.scenarios.core import make_weight  # noqa: E402
+from qgather.scenarios.data import make_weight  # noqa: E402
 
 CPU = RunOptions(backend="gloo", device="cpu", case_timeout=30.0)
 

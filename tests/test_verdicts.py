@@ -1,10 +1,12 @@
 """Classification rules on synthetic rank results (the end-to-end paths are in test_engine.py)."""
 
+from dataclasses import replace
+
 from qgather.engine.classify import classify_errors, classify_results
 from qgather.impls.rejections import DeclaredRejections
 from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
-from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
+from qgather.model.records import BufferDiff, Comparison, DiffProblem, ModuleCheck, RankResult, Stage, WireSummary
 from qgather.model.verdict import Verdict
 from qgather.runtime import RankError
 
@@ -22,7 +24,7 @@ SPEC = CaseSpec("reference", "nvfp4_2d", (128, 64), "bf16", 2, "gather")
 
 
 def stage(digest="d0", diffs=(), output_equal=True, quantized=True):
-    return Stage("unshard 1", quantized, digest, list(diffs), dequantized=Comparison(not diffs, len(diffs)),
+    return Stage("unshard 1", quantized, digest, tuple(diffs), dequantized=Comparison(not diffs, len(diffs)),
                  output=Comparison(output_equal, 0 if output_equal else 3, 0.5), output_digest="y0")
 
 
@@ -47,9 +49,9 @@ def test_ranks_that_disagree_are_divergent_and_grouped():
 
 
 def test_agreeing_ranks_that_differ_from_golden_are_silent_mismatch():
-    diff = "rowwise_scale_inv: 3 of 1024 valid elements differ"
+    diff = BufferDiff("rowwise_scale_inv", DiffProblem.BITS, n_diff=3, n_valid=1024)
     verdict, reason, _ = classify(results(stage(diffs=[diff]), stage(diffs=[diff])))
-    assert verdict is Verdict.SILENT_MISMATCH and diff in reason
+    assert verdict is Verdict.SILENT_MISMATCH and "rowwise_scale_inv: 3 of 1024 valid elements differ" in reason
 
 
 def test_output_difference_alone_is_a_mismatch():
@@ -71,9 +73,8 @@ def test_plain_tensor_after_gather_is_degraded():
 
 
 def test_quantizer_disagreement_is_reported_after_an_exact_gather():
-    res = results(stage(), stage())
-    for r in res:
-        r.quantizer = ["scale_inv: 1 of 1 valid elements differ"]
+    diff = BufferDiff("scale_inv", DiffProblem.BITS, n_diff=1, n_valid=1)
+    res = [replace(r, quantizer=(diff,)) for r in results(stage(), stage())]
     verdict, _, details = classify(res)
     assert verdict is Verdict.QUANTIZER_MISMATCH and details == ["scale_inv: 1 of 1 valid elements differ"]
 
@@ -159,9 +160,7 @@ def test_a_broad_type_is_a_rejection_only_with_its_declared_message():
 
 
 def with_module(check):
-    s = stage()
-    s.module = check
-    return s
+    return replace(stage(), module=check)
 
 
 def test_library_forward_differing_from_its_one_device_twin_is_a_mismatch():

@@ -64,7 +64,7 @@ def test_a_pre_hook_checking_only_its_own_shard_would_deadlock(scenario):
 
 
 def test_the_harness_padded_size_rule_is_never_a_rejection():
-    from qgather.scenarios.core import PaddedSizeRule
+    from qgather.scenarios.emulation import PaddedSizeRule
 
     errors = {r: PaddedSizeRule("fsdp_pre_all_gather must return all-gather inputs with the padded size")
               for r in (0, 1)}

@@ -10,13 +10,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from qgather.formats import Format, QuantizedTensor
 from qgather.model.case import ShardLayout
-from qgather.model.records import Comparison
+from qgather.model.records import BufferDiff, Comparison, DiffProblem
 
 MAP_WIDTH = 64  # block rows per text-map line
 
@@ -95,38 +94,27 @@ def _multipliers(start: int, n: int, salt: int, device: torch.device) -> torch.T
     return (z ^ ((z >> 31) & _MASK[31])) | 1
 
 
-@dataclass
-class BufferDiff:
-    name: str
-    problem: str  # "missing", "shape", "dtype", "bytes"
-    n_diff: int = 0
-    n_valid: int = 0
-    detail: str = ""
-
-    def line(self) -> str:
-        if self.problem == "bytes":
-            return f"{self.name}: {self.n_diff} of {self.n_valid} valid elements differ"
-        return f"{self.name}: {self.problem} {self.detail}".rstrip()
-
-
 def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> list[BufferDiff]:
+    """Each of the golden's buffers that `got` lacks, holds in another shape or element size, or
+    whose valid region differs in any bit (padding is never compared)."""
     diffs = []
     for name, want in golden.buffers.items():
         have = got.get(name)
         if have is None:
-            diffs.append(BufferDiff(name, "missing", detail="(the implementation has no such buffer)"))
+            diffs.append(BufferDiff(name, DiffProblem.MISSING, detail="(the implementation has no such buffer)"))
             continue
         if tuple(have.shape) != tuple(want.shape):
-            diffs.append(BufferDiff(name, "shape", detail=f"{tuple(have.shape)} != golden {tuple(want.shape)}"))
+            shapes = f"{tuple(have.shape)} != golden {tuple(want.shape)}"
+            diffs.append(BufferDiff(name, DiffProblem.SHAPE, detail=shapes))
             continue
         if have.dtype != want.dtype and have.element_size() != want.element_size():
-            diffs.append(BufferDiff(name, "dtype", detail=f"{have.dtype} != golden {want.dtype}"))
+            diffs.append(BufferDiff(name, DiffProblem.DTYPE, detail=f"{have.dtype} != golden {want.dtype}"))
             continue
         region = golden.valid[name]
         a, b = _bits(have.to(want.device)[region]), _bits(want[region]).view(_bits(have).dtype)
         n_diff = _count_differing(a, b)
         if n_diff:
-            diffs.append(BufferDiff(name, "bytes", n_diff=n_diff, n_valid=a.numel()))
+            diffs.append(BufferDiff(name, DiffProblem.BITS, n_diff=n_diff, n_valid=a.numel()))
     return diffs
 
 

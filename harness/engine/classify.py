@@ -112,7 +112,7 @@ def classify_results(results: Sequence[RankResult]) -> Classification:
         return Classification(Verdict.DEGRADED, wire, tuple(details))
     if results[0].quantizer:
         return Classification(Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference",
-                              tuple(results[0].quantizer))
+                              tuple(d.line() for d in results[0].quantizer))
     details = _wire_details(results[0].wire) + [s.note for s in results[0].stages if s.note]
     output = results[0].stages[0].output
     if output is not None and output.tolerance:
@@ -153,7 +153,7 @@ def _classify_stage(stages: list[Stage], results: Sequence[RankResult], details:
     if stage.buffer_diffs or not _equal(stage.dequantized):
         details.extend(_stage_details(stage, None))
         details.extend(_forward_error_lines(stages, results))
-        return Verdict.SILENT_MISMATCH, "; ".join(stage.buffer_diffs) or "dequantized values differ"
+        return Verdict.SILENT_MISMATCH, "; ".join(d.line() for d in stage.buffer_diffs) or "dequantized values differ"
     own = [r.rank for r, s in zip(results, stages) if not _equal(s.own_dequantized)]
     if own:
         worst = next(s.own_dequantized for s in stages if not _equal(s.own_dequantized))
@@ -222,7 +222,7 @@ def _classify_module(stages: list[Stage], results: Sequence[RankResult], details
 
 def _stage_details(stage: Stage, rank: int | None) -> list[str]:
     prefix = f"rank {rank}: " if rank is not None else ""
-    lines = [prefix + d for d in stage.buffer_diffs]
+    lines = [prefix + d.line() for d in stage.buffer_diffs]
     deq = stage.dequantized
     if deq is not None and not deq.equal:
         lines.append(f"{prefix}dequantized weight: {deq.n_diff} elements differ, max |diff| {deq.max_abs:.3g}")

@@ -10,7 +10,7 @@ import re
 from qgather.model.case import CaseSpec
 from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, RankPool
 from qgather.runtime.outcome import case_frames, first_impl_frame, same_error_on_every_rank
-from qgather.scenarios.core import run_on_rank
+from qgather.scenarios.registry import run_on_rank
 
 STACK_FRAMES = 6  # innermost frames shown per rank in a HANG report
 
@@ -44,7 +44,7 @@ def detail_evidence(pool_spec: PoolSpec, spec: CaseSpec, kwargs: dict) -> list[s
     """Re-run a hung case once on a fresh pool under TORCH_DISTRIBUTED_DEBUG=DETAIL and say what it showed."""
     pool = RankPool(pool_spec, env=DETAIL_ENV)
     try:
-        outcome = pool.run(run_on_rank, spec.id, **kwargs)
+        outcome = pool.run(run_on_rank, spec, **kwargs)
     finally:
         pool.shutdown()
     head = "TORCH_DISTRIBUTED_DEBUG=DETAIL re-run:"

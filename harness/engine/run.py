@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qgather.engine.checkpoint import saved_checkpoint
 from qgather.engine.classify import Classification, RefusalCheck, classify_errors, classify_results
 from qgather.engine.evidence import detail_evidence, note_lines, stack_lines, where_lines
 from qgather.errors import UsageError
@@ -21,8 +22,8 @@ from qgather.model.verdict import Verdict
 from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, PoolSpecError, RankError, get_pool
 from qgather.runtime.launch import detect_launch
 from qgather.scenarios import fsdp_setup
-from qgather.scenarios.checkpoint import saved_checkpoint
-from qgather.scenarios.core import run_on_rank, run_virtual
+from qgather.scenarios.registry import run_on_rank
+from qgather.scenarios.virtual import run_virtual
 
 VIRTUAL_MAX_WORLD = 1024
 
@@ -124,7 +125,7 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> tuple[Class
     kwargs = {"case_id": spec.id, "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
-    outcome = pool.run(run_on_rank, spec.id, *case_args, **kwargs)
+    outcome = pool.run(run_on_rank, spec, *case_args, **kwargs)
     found = _classify_outcome(spec, options, pool_spec, kwargs, outcome)
     if not outcome.placement:
         return found, ""

@@ -3,18 +3,19 @@ was raised in (`exc.qgather_phase`), so that a verdict can tell a refusal before
 (a rejection, if the implementation declares the error type) from a failure after the gather.
 
 Inside FSDP2's unshard the phase follows the subclass's own hooks: the pre-all-gather hook, then the
-collective, then the post-all-gather hook.
+collective, then the post-all-gather hook (qgather.check.patches.hooks_moving_phase moves it there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 from collections.abc import Iterator
 
 
 class Phase(str, enum.Enum):
+    """A step of a case on a rank; its value is what reports print ("raised in the <value>")."""
+
     BUILD = "build/quantize"
     SHARD = "shard"
     PRE_HOOK = "pre-all-gather hook"
@@ -40,6 +41,7 @@ class PhaseTracker:
 
     @contextlib.contextmanager
     def at(self, phase: Phase) -> Iterator[None]:
+        """The block runs in `phase` (it stays the current one after the block, until the next)."""
         self.current = phase
         yield
 
@@ -53,37 +55,6 @@ class PhaseTracker:
                 with contextlib.suppress(AttributeError):  # some built-in exceptions take no attributes
                     exc.qgather_phase = self.current.value
             raise
-
-    @contextlib.contextmanager
-    def following_hooks(self, param_types: tuple[type, ...]) -> Iterator[None]:
-        """While active, the subclass's FSDP2 hooks move the phase: pre-hook, collective, post-hook."""
-        patched: list[tuple[type, str, object]] = []
-        for cls in param_types:
-            for name, enter, leave in (("fsdp_pre_all_gather", Phase.PRE_HOOK, Phase.COLLECTIVE),
-                                       ("fsdp_post_all_gather", Phase.POST_HOOK, Phase.COLLECTIVE)):
-                original = getattr(cls, name, None)
-                if original is None:
-                    continue
-                patched.append((cls, name, cls.__dict__.get(name)))
-                setattr(cls, name, self._moving(original, enter, leave))
-        try:
-            yield
-        finally:
-            for cls, name, own in reversed(patched):
-                if own is None:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, own)
-
-    def _moving(self, hook, enter: Phase, leave: Phase):
-        @functools.wraps(hook)  # FSDP2 inspects the hook's signature
-        def wrapper(*args, **kwargs):
-            self.current = enter
-            result = hook(*args, **kwargs)
-            self.current = leave
-            return result
-
-        return wrapper
 
 
 def phase_of(error: object) -> str:

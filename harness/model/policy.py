@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 
 from qgather.formats import FORMATS, FormatError
 from qgather.model.case import CaseSpec
+from qgather.model.layout import alignment_problem
 from qgather.model.verdict import Verdict
-from qgather.scenarios.fsdp_setup import alignment_problem
 
 
 @dataclass(frozen=True)

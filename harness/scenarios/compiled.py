@@ -24,14 +24,16 @@ import os
 import torch
 
 from qgather.check.compare import compare_values, digest
-from qgather.model.phases import Phase, PhaseTracker
+from qgather.model.phases import Phase
 from qgather.model.records import Comparison, Stage
+from qgather.scenarios.context import RankCase
 
 BACKEND_ENV = "QGATHER_COMPILE_BACKEND"
 DEFAULT_BACKEND = "aot_eager"
 
 
 def backend_name() -> str:
+    """The torch.compile backend the compiled forward uses (QGATHER_COMPILE_BACKEND, else aot_eager)."""
     return os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
 
 
@@ -39,9 +41,9 @@ class _CountingBackend:
     """The chosen backend, counting the graphs Dynamo hands it."""
 
     def __init__(self, name: str) -> None:
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.backend = lookup_backend(name)
+        # torch._dynamo is one of torch's lazily loaded submodules: only a compile case pays its import
+        # (about 0.5 s of CPU), not every runner process that imports the scenarios to send them.
+        self.backend = torch._dynamo.lookup_backend(name)
         self.graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
@@ -49,11 +51,14 @@ class _CountingBackend:
         return self.backend(gm, example_inputs)
 
 
-def compiled_stage(impl, spec, module: torch.nn.Module, x: torch.Tensor, group, phases: PhaseTracker) -> Stage:
+def compiled_stage(case: RankCase, module: torch.nn.Module) -> Stage:
     """The module's eager forward, then its compiled forward (each with FSDP2's own unshard and
-    reshard around it), compared bit for bit. Errors are recorded on the stage, not raised."""
+    reshard around it), on the case's input in the masters' dtype, compared bit for bit. Errors
+    are recorded on the stage, not raised."""
+    impl, spec, group, phases = case.impl, case.spec, case.ctx.group, case.phases
+    x = case.x.to(spec.torch_dtype)
     name = backend_name()
-    stage = Stage(f"compiled forward (torch.compile, backend {name}) against the eager forward")
+    label = f"compiled forward (torch.compile, backend {name}) against the eager forward"
     with phases.at(Phase.FORWARD), impl.gather_context(group), impl.forward_context(spec):
         eager = module(x)
     # A warm rank runs many cases through the same forward code: without a reset, Dynamo's cache
@@ -64,18 +69,15 @@ def compiled_stage(impl, spec, module: torch.nn.Module, x: torch.Tensor, group, 
         with phases.at(Phase.COMPILE), impl.gather_context(group), impl.forward_context(spec):
             compiled = torch.compile(module, backend=counting)(x)
     except Exception as exc:  # noqa: BLE001 - the compiled forward's error is the evidence
-        stage.forward_error = f"{type(exc).__name__} under torch.compile: " \
-                              f"{(str(exc).strip().splitlines() or [''])[0][:300]}"
-        return stage
+        return Stage(label, forward_error=f"{type(exc).__name__} under torch.compile: "
+                                          f"{(str(exc).strip().splitlines() or [''])[0][:300]}")
     finally:
         torch._dynamo.reset()
     if counting.graphs == 0:
-        stage.forward_error = "torch.compile captured no graph (Dynamo ran the whole forward eagerly): nothing compiled"
-        return stage
-    stage.output = _compare(compiled, eager)
-    stage.output_digest = digest({"output": compiled}, {})
-    stage.note = f"compiled forward: torch.compile backend {name}, {counting.graphs} graph(s), FSDP2 hooks eager"
-    return stage
+        return Stage(label, forward_error="torch.compile captured no graph (Dynamo ran the whole forward eagerly): "
+                                          "nothing compiled")
+    return Stage(label, output=_compare(compiled, eager), output_digest=digest({"output": compiled}, {}),
+                 note=f"compiled forward: torch.compile backend {name}, {counting.graphs} graph(s), FSDP2 hooks eager")
 
 
 def _compare(compiled: torch.Tensor, eager: torch.Tensor) -> Comparison:

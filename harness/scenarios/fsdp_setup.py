@@ -1,7 +1,8 @@
 """A case's FSDP2 configuration (qgather.model.config) translated into what `fully_shard` gets: the mesh,
 the MixedPrecisionPolicy, reshard_after_forward and shard_placement_fn; and what the golden and the
 inspection need to know of it: which dimension is sharded over how many ranks, the dtype the
-unsharded weight must have, and this rank's slice of the master weight.
+unsharded weight must have, and this rank's slice of the master weight. (Whether the shards fit the
+format's blocks is shape arithmetic for the verdict policy: qgather.model.layout.)
 
 The golden depends only on the shard dimension: under HSDP each replica holds the whole weight
 sharded over the "shard" mesh dimension, so the shard layout is that of S ranks, not of R x S.
@@ -21,49 +22,24 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 
-from qgather.formats import FORMATS
 from qgather.impls.base import Implementation
 from qgather.model.case import DTYPES, CaseSpec, ColumnShardLayout, ShardLayout, shard_layout, shard_world_size
+from qgather.model.records import Stage
+from qgather.runtime.rank import CaseContext
 
 #: the settings fully_shard applies here (compile and DCP: qgather.scenarios.compiled, qgather.scenarios.checkpoint)
 APPLIED = ("param_dtype", "reduce_dtype", "reshard_after_forward", "hsdp", "shard_dim")
 #: scenarios without fully_shard: a configuration has nothing to apply to there
 UNCONFIGURABLE = ("hooks", "virtual")
-
-
-def column_block(fmt_name: str) -> int:
-    """Columns a dim-1 shard must start on: the K extent of the format's scale blocks."""
-    fmt = FORMATS[fmt_name]
-    if fmt_name.startswith("fp8_block"):
-        return 128
-    return max(1, fmt.k_multiple)
-
-
-def alignment_problem(spec: CaseSpec) -> str | None:
-    """Why the case's shards violate the format's blocks (None: aligned), for the verdict policy."""
-    layout, fmt = shard_layout(spec), FORMATS[spec.fmt]
-    if isinstance(layout, ColumnShardLayout):
-        block = column_block(spec.fmt)
-        rank = layout.misaligned_rank(block)
-        if rank is not None:
-            return f"rank {rank}'s dim-1 shard starts at column {layout.col_range(rank)[0]}, not a multiple of {block}"
-        # FSDP2 (torch 2.13, FSDPParam._init_sharded_post_forward_param_metadata) also chunks a Shard(1)
-        # parameter along dim 0 over the shard mesh: a subclass may refuse that split as it refuses any.
-        rows = ShardLayout(spec.shape[0], layout.world_size, spec.inner_rows)
-        rank = rows.misaligned_rank(fmt.row_block)
-        if rank is None:
-            return None
-        return (f"FSDP2 chunks a Shard(1) parameter along dim 0 too (post-forward metadata): rank {rank}'s rows "
-                f"start at {rows.row_range(rank)[0]}, not a multiple of {fmt.row_block}")
-    rank = layout.misaligned_rank(fmt.row_block)
-    if rank is None:
-        return None
-    return f"rank {rank}'s shard starts at row {layout.row_range(rank)[0]}, not a multiple of {fmt.row_block}"
 
 
 def param_dtype(spec: CaseSpec) -> torch.dtype:
@@ -107,14 +83,11 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
 
 
 # ------------------------------------------------------------------ on a rank
-_MESHES: dict[tuple, Any] = {}
+_MESHES: dict[tuple, DeviceMesh] = {}
 
 
-def hsdp_mesh(ctx, replicate: int, shard: int):
+def hsdp_mesh(ctx: CaseContext, replicate: int, shard: int) -> DeviceMesh:
     """The 2-D ("replicate", "shard") DeviceMesh over the pool's world, built once per pool."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     key = (id(dist.distributed_c10d._get_default_group()), ctx.device.type, replicate, shard)
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(ctx.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
@@ -132,6 +105,7 @@ class Setup:
 
     @property
     def shard_dim(self) -> int:
+        """The sharded dimension: 1 under Shard(1) (`dim1`), else 0."""
         return getattr(self.shards, "shard_dim", 0)
 
     def master_slice(self, full: torch.Tensor) -> torch.Tensor:
@@ -149,11 +123,8 @@ class Setup:
         return self.kwargs.get("reshard_after_forward", True) is not True
 
 
-def prepare(ctx, spec: CaseSpec) -> Setup:
+def prepare(ctx: CaseContext, spec: CaseSpec) -> Setup:
     """The fully_shard kwargs, the shard layout and this rank's shard index for the case."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor import Shard
-
     config = spec.config
     kwargs: dict = {"mesh": ctx.mesh}
     shard_rank = ctx.rank
@@ -178,13 +149,14 @@ def shard_numel(shards: ShardLayout | ColumnShardLayout, full_shape: tuple[int, 
     return shards.chunk * math.prod(full_shape[1:])
 
 
-def gather_through_forward(module: torch.nn.Module, x: torch.Tensor, judge) -> list:
+def gather_through_forward(module: torch.nn.Module, x: torch.Tensor,
+                           judge: Callable[[torch.Tensor, str], Stage]) -> list[Stage]:
     """One training iteration's gathers under reshard_after_forward: the module's forward (FSDP2's
     pre-forward unshard, its post-forward reshard as configured), then the unshard backward's
     pre-hook does from whatever the forward left (SHARDED: the `out=` all-gather; raf=False: still
     unsharded; an int: the smaller post-forward mesh), then the post-backward reshard. `judge(weight,
     what)` inspects the unsharded weight in both places. The layer itself is not computed in the
-    forward (torchao's needs torch._scaled_mm); `inspect` computes it from the gathered weight."""
+    forward (torchao's needs torch._scaled_mm); the inspection computes it from the gathered weight."""
     stages = []
 
     def forward(*args, **kwargs):

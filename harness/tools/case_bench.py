@@ -4,7 +4,7 @@
                                  [--device cuda] [--impl te|reference] [--reps 3]
 
 On each rank of a warm pool (NCCL on GPUs): the full case (golden, shard, gather, every comparison,
-qgather.scenarios.core.run_on_rank) against the bare work (the reference quantization of the full
+qgather.scenarios.registry.run_on_rank) against the bare work (the reference quantization of the full
 weight plus one all-gather of as many bytes per rank as the case's collective moved), median of
 `--reps` after a warm-up. Prints per format the time ratio (goal <= 3) and the peak GPU memory per
 rank against the weight's bf16 size (goal <= 3x). The implementation defaults to `te` where
@@ -33,15 +33,16 @@ MEMORY_GOAL = 3.0
 def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict:
     """Runs on every rank: the full case, then the bare work, each timed `reps` times (with
     `profile`: rank 0 then runs the case once more under torch.profiler and returns its table)."""
-    from qgather.scenarios.core import make_weight, run_on_rank
+    from qgather.scenarios.data import make_weight
+    from qgather.scenarios.registry import run_on_rank
 
     spec = CaseSpec.parse(case_id)
     cuda = ctx.device.type == "cuda"
-    result = run_on_rank(ctx, case_id)  # warm-up: kernels, allocator, communicators
+    result = run_on_rank(ctx, spec)  # warm-up: kernels, allocator, communicators
     full, peak = [], 0
     for _ in range(reps):  # each rep measured above what the one before left once collected
         baseline = _settle(ctx.device)
-        full.append(_timed(lambda: run_on_rank(ctx, case_id), cuda))
+        full.append(_timed(lambda: run_on_rank(ctx, spec), cuda))
         peak = max(peak, torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0)
     nbytes = max(int(result.wire.collective_bytes), 1)
     weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
@@ -72,18 +73,19 @@ def _profiled(ctx, case_id: str) -> str:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from qgather.scenarios.core import run_on_rank
+    from qgather.scenarios.registry import run_on_rank
 
+    spec = CaseSpec.parse(case_id)
     if ctx.rank != 0:  # runs along: once for the memory steps (on CUDA), once under the profiler
         for _ in range(2 if ctx.device.type == "cuda" else 1):
-            run_on_rank(ctx, case_id)
+            run_on_rank(ctx, spec)
         return ""
     steps = _memory_steps(ctx, case_id) if ctx.device.type == "cuda" else ""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     python = cProfile.Profile()
     with profile(activities=activities, profile_memory=True) as prof:
         python.enable()
-        run_on_rank(ctx, case_id)
+        run_on_rank(ctx, spec)
         python.disable()
     sort = "cuda_time_total" if ctx.device.type == "cuda" else "cpu_time_total"
     out = io.StringIO()
@@ -98,21 +100,26 @@ def _memory_steps(ctx, case_id: str) -> str:
     """The case once more with the peak device memory of each of its steps recorded."""
     from torch.distributed.fsdp import FSDPModule
 
+    from qgather.check import golden, inspection
     from qgather.impls import get_impl
-    from qgather.scenarios import core as scenarios
+    from qgather.scenarios import fsdp
+    from qgather.scenarios.registry import run_on_rank
     from qgather.tools import memory_waypoints
 
     spec = CaseSpec.parse(case_id)
     impl_type, fmt_type = type(get_impl(spec.impl)), type(FORMATS[spec.fmt])
-    targets = [(scenarios, n) for n in ("make_weight", "twin_output", "golden_for", "build_sharded_module", "inspect",
-                                        "module_check", "compare_buffers", "compare_values", "digest")]
+    # each step where the case looks it up (a module's global, or a method of the inspection)
+    targets = [(fsdp, n) for n in ("make_weight", "golden_for", "build_sharded_module")]
+    targets += [(inspection.Inspector, n) for n in ("twin_output", "judge", "module_check")]
+    targets += [(inspection, n) for n in ("compare_buffers", "compare_values", "digest")]
+    targets += [(golden, "compare_buffers")]
     targets += [(fmt_type, n) for n in ("quantize", "dequantize", "dequantize_rows")] + [(FSDPModule, "unshard")]
     targets += [(impl_type, n) for n in ("own_quantization", "own_dequantize", "forward", "read_buffers",
                                          "single_device_output", "module_output", "make_sharded_module")
                 if hasattr(impl_type, n)]
     baseline = _settle(ctx.device)
     with memory_waypoints.recording(ctx.device, targets, baseline) as points:
-        scenarios.run_on_rank(ctx, case_id)
+        run_on_rank(ctx, spec)
     return points.table(math.prod(spec.shape) * 2, "bf16 weights")
 
 

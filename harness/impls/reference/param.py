@@ -21,7 +21,7 @@ from qgather.errors import Refusal
 from qgather.formats import FORMATS, Format
 from qgather.impls.reference.hooks import AllGatherHooks
 from qgather.impls.reference.ops import HANDLERS, ShardingOps
-from qgather.scenarios.fsdp_setup import column_block
+from qgather.model.layout import column_block
 
 __all__ = ["QuantizedParam", "ShardAlignmentError"]
 

@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from qgather.check.compare import compare_values, digest
+from qgather.check.patches import hooks_moving_phase
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS, FormatError
 from qgather.impls.te.environment import recipe_unavailable_reason
 from qgather.impls.te.recipes import make_recipe
 from qgather.model.case import CaseSpec, ShardLayout
 from qgather.model.phases import Phase, PhaseTracker
-from qgather.model.records import Comparison, RankResult, Stage
+from qgather.model.records import BufferDiff, Comparison, DiffProblem, RankResult, Stage
 
 MODEL_STEPS = 3
 SEQUENCE, BATCH = 16, 2
@@ -61,7 +63,7 @@ def run_model_case(route, ctx, spec: CaseSpec, phases: PhaseTracker) -> RankResu
         want_params, want_output = single_run[point]
         with phases.at(Phase.INSPECTION):
             stages.append(_stage(route, spec, point, params, want_params, output, want_output))
-    return RankResult(ctx.rank, stages, None, None)
+    return RankResult(ctx.rank, tuple(stages), None, None)
 
 
 # ------------------------------------------------------------------ building
@@ -199,7 +201,7 @@ def _gathered_params(route, model: torch.nn.Module, phases: PhaseTracker | None)
         if phases is None:
             module.unshard()
         else:
-            with phases.at(Phase.SHARD), phases.following_hooks(types):
+            with phases.at(Phase.SHARD), hooks_moving_phase(phases, types):
                 module.unshard()
     params = {}
     with torch.no_grad():
@@ -231,24 +233,25 @@ def _snapshot(route, param: torch.Tensor) -> dict:
 def _stage(route, spec: CaseSpec, point: int, got: dict, want: dict, output: torch.Tensor,
            want_output: torch.Tensor) -> Stage:
     label = "before step 1" if point == 0 else f"after step {point}"
-    stage = Stage(f"model {label} vs the one-GPU model", quantized=True)
     diffs, n_diff, max_abs = [], 0, 0.0
     for name in sorted(set(got) | set(want)):
         if name not in got or name not in want:
-            diffs.append(f"{name}: held only {'on one GPU' if name in want else 'by the sharded model'}")
+            diffs.append(_held_only(name, want))
             continue
         valid = _valid_regions(spec.fmt, tuple(want[name]["values"].shape))
-        diffs.extend(f"{name}.{line}" for line in _buffer_lines(got[name]["buffers"], want[name]["buffers"], valid))
+        diffs.extend(replace(d, name=f"{name}.{d.name}")
+                     for d in _buffer_diffs(got[name]["buffers"], want[name]["buffers"], valid))
         values = compare_values(got[name]["values"], want[name]["values"])
         if not values.equal:
             n_diff, max_abs = n_diff + values.n_diff, max(max_abs, values.max_abs)
-            diffs.append(f"{name}: {values.n_diff} dequantized values differ, max |diff| {values.max_abs:.3g}")
-    stage.buffer_diffs = diffs
-    stage.dequantized = Comparison(n_diff == 0, n_diff, max_abs)
-    stage.digest = _digest(spec, got)
-    stage.output = compare_values(output, want_output)
-    stage.output_digest = digest({"output": output}, {})
-    return stage
+            diffs.append(BufferDiff(name, DiffProblem.VALUES, n_diff=values.n_diff, max_abs=values.max_abs))
+    return Stage(f"model {label} vs the one-GPU model", quantized=True, digest=_digest(spec, got),
+                 buffer_diffs=tuple(diffs), dequantized=Comparison(n_diff == 0, n_diff, max_abs),
+                 output=compare_values(output, want_output), output_digest=digest({"output": output}, {}))
+
+
+def _held_only(name: str, want: dict) -> BufferDiff:
+    return BufferDiff(name, DiffProblem.HELD_ONLY, detail="on one GPU" if name in want else "by the sharded model")
 
 
 def _digest(spec: CaseSpec, params: dict) -> str:
@@ -273,17 +276,18 @@ def _valid_regions(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[slice, .
         return {}
 
 
-def _buffer_lines(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                  valid: dict[str, tuple[slice, ...]]) -> list[str]:
-    lines = []
+def _buffer_diffs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                  valid: dict[str, tuple[slice, ...]]) -> list[BufferDiff]:
+    diffs = []
     for name in sorted(set(got) | set(want)):
         if name not in got or name not in want:
-            lines.append(f"{name}: held only {'on one GPU' if name in want else 'by the sharded model'}")
+            diffs.append(_held_only(name, want))
         elif got[name].shape != want[name].shape:
-            lines.append(f"{name}: shape {tuple(got[name].shape)} != one GPU's {tuple(want[name].shape)}")
+            diffs.append(BufferDiff(name, DiffProblem.SHAPE,
+                                    detail=f"{tuple(got[name].shape)} != one GPU's {tuple(want[name].shape)}"))
         else:
             region = valid.get(name, ()) if len(valid.get(name, ())) == got[name].dim() else ()
             n = int((got[name][region].view(torch.uint8) != want[name][region].view(torch.uint8)).sum())
             if n:
-                lines.append(f"{name}: {n} bytes differ")
-    return lines
+                diffs.append(BufferDiff(name, DiffProblem.BITS, n_diff=n))  # n_valid 0: counted in bytes
+    return diffs

@@ -1,0 +1,92 @@
+"""The golden: what a gathered weight must equal, quantized on one device from the full weight.
+
+For an implementation with its own quantizer the golden is its own single-device quantization of
+the full weight (sharding invariance: gathering the shards gives q(W)); that quantization's
+agreement with the reference formats is judged apart (`Golden.quantizer_diffs`, QUANTIZER_MISMATCH).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from qgather.check.compare import compare_buffers
+from qgather.errors import HarnessFault
+from qgather.formats import Format, FormatError, QuantizedTensor
+from qgather.formats.base import flat_dims
+from qgather.impls.base import Implementation
+from qgather.model.records import BufferDiff
+
+
+@dataclass
+class Golden:
+    """What the gathered weight must equal (`q`), or why the format cannot hold it (`error`).
+    Rank-local: it holds tensors and caches its dequantization; only its diffs travel."""
+
+    q: QuantizedTensor | None
+    error: str | None
+    fmt: Format | None = None  # the format that dequantizes q
+    source: str = "reference formats"
+    quantizer_diffs: tuple[BufferDiff, ...] | None = None  # own quantizer vs reference; None: no own quantizer
+    _whole: torch.Tensor | None = field(default=None, repr=False)
+
+    def dequantized_blocks(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """The golden's float32 values as (rows, block) over the flattened (M, K) weight: one block
+        (computed once, kept) up to the format's block size, else row blocks computed as they are
+        asked for, so that a large golden is never held dequantized whole."""
+        m, _ = flat_dims(self.q.shape)
+        blocks = self.fmt.row_blocks(self.q.shape)
+        if len(blocks) == 1:
+            if self._whole is None:
+                self._whole = self.fmt.dequantize(self.q).reshape(m, -1)
+            yield slice(0, m), self._whole
+            return
+        for start, stop in blocks:
+            yield slice(start, stop), self.fmt.dequantize_rows(self.q, start, stop)
+
+    def dequantized_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The golden's values rounded to `dtype`, in the weight's shape."""
+        m, k = flat_dims(self.q.shape)
+        out = torch.empty((m, k), dtype=dtype, device=self.q.device)
+        for rows, values in self.dequantized_blocks():
+            out[rows] = values
+        return out.reshape(self.q.shape)
+
+
+def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = None) -> Golden:
+    """The golden of `weight` in `fmt`: the reference formats' quantization (the implementation's
+    `reference_quantize`), or the implementation's own quantization where it has one in the
+    format's layout. A shape the format cannot hold gives a golden with only its `error`."""
+    try:
+        ref = impl.reference_quantize(fmt, weight) if impl is not None else fmt.quantize(weight)
+    except FormatError as exc:
+        return Golden(None, str(exc))
+    except NotImplementedError:
+        ref = None  # a format registered with its layout only: no reference quantizer in qgather
+    own = impl.own_quantization(fmt.name, weight) if impl is not None else None
+    if ref is None:
+        return _own_golden_only(fmt, weight, impl, own)
+    if own is None:
+        return Golden(ref, None, fmt)
+    diffs = tuple(compare_buffers(own, ref))
+    if any(d.problem.breaks_layout for d in diffs):
+        # Its own quantization does not even have the format's layout: judge against the reference.
+        return Golden(ref, None, fmt, quantizer_diffs=diffs)
+    buffers = {name: own[name].to(t.device) for name, t in ref.buffers.items()}
+    q = QuantizedTensor(fmt.name, ref.shape, buffers, ref.valid)
+    return Golden(q, None, fmt, f"{impl.name}'s own quantizer", diffs)
+
+
+def _own_golden_only(fmt: Format, weight: torch.Tensor, impl: Implementation | None,
+                     own: dict[str, torch.Tensor] | None) -> Golden:
+    """A format without a reference quantizer is still testable: sharding invariance against the
+    implementation's own q(W), in the format's layout (valid regions, dequantization)."""
+    if own is None:
+        name = impl.name if impl is not None else "the harness"
+        raise HarnessFault(f"format {fmt.name} has no reference quantizer and {name} no own quantization: "
+                           "there is nothing to judge the gather against")
+    shape = tuple(weight.shape)
+    q = QuantizedTensor(fmt.name, shape, dict(own), fmt.valid_regions(shape))
+    return Golden(q, None, fmt, f"{impl.name}'s own quantizer (no reference quantizer)")

@@ -1,0 +1,151 @@
+"""Inspection of one gathered weight on a rank: its buffers, dequantization, dtype and layer output
+against the golden, and the library's own layer against its one-device twin, as a `Stage` record.
+
+An error of the forward after the gather is recorded on the stage, not raised: the comparisons
+already made stay part of the verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from qgather.check.compare import compare_buffers, compare_value_blocks, compare_values, digest, locate
+from qgather.check.golden import Golden
+from qgather.errors import HarnessFault
+from qgather.formats import Format, QuantizedTensor
+from qgather.formats.base import flat_dims
+from qgather.impls.base import Implementation, NoSingleDeviceTwin
+from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
+from qgather.model.records import Comparison, ModuleCheck, Stage
+
+IDENTICAL_BUFFERS = "the same dequantization of bit-identical buffers"
+
+
+@dataclass(frozen=True)
+class TwinOutput:
+    """What the library's module on one device, holding the full weight, computed (`output`), or
+    why it computed nothing (`note`)."""
+
+    output: torch.Tensor | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Inspector:
+    """What every inspection of one case compares with: the case, its implementation and format,
+    the layer input `x` and how the weight is sharded (to say which rank sent a differing row)."""
+
+    spec: CaseSpec
+    impl: Implementation
+    fmt: Format
+    x: torch.Tensor
+    shards: ShardLayout | ColumnShardLayout
+
+    def judge(self, param: torch.Tensor, golden: Golden, label: str, dtype: torch.dtype | None = None) -> Stage:
+        """Compare one gathered (unsharded) weight with the golden, and its dtype with `dtype` (what
+        the mixed-precision policy asks for) when given.
+
+        Args:
+            param: the unsharded weight as the gather left it (the implementation's subclass, or a
+                plain tensor when it fell back to high precision).
+            golden: what it must equal.
+            label: the stage's name in the report (e.g. "unshard 1").
+            dtype: the dtype the unsharded weight must have; None: not checked.
+
+        Returns:
+            The stage record: digests, buffer differences, value and output comparisons.
+        """
+        impl, fmt = self.impl, self.fmt
+        quantized = impl.is_quantized(param)
+        dtype_problem = ""
+        if dtype is not None and param.dtype != dtype:
+            dtype_problem = f"the unsharded weight is {param.dtype}, the mixed-precision policy asks for {dtype}"
+        if golden.q is None:
+            return Stage(label, quantized, dtype_problem=dtype_problem,
+                         accepted_unholdable=golden.error or "the format cannot hold this shape")
+        m, k = flat_dims(golden.q.shape)
+        y_ref = torch.matmul(self.x.to(param.dtype), golden.dequantized_as(param.dtype).transpose(-1, -2))
+        if not quantized:
+            values = param.detach().float().reshape(golden.q.shape)
+            return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
+                         values=_against_golden(values.reshape(m, k), golden))
+        got = impl.read_buffers(param)
+        diffs = tuple(compare_buffers(got, golden.q))
+        buffers_digest = digest(got, golden.q.valid)
+        dequantized, where = None, ()
+        if not diffs:
+            # The harness's own dequantization reads only the valid regions it just found bit-identical.
+            dequantized = Comparison(True, detail=IDENTICAL_BUFFERS)
+        elif not any(d.problem.breaks_layout for d in diffs):
+            gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
+            dequantized = compare_value_blocks((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
+                                               for rows, want in golden.dequantized_blocks())
+            where = tuple(locate(fmt, gathered, golden.q, self.shards))
+        blocks = fmt.row_blocks(golden.q.shape)
+        own = impl.own_dequantize_blocks(param, fmt, blocks)
+        own_dequantized = None if own is None else \
+            compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks)))
+        output, output_digest, forward_error = self._forward(param, y_ref)
+        return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
+                     own_dequantized=own_dequantized, output=output, output_digest=output_digest,
+                     forward_error=forward_error, where=where, dtype_problem=dtype_problem)
+
+    def _forward(self, param: torch.Tensor, y_ref: torch.Tensor) -> tuple[Comparison | None, str, str]:
+        """(the layer output against the golden layer's, its digest, the forward's error)."""
+        try:
+            y = self.impl.forward(param, self.x.to(param.dtype))
+        except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
+            return None, "", _one_line(exc)
+        return compare_values(y, y_ref, self.impl.output_tolerance(self.fmt.name)), digest({"output": y}, {}), ""
+
+    def twin_output(self, weight: torch.Tensor, compute_dtype: torch.dtype) -> TwinOutput | None:
+        """The one-device twin's forward of `x` in the dtype the layer computes in (the mixed-precision
+        policy's param_dtype: FSDP2 casts a root's inputs to it); None when the library has no module
+        of its own. A shape the twin cannot run either is a note, not the gather's fault."""
+        x = self.x.to(device=weight.device, dtype=compute_dtype)
+        try:
+            expected = self.impl.single_device_output(self.spec, weight, x)
+        except NoSingleDeviceTwin as exc:
+            return TwinOutput(note=str(exc))
+        except Exception as exc:  # noqa: BLE001 - the library's own limit, recorded as a note
+            return TwinOutput(note=f"the one-device module cannot run this case either: {_one_line(exc)}")
+        return None if expected is None else TwinOutput(expected)
+
+    def module_check(self, module: torch.nn.Module, twin: TwinOutput | None,
+                     compute_dtype: torch.dtype) -> ModuleCheck | None:
+        """The library's own forward with the gathered weight against its one-device twin's output."""
+        if twin is None or twin.output is None:
+            return None if twin is None else ModuleCheck(note=twin.note)
+        try:
+            got = self.impl.module_output(self.spec, module, self.x.to(device=twin.output.device, dtype=compute_dtype))
+        except Exception as exc:  # noqa: BLE001 - evidence: the same forward ran on one device
+            return ModuleCheck(error=_one_line(exc))
+        return ModuleCheck(output=compare_values(got, twin.output))
+
+
+def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden,
+                        n_blocks: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(own block, golden block) pairs; an implementation that yields another number of blocks than
+    it was asked for would have some rows compared twice or not at all: said, with the counts."""
+    own = iter(own)
+    for count, (_, want) in enumerate(golden.dequantized_blocks()):
+        got = next(own, None)
+        if got is None:
+            raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded {count} blocks for the {n_blocks} "
+                               "row blocks it was asked for")
+        yield got, want
+    if next(own, None) is not None:
+        raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded more than the {n_blocks} row blocks "
+                           "it was asked for")
+
+
+def _against_golden(values: torch.Tensor, golden: Golden) -> Comparison:
+    """`values` (the flattened (M, K) weight) against the golden's, block of rows by block."""
+    return compare_value_blocks((values[rows], want) for rows, want in golden.dequantized_blocks())
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"

@@ -1,0 +1,72 @@
+"""The runner's side of a `dcp-wsA` case: the checkpoint saved at world size A on a pool of A ranks,
+into a directory of its own, before the case runs at world size B (the ranks' side, what is saved
+and how it is loaded: qgather.scenarios.checkpoint).
+
+The directory is named like the pools' temp dirs (`qgather-pool-<runner pid>-dcp-*`) so that a
+runner killed mid-case leaves nothing behind (see qgather.runtime.lifeline); it is removed when the
+case ends. A save that fails is the case's verdict (its errors classified as at world size A, the
+reason says so); a world size A the runtime cannot give (under torchrun/SLURM: any A but the
+launched world) is SKIPPED with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Protocol
+
+from qgather.engine.classify import Classification, classify_errors
+from qgather.impls import get_impl
+from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict
+from qgather.runtime import OutcomeStatus, PoolSpec, PoolSpecError, get_pool
+from qgather.runtime.lifeline import POOL_DIR_PREFIX
+from qgather.scenarios.checkpoint import save_on_rank, saved_spec
+
+
+class PoolOptions(Protocol):
+    """What the save needs of the run's options (qgather.engine.run.RunOptions)."""
+
+    case_timeout: float | None
+
+    def backend_for(self, world_size: int) -> str:
+        """The process-group backend of a pool of `world_size` ranks."""
+
+    def device_type(self) -> str:
+        """The ranks' device type ("cpu" or "cuda")."""
+
+
+@contextlib.contextmanager
+def saved_checkpoint(spec: CaseSpec, options: PoolOptions) -> Iterator[tuple[str | None, Classification | None]]:
+    """In the runner: (the checkpoint directory, None) once world size A saved it, or (None, the
+    case's classification) when the save could not run or failed. The directory is removed on exit."""
+    path = tempfile.mkdtemp(prefix=f"{POOL_DIR_PREFIX}{os.getpid()}-dcp-")
+    try:
+        yield _save(spec, options, path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _save(spec: CaseSpec, options: PoolOptions, path: str) -> tuple[str | None, Classification | None]:
+    size = spec.config.saved_at_world_size
+    where = f"checkpoint save at world size {size}"
+    pool_spec = PoolSpec(backend=options.backend_for(size), world_size=size, device=options.device_type())
+    try:
+        pool = get_pool(pool_spec.validate())
+    except PoolSpecError as exc:
+        return None, Classification(Verdict.SKIPPED, f"{where}: {exc}")
+    kwargs = {"case_id": f"{saved_spec(spec).id} (DCP save for {spec.id})", "seed": spec.seed}
+    if options.case_timeout is not None:
+        kwargs["timeout"] = options.case_timeout
+    outcome = pool.run(save_on_rank, spec, path, **kwargs)
+    if outcome.status is OutcomeStatus.OK:
+        return path, None
+    if outcome.status is OutcomeStatus.ERROR:
+        # the adapter's own refusal rule (qgather.engine.run.refusal_check; not imported: run imports this module)
+        found = classify_errors(outcome.errors, size, get_impl(spec.impl).refusal_problem)
+        return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
+    verdict = Verdict.HANG if outcome.status is OutcomeStatus.HANG else Verdict.CRASH
+    return None, Classification(verdict, f"{where}: {outcome.headline()}")

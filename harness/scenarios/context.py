@@ -1,0 +1,54 @@
+"""One case on one rank: the `RankCase` every step of a scenario reads (the pool's context, the case,
+its implementation and format, the FSDP2 configuration's setup, the layer input and the phase
+tracker), built once per case by `RankCase.prepare`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qgather.check.inspection import Inspector
+from qgather.errors import HarnessFault
+from qgather.formats import FORMATS, Format
+from qgather.impls import get_impl
+from qgather.impls.base import Implementation
+from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
+from qgather.model.phases import PhaseTracker
+from qgather.runtime.rank import CaseContext
+from qgather.scenarios import fsdp_setup
+from qgather.scenarios.data import make_input
+
+
+@dataclass(frozen=True)
+class RankCase:
+    """What a scenario needs on one rank of the pool, for one case."""
+
+    ctx: CaseContext  # rank, world size, device, process group, mesh
+    spec: CaseSpec
+    impl: Implementation
+    fmt: Format
+    phases: PhaseTracker  # where in the case this rank is (errors leaving it are tagged with it)
+    setup: fsdp_setup.Setup  # the configuration's fully_shard kwargs, shard layout and dtype
+    x: torch.Tensor  # the layer input, on the rank's device
+    checkpoint: str | None = None  # a dcp-wsA case: the directory its runner saved at world size A
+
+    @classmethod
+    def prepare(cls, ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | None = None) -> RankCase:
+        """The case on this rank, its configuration translated for fully_shard (fsdp_setup.prepare)."""
+        impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
+        if (spec.config.saved_at_world_size is None) != (checkpoint is None):
+            raise HarnessFault("a dcp-wsA case runs with the checkpoint its runner saved (qgather.engine.checkpoint)")
+        setup = fsdp_setup.prepare(ctx, spec)
+        return cls(ctx, spec, impl, fmt, phases, setup, make_input(spec).to(ctx.device), checkpoint)
+
+    @property
+    def shards(self) -> ShardLayout | ColumnShardLayout:
+        """How the weight is sharded over the shard mesh (what the golden and the inspection see)."""
+        return self.setup.shards
+
+    @property
+    def inspector(self) -> Inspector:
+        """The inspection of this case's gathered weights (qgather.check.inspection)."""
+        return Inspector(self.spec, self.impl, self.fmt, self.x, self.setup.shards)

@@ -1,0 +1,120 @@
+"""The gather, steps and reshard scenarios on the rank pool: the implementation's module under
+`fully_shard`, unsharded by FSDP2 and inspected against the golden; steps and reshard then take
+optimizer steps on the sharded masters (the golden the same steps on the full weight), re-quantize
+the shards and inspect each re-gather (the `out=` path of the next unshard).
+
+Before the first gather: the one-device twin's forward (its full-size module is gone before the
+golden and the shards exist), a dcp-wsA case's checkpoint load (qgather.scenarios.checkpoint), and
+for steps a re-quantization of the unchanged shards. After it: a compile case's compiled forward
+(qgather.scenarios.compiled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from qgather.check.golden import golden_for
+from qgather.check.patches import hooks_moving_phase
+from qgather.check.wire import record_wire, summarize_wire
+from qgather.model.case import CaseSpec
+from qgather.model.phases import Phase, PhaseTracker
+from qgather.model.records import RankResult, Stage
+from qgather.runtime.rank import CaseContext
+from qgather.scenarios import checkpoint as checkpoint_reshard
+from qgather.scenarios import fsdp_setup
+from qgather.scenarios.compiled import compiled_stage
+from qgather.scenarios.context import RankCase
+from qgather.scenarios.data import make_gradient, make_weight
+from qgather.scenarios.module import build_sharded_module, local_shard
+
+STEPS = 3  # optimizer steps of the steps scenario (reshard takes one)
+LEARNING_RATE = 0.05
+
+
+def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint: str | None = None) -> RankResult:
+    """One gather, steps or reshard case on this rank, end to end."""
+    case = RankCase.prepare(ctx, spec, phases, checkpoint)
+    impl, fmt, setup, inspector = case.impl, case.fmt, case.setup, case.inspector
+    if spec.scenario in ("steps", "reshard"):
+        master = make_weight(spec, ctx.device)
+        weight = master.to(spec.torch_dtype)
+    else:  # nothing steps the masters: a float32 copy would only hold memory
+        master = weight = make_weight(spec, ctx.device, spec.torch_dtype)
+    # The one-device twin first: its full-size module is gone before the golden and the shards exist.
+    twin = inspector.twin_output(weight, setup.param_dtype)
+    golden = golden_for(fmt, weight, impl)
+    module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
+    weight_shape = weight.to("meta")  # what the wire summary reads of the weight (shape, dtype)
+    if spec.scenario == "gather":
+        del master, weight  # the module holds its shard; a large weight's full copy would only hold memory
+    loaded = checkpoint_reshard.load(ctx, spec, module, checkpoint, phases)
+    if spec.scenario == "steps":
+        _requantize_unchanged(case, module, master)
+    param_types = (type(local_shard(module)),)
+    with phases.at(Phase.SHARD), hooks_moving_phase(phases, param_types):
+        with impl.gather_context(ctx.group), record_wire(param_types) as wire:
+            module.unshard()
+    with phases.at(Phase.INSPECTION):
+        first = inspector.judge(module.weight, golden, "unshard 1", setup.param_dtype)
+        first = replace(first, module=inspector.module_check(module, twin, setup.param_dtype), note=loaded)
+    stages = [first]
+    module.reshard()
+    if spec.config.compile:
+        stages.append(compiled_stage(case, module))
+        module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
+    if spec.scenario in ("steps", "reshard"):
+        stages.extend(_update_and_regather(case, module, master))
+    summary = summarize_wire(wire, fmt, weight_shape, case.shards, golden, impl)
+    return RankResult(ctx.rank, tuple(stages), summary, golden.quantizer_diffs or None)
+
+
+def _requantize_unchanged(case: RankCase, module: torch.nn.Module, master: torch.Tensor) -> None:
+    """An optimizer step may come before the first gather (e.g. TE's `quantize_` into the sharded
+    parameter): re-quantizing each shard from its own, unchanged master rows must leave the gathered
+    weight as it was, the amax reduced over the shard group although no pre-hook has run yet."""
+    impl, group = case.impl, case.ctx.group
+    with torch.no_grad(), case.phases.at(Phase.STEP):
+        impl.requantize_shard(local_shard(module), case.setup.master_slice(master).to(case.spec.torch_dtype), group)
+        impl.after_step(module, group)
+
+
+def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.Tensor) -> list[Stage]:
+    """Optimizer steps on the sharded master rows, re-quantized on the shards, then the `out=`
+    path of the next unshard; the golden takes the same steps on the full weight."""
+    impl, fmt, spec, setup, phases, group = case.impl, case.fmt, case.spec, case.setup, case.phases, case.ctx.group
+    inspector = case.inspector
+    n_steps = STEPS if spec.scenario == "steps" else 1
+    shard_master = torch.nn.Parameter(setup.master_slice(master).clone())
+    full_param = torch.nn.Parameter(master.clone())
+    opt_shard = torch.optim.SGD([shard_master], lr=LEARNING_RATE, momentum=0.9)
+    opt_full = torch.optim.SGD([full_param], lr=LEARNING_RATE, momentum=0.9)
+    stages = []
+    for step in range(1, n_steps + 1):
+        grad = make_gradient(spec, step, master.device)
+        shard_master.grad, full_param.grad = setup.master_slice(grad).clone(), grad.clone()
+        opt_shard.step()
+        opt_full.step()
+        with torch.no_grad(), phases.at(Phase.STEP):
+            impl.requantize_shard(local_shard(module), shard_master.detach().to(spec.torch_dtype), group)
+            impl.after_step(module, group)
+            golden = golden_for(fmt, full_param.detach().to(spec.torch_dtype), impl)
+        param_types = (type(local_shard(module)),)
+        label = f"unshard {step + 1} (after step {step})"
+        if setup.forward_gathers:
+            def judge(weight, what, label=label, golden=golden):
+                with phases.at(Phase.INSPECTION):
+                    return inspector.judge(weight, golden, f"{label}, {what}", setup.param_dtype)
+
+            with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
+                stages.extend(fsdp_setup.gather_through_forward(module, case.x.to(setup.param_dtype), judge))
+            continue
+        with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
+            module.unshard()
+        with phases.at(Phase.INSPECTION):
+            stage = inspector.judge(module.weight, golden, label, setup.param_dtype)
+            twin = inspector.twin_output(full_param.detach().to(spec.torch_dtype), setup.param_dtype)
+            stages.append(replace(stage, module=inspector.module_check(module, twin, setup.param_dtype)))
+        module.reshard()
+    return stages

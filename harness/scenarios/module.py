@@ -1,0 +1,54 @@
+"""The module under FSDP2: the implementation's own sharded module, or qgather's bias-free linear
+layer over its quantized parameter, sharded with `fully_shard` as the case's configuration says.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+from qgather.impls import get_impl
+from qgather.impls.base import Implementation
+from qgather.model.case import CaseSpec
+from qgather.model.phases import Phase, PhaseTracker
+from qgather.runtime.rank import CaseContext
+from qgather.scenarios import fsdp_setup
+from qgather.scenarios.data import make_weight
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A bias-free linear layer whose weight is the implementation's quantized parameter."""
+
+    def __init__(self, impl: Implementation, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.impl = impl
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T through the implementation's own forward of its quantized weight."""
+        return self.impl.forward(self.weight, x)
+
+
+def build_sharded_module(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, master: torch.Tensor | None = None,
+                         setup: fsdp_setup.Setup | None = None) -> torch.nn.Module:
+    """The implementation's module holding the quantized `master` (default: the case's), sharded by FSDP2
+    as the case's configuration says (`setup`, default: fsdp_setup.prepare)."""
+    impl = get_impl(spec.impl)
+    master = make_weight(spec, ctx.device) if master is None else master
+    setup = setup or fsdp_setup.prepare(ctx, spec)
+    if fsdp_setup.takes_setup(impl):
+        module = impl.make_sharded_module(ctx, spec, master, setup)
+    else:  # an adapter written before configurations: FSDP2's defaults only (fsdp_setup.skip_reason)
+        module = impl.make_sharded_module(ctx, spec, master)
+    if module is None:
+        weight = master.to(spec.torch_dtype)
+        module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
+        with phases.at(Phase.SHARD):
+            fully_shard(module, **setup.kwargs)
+    return module
+
+
+def local_shard(module: torch.nn.Module) -> torch.Tensor:
+    """This rank's shard of the module's weight (the DTensor's local tensor)."""
+    weight = module.weight
+    return weight._local_tensor if hasattr(weight, "_local_tensor") else weight

@@ -1,0 +1,112 @@
+"""The virtual scenario, in one process: every rank of the world emulated (FSDP2's chunking, each
+rank's own shard and pre-hook, concatenation in rank order, the post-hook of every rank whose
+metadata differs), so that world sizes up to 1024 run without a process group.
+
+A rank may raise while the others would enter the collective: each virtual rank's result is its
+RankResult or the exception it raised, tagged with its phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from qgather.check.golden import Golden, golden_for
+from qgather.check.inspection import Inspector
+from qgather.check.wire import record_wire, summarize_wire
+from qgather.errors import HarnessFault
+from qgather.formats import FORMATS
+from qgather.impls import get_impl
+from qgather.model.case import CaseSpec, ShardLayout, shard_layout
+from qgather.model.phases import Phase, PhaseTracker
+from qgather.model.records import RankResult, Stage
+from qgather.scenarios.data import make_input, make_weight
+from qgather.scenarios.emulation import PLAIN, VirtualMesh, checked_pre_all_gather, fsdp2_chunks, shard_like_fsdp2
+
+
+class WouldDeadlock(HarnessFault):
+    """Virtual ranks that would hand the collective different sizes."""
+
+
+def run_virtual(spec: CaseSpec) -> list[RankResult | BaseException]:
+    """One process emulates every rank of the world. Returns one result (or the exception it raised,
+    tagged with its phase) per virtual rank; an exception raised before the ranks split propagates."""
+    impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
+    weight = make_weight(spec).to(spec.torch_dtype)
+    golden = golden_for(fmt, weight, impl)
+    shards = shard_layout(spec)
+    phases = PhaseTracker()
+    with phases.tagging():
+        param = impl.make_param(spec.fmt, weight)
+        with phases.at(Phase.SHARD):
+            pieces = fsdp2_chunks(param, spec.world_size)
+    locals_ = [_on_virtual_rank(Phase.SHARD, shard_like_fsdp2, param, piece, shards) for piece in pieces]
+    mesh = VirtualMesh(spec.world_size)
+    param_type = next((type(t) for t in locals_ if not isinstance(t, BaseException)), type(param))
+    with record_wire((param_type,)) as wire:
+        pre = [t if isinstance(t, BaseException) else
+               _on_virtual_rank(Phase.PRE_HOOK, checked_pre_all_gather, t, mesh, weight.shape, shards)
+               for t in locals_]
+    if any(isinstance(p, BaseException) for p in pre):
+        return pre  # the other ranks would wait in the all-gather
+    shapes = [tuple((t.dtype, tuple(t.shape)) for t in inputs) for inputs, _ in pre]
+    if len(set(shapes)) > 1:
+        deadlock = WouldDeadlock("would deadlock: the virtual ranks hand the all-gather different sizes: "
+                                 + "; ".join(f"rank {r} {s}" for r, s in enumerate(shapes)))
+        deadlock.qgather_phase = Phase.COLLECTIVE.value
+        return [deadlock] * spec.world_size
+    outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
+    wire_summary = replace(summarize_wire(wire, fmt, weight, shards, golden, impl),
+                           collective_bytes=sum(t.numel() * t.element_size() for t in pre[0][0]),
+                           hook_calls=int(pre[0][1] is not PLAIN),
+                           collectives=int(spec.world_size > 1))  # the emulated one
+    inspector = Inspector(spec, impl, fmt, make_input(spec), shards)
+    results: list[RankResult | BaseException] = []
+    seen: dict[str, Stage | BaseException] = {}
+    for rank, (local, (_, metadata)) in enumerate(zip(locals_, pre)):
+        key = repr(_metadata_key(metadata))
+        if key not in seen:
+            seen[key] = _on_virtual_rank(Phase.POST_HOOK, _post_and_inspect, inspector, local, outputs, metadata,
+                                         weight.dtype, golden)
+        stage = seen[key]
+        results.append(stage if isinstance(stage, BaseException) else
+                       RankResult(rank, (stage,), wire_summary, golden.quantizer_diffs or None))
+    return results
+
+
+def _on_virtual_rank(phase: Phase, fn: Callable[..., Any], *args: Any) -> Any:
+    """One virtual rank's step: its result, or the exception it raised (tagged with the phase)."""
+    phases = PhaseTracker()
+    try:
+        with phases.at(phase), phases.tagging():
+            return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - each virtual rank's own error is its result
+        return exc
+
+
+def _post_and_inspect(inspector: Inspector, local: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: Any,
+                      dtype: torch.dtype, golden: Golden) -> Stage:
+    """One virtual rank's post-hook over the concatenated inputs, and the inspection of its result."""
+    shards: ShardLayout = inspector.shards
+    if metadata is PLAIN:
+        unsharded = outputs[0][: shards.dim0]
+    else:
+        unsharded, _ = local.fsdp_post_all_gather(outputs, metadata, dtype)
+    return inspector.judge(unsharded, golden, "virtual gather")
+
+
+def _metadata_key(metadata: Any) -> object:
+    """Hashable content of a hook's metadata, to post-process each distinct metadata once."""
+    if isinstance(metadata, torch.Tensor):
+        return ("tensor", tuple(metadata.shape), metadata.detach().cpu().flatten().tolist()[:64],
+                float(metadata.detach().double().sum()) if metadata.numel() else 0.0)
+    if isinstance(metadata, dict):
+        return tuple((k, _metadata_key(v)) for k, v in sorted(metadata.items(), key=lambda kv: str(kv[0])))
+    if isinstance(metadata, (list, tuple)):
+        return tuple(_metadata_key(v) for v in metadata)
+    if hasattr(metadata, "__dict__"):
+        return (type(metadata).__name__, _metadata_key(vars(metadata)))
+    return repr(metadata)
