@@ -57,10 +57,20 @@ test-torch:
 
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
+# With an interpreter that does not have qgather installed (a GPU host without a package registry,
+# PY=python3), .qgather-path/ makes the checkout importable as an install is: a link qgather ->
+# harness/ and a dist-info whose pytest11 entry point loads the plugin.
+QGATHER_LINK := .qgather-path
 test-multigpu: $(SETUP)
-	$(PY) -m qgather gpu-check
-	$(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) --case-timeout $(GPU_CASE_TIMEOUT) \
-	  -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
+	@$(PY) -c 'import qgather' 2>/dev/null || { mkdir -p $(QGATHER_LINK)/qgather-0.dist-info \
+	  && ln -sfn ../harness $(QGATHER_LINK)/qgather \
+	  && printf 'Metadata-Version: 2.1\nName: qgather\nVersion: 0\n' > $(QGATHER_LINK)/qgather-0.dist-info/METADATA \
+	  && printf '[pytest11]\nqgather = qgather.pytest_plugin\n' > $(QGATHER_LINK)/qgather-0.dist-info/entry_points.txt; }
+	@if $(PY) -c 'import qgather' 2>/dev/null; then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \
+	  export PYTHONPATH="$${path:+$$path:}$$PYTHONPATH"; set -e; \
+	  $(PY) -m qgather gpu-check; \
+	  $(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) \
+	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
 
 selftest: $(SETUP)
 	$(PY) -m qgather selftest
@@ -75,4 +85,4 @@ lint: $(SETUP)
 	$(PY) -m ruff check harness tests cases conftest.py setup.py
 
 clean:
-	rm -rf $(VENV) .venv-torch-* *.egg-info build .pytest_cache .ruff_cache reports
+	rm -rf $(VENV) .venv-torch-* $(QGATHER_LINK) *.egg-info build .pytest_cache .ruff_cache reports
