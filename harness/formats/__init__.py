@@ -14,6 +14,9 @@ fp8_block_1x128 (1-D 128 blocks), mxfp8, nvfp4_1d, nvfp4_2d.
 
 from __future__ import annotations
 
+import sys
+from importlib.metadata import entry_points
+
 import torch
 
 from .base import Format, FormatError, QuantizedTensor
@@ -40,15 +43,11 @@ FORMATS: dict[str, Format] = {
 def _load_entry_point_formats() -> None:
     """Formats from other packages (`qgather.formats` entry points: name = "pkg.mod:FormatClass"),
     registered at import so that every option check and listing sees them."""
-    from importlib.metadata import entry_points
-
     for ep in entry_points(group="qgather.formats"):
         try:
             obj = ep.load()
             fmt = obj() if isinstance(obj, type) else obj
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the harness down
-            import sys
-
             print(f"qgather: format entry point {ep.name!r} failed to load ({type(exc).__name__}: {exc})",
                   file=sys.stderr)
             continue

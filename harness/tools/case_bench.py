@@ -14,17 +14,33 @@ TransformerEngine imports, else `reference`.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import math
+import pstats
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.profiler import ProfilerActivity, profile
 
+from qgather.check import golden, inspection
+from qgather.engine.classify import classify_results
 from qgather.formats import FORMATS
+from qgather.impls import get_impl
+from qgather.impls.te.environment import te_import_error
 from qgather.model.case import CaseSpec
+from qgather.model.verdict import Verdict
+from qgather.runtime import PoolSpec, get_pool, shutdown_pools
+from qgather.scenarios import fsdp
+from qgather.scenarios.data import make_weight
+from qgather.scenarios.registry import run_on_rank
+from qgather.tools import memory_waypoints
 
 TIME_GOAL = 3.0
 MEMORY_GOAL = 3.0
@@ -33,9 +49,6 @@ MEMORY_GOAL = 3.0
 def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict:
     """Runs on every rank: the full case, then the bare work, each timed `reps` times (with
     `profile`: rank 0 then runs the case once more under torch.profiler and returns its table)."""
-    from qgather.scenarios.data import make_weight
-    from qgather.scenarios.registry import run_on_rank
-
     spec = CaseSpec.parse(case_id)
     cuda = ctx.device.type == "cuda"
     result = run_on_rank(ctx, spec)  # warm-up: kernels, allocator, communicators
@@ -67,14 +80,6 @@ PROFILE_ROWS = 30
 def _profiled(ctx, case_id: str) -> str:
     """Where one case's time goes: torch.profiler's operators (device and host time), then the
     Python functions by cumulative time (cProfile), on rank 0; the other ranks run the case along."""
-    import cProfile
-    import io
-    import pstats
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from qgather.scenarios.registry import run_on_rank
-
     spec = CaseSpec.parse(case_id)
     if ctx.rank != 0:  # runs along: once for the memory steps (on CUDA), once under the profiler
         for _ in range(2 if ctx.device.type == "cuda" else 1):
@@ -98,14 +103,6 @@ def _profiled(ctx, case_id: str) -> str:
 
 def _memory_steps(ctx, case_id: str) -> str:
     """The case once more with the peak device memory of each of its steps recorded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from qgather.check import golden, inspection
-    from qgather.impls import get_impl
-    from qgather.scenarios import fsdp
-    from qgather.scenarios.registry import run_on_rank
-    from qgather.tools import memory_waypoints
-
     spec = CaseSpec.parse(case_id)
     impl_type, fmt_type = type(get_impl(spec.impl)), type(FORMATS[spec.fmt])
     # each step where the case looks it up (a module's global, or a method of the inspection)
@@ -166,8 +163,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def _default_impl(device: str) -> str:
     if device != "cuda":
         return "reference"
-    from qgather.impls.te.environment import te_import_error
-
     return "reference" if te_import_error() else "te"
 
 
@@ -178,8 +173,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench gpu: skipped: needs {args.world_size} CUDA GPUs, this host has {torch.cuda.device_count()} "
               "(for a CPU dry run: --device cpu --shape 256x512; gloo on one GPU: --backend gloo)")
         return 0
-    from qgather.runtime import PoolSpec, get_pool, shutdown_pools
-
     impl = args.impl or _default_impl(args.device)
     pool = get_pool(PoolSpec(backend=backend, world_size=args.world_size, device=args.device))
     print(f"bench gpu: {impl}, {args.shape} bf16, {args.world_size} ranks over {backend} on {args.device}, "
@@ -212,9 +205,6 @@ def _traceback_tail(outcome, lines: int = 12) -> str:
 
 def _print_verdict(case_id: str, results: list[dict]) -> bool:
     """The measured case's own verdict: timings of a case that does not pass measure another path."""
-    from qgather.engine.classify import classify_results
-    from qgather.model.verdict import Verdict
-
     found = classify_results([r["result"] for r in results])
     verdict, reason = found.verdict, found.reason
     print(f"    {case_id}: {verdict.value}" + (f" ({reason})" if reason else ""))
@@ -233,6 +223,4 @@ def _print_row(fmt: str, results: list[dict], device: str) -> float:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))

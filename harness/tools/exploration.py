@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
+from qgather.engine.run import run_case
 from qgather.model.case import CaseSpec
 from qgather.model.report import CaseReport
 
@@ -190,8 +191,6 @@ class Runner:
                         self.seed)
 
     def run(self, point: Point, scenario: str) -> CaseReport:
-        from qgather.engine.run import run_case
-
         key = (point, scenario)
         if key not in self.reports:
             self.reports[key] = run_case(self.spec(point, scenario), self.options)

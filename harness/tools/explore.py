@@ -13,8 +13,12 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
+import torch
+
 from qgather.cli.common import add_run_options, run_options, shutdown_pools, usage
 from qgather.errors import UsageError
+from qgather.formats import FORMATS
+from qgather.impls import UnknownImplementationError, get_impl
 from qgather.model.case import DTYPES, CaseSpec
 from qgather.model.report import CaseReport
 from qgather.model.repro import repro_command
@@ -81,11 +85,6 @@ def _ints(text: str, option: str, low: int, high: int) -> list[int]:
 
 def check_input(args: argparse.Namespace) -> SweepInput:
     """The checked sweep, or InputProblem with one line."""
-    import torch
-
-    from qgather.formats import FORMATS
-    from qgather.impls import UnknownImplementationError, get_impl
-
     if args.fmt not in FORMATS:
         raise InputProblem(f"--format: unknown format {args.fmt!r}; known: {', '.join(FORMATS)}")
     try:

@@ -20,9 +20,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # Launcher state that must not leak into the runs from an enclosing job (or an xdist worker).
@@ -153,8 +156,6 @@ def compare(pool: dict[str, str], launched: dict[str, str]) -> list[str]:
 
 
 def _as_rank(codes_dir: str, pytest_args: list[str]) -> int:
-    import pytest
-
     # This module imported qgather before pytest could mark it for assertion rewriting: nothing to warn about.
     code = int(pytest.main(["-W", "ignore:Module already imported so cannot be rewritten; qgather"
                                   ":pytest.PytestAssertRewriteWarning", *pytest_args]))
@@ -186,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace, suite: list[str]) -> int:
-    import tempfile
-
     out = Path(args.out or tempfile.mkdtemp(prefix="qgather-demo-"))
     out.mkdir(parents=True, exist_ok=True)
     common = [*suite, "-q", "-p", "no:cacheprovider", "--device", args.device, "--backend", args.backend,

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
+from qgather import __version__
 from qgather.check.compare import tensor_bytes
 from qgather.errors import QgatherError
 from qgather.formats import FORMATS
+from qgather.impls.te.quantizers import te_quantize
 from qgather.model.case import DTYPES
 from qgather.paths import golden_dir
 
@@ -83,17 +85,13 @@ def _producer_reference(fmt: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _producer_te(fmt: str, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    from qgather.impls.te.quantizers import te_quantize
-
     return te_quantize(fmt, x.cuda())
 
 
 def _producer_description(producer: str) -> dict:
     if producer == "reference":
-        from qgather import __version__
-
         return {"producer": "reference", "harness": __version__, "torch": torch.__version__}
-    import transformer_engine
+    import transformer_engine  # optional: only a TE producer reads its version
 
     return {
         "producer": "transformer_engine",

@@ -28,11 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from qgather.engine.run import RunOptions, run_case
+from qgather.formats import FORMATS
 from qgather.impls.mutants import MUTANTS, Mutant
 from qgather.model.case import CaseSpec
 from qgather.model.config import DEFAULT
 from qgather.model.report import CaseReport
 from qgather.model.verdict import Verdict
+from qgather.runtime import shutdown_pools
 from qgather.suite.sweeps import K, alignment_shapes
 
 OPTIONS = RunOptions(backend="gloo", device="cpu")
@@ -146,8 +148,6 @@ def _suite_shapes(fmt: str) -> list[tuple[int, ...]]:
     """Four of the suite's alignment shapes (qgather.suite.sweeps.alignment_shapes), in row units u:
     8u (aligned at 2 and 8 ranks, split blocks at 3), 8.5u (shards that split a scale block),
     3u-2 (uneven at 2 and 3 ranks) and 4 rows (zero-row ranks at 8)."""
-    from qgather.formats import FORMATS
-
     u = max(FORMATS[fmt].row_block, 16)
     wanted = [(8 * u, K), (17 * u // 2, K), (3 * u - 2, K), (4, K)]
     return [s for s in wanted if s in set(alignment_shapes(fmt))]
@@ -246,8 +246,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = {m: check_mutant(m) for m in _warm_order(mutants)}
     finally:
         if not args.keep_pools:
-            from qgather.runtime import shutdown_pools
-
             shutdown_pools()
     caught = 0
     for mutant in mutants:
@@ -266,8 +264,6 @@ def _main_suite(mutants: list[type[Mutant]], keep_pools: bool) -> int:
         results = run_suite(mutants)
     finally:
         if not keep_pools:
-            from qgather.runtime import shutdown_pools
-
             shutdown_pools()
     by_mutant = {r.mutant: r for r in results}
     lines, status = suite_summary([by_mutant[m] for m in mutants])
