@@ -169,3 +169,32 @@ def test_the_qgather_script_runs_the_same_main():
         pytest.skip("no qgather script next to this Python (not an installed environment)")
     result = subprocess.run([script, "list", "scenarios"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "  gather" in result.stdout, result.stdout + result.stderr
+
+
+def test_bench_passes_options_to_the_one_named_benchmark_and_refuses_them_for_several():
+    from qgather.cli import bench
+
+    seen = []
+
+    class Fake:
+        @staticmethod
+        def main(argv):
+            seen.append(list(argv))
+            return 0
+
+    original = dict(bench.BENCHES)
+    try:
+        bench.BENCHES.update({"formats": "fake_formats", "gpu": "fake_gpu"})
+        import sys
+
+        sys.modules["fake_formats"] = sys.modules["fake_gpu"] = Fake
+        assert bench.main(["gpu", "--backend", "gloo", "--profile"]) == 0
+        assert seen == [["--backend", "gloo", "--profile"]]
+        assert bench.main(["formats", "gpu", "--profile"]) == 2
+        assert bench.main(["nope"]) == 2
+        assert seen == [["--backend", "gloo", "--profile"]]
+    finally:
+        bench.BENCHES.clear()
+        bench.BENCHES.update(original)
+        sys.modules.pop("fake_formats", None)
+        sys.modules.pop("fake_gpu", None)

@@ -17,15 +17,25 @@ BENCHES = {
 
 
 def main(argv: Sequence[str]) -> int:
-    """Run the named benchmarks in order; the worst exit status."""
-    parser = argparse.ArgumentParser(prog="qgather bench", description=main.__doc__)
-    parser.add_argument("which", nargs="*", metavar="BENCH", help=f"any of {', '.join(BENCHES)} (default: all)")
-    names = parser.parse_args(argv).which or list(BENCHES)
+    """Run the named benchmarks in order (default: all); the worst exit status. Options after a
+    single benchmark's name are its own (e.g. `qgather bench gpu --backend gloo --profile`)."""
+    argv = list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        argparse.ArgumentParser(prog="qgather bench [BENCH ...] [BENCH OPTIONS]", description=main.__doc__,
+                                epilog=f"benchmarks: {', '.join(BENCHES)}; `qgather bench gpu --help` for "
+                                       "the GPU benchmark's options").print_help()
+        return 0
+    names = []
+    while argv and not argv[0].startswith("-"):
+        names.append(argv.pop(0))
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         return usage("bench", f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
+    if argv and len(names) != 1:
+        return usage("bench", f"options ({' '.join(argv)}) belong to one named benchmark, e.g. "
+                              "`qgather bench gpu --profile`")
     rc = 0
-    for name in names:
+    for name in names or list(BENCHES):
         module = importlib.import_module(BENCHES[name])  # each benchmark's own imports, when it is asked for
-        rc = max(rc, int(module.main() or 0))
+        rc = max(rc, int(module.main(argv) or 0))
     return rc
