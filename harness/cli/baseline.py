@@ -1,5 +1,6 @@
-"""`qgather baseline update --from VERDICTS_JSON [--file known-issues.toml]`: rewrite the
-known-issues baseline from a run's case records (qgather.pytest_plugin.baseline says how)."""
+"""`qgather baseline update --from VERDICTS_JSON [--file known-issues.toml]`: update the known-issues
+baseline from a run's case records, keeping its order and grouping (qgather.pytest_plugin.baseline
+says how)."""
 
 from __future__ import annotations
 
@@ -10,29 +11,45 @@ from collections.abc import Sequence
 
 from qgather.cli.common import usage
 from qgather.model.case_record import CaseRecord, RecordError
-from qgather.pytest_plugin.baseline import DEFAULT_FILE, BaselineError, dumps, load, update
+from qgather.pytest_plugin.baseline import DEFAULT_FILE, BaselineError, Update, dumps, load_findings, update
 
 
 def main(argv: Sequence[str]) -> int:
     """Maintain the known-issues baseline."""
     parser = argparse.ArgumentParser(prog="qgather baseline", description=main.__doc__)
     sub = parser.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("update", help="write or update the baseline from a run's verdicts.json")
+    up = sub.add_parser("update", help="update the baseline from a run's verdicts.json (a minimal diff)")
     up.add_argument("--from", dest="source", required=True, metavar="VERDICTS_JSON")
     up.add_argument("--file", default=DEFAULT_FILE, help=f"the baseline to update (default: {DEFAULT_FILE})")
     args = parser.parse_args(argv)
     try:
-        issues = load(args.file) if os.path.exists(args.file) else []
-        result = update(issues, read_run(args.source))
+        findings = load_findings(args.file) if os.path.exists(args.file) else []
+        result = update(findings, read_run(args.source))
     except BaselineError as exc:
         return usage("baseline", str(exc))
-    with open(args.file, "w") as fh:
-        fh.write(dumps(result.issues, os.path.basename(args.file)))
-    print(f"{args.file}: {len(result.issues)} entries ({result.added} new, {result.kept} kept, "
-          f"{len(result.dropped)} dropped as passing, {result.uncovered} not covered by this run)")
-    for issue in result.dropped:
-        print(f"  dropped: {issue.case}")
+    text = dumps(result.findings, os.path.basename(args.file))
+    if not os.path.exists(args.file) or _read(args.file) != text:
+        with open(args.file, "w") as fh:
+            fh.write(text)
+    _print(args.file, result)
     return 0
+
+
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def _print(path: str, result: Update) -> None:
+    patterns = sum(len(f.cases) for f in result.findings)
+    print(f"{path}: {len(result.findings)} findings, {patterns} patterns; {result.covered} failing cases already "
+          f"covered, {len(result.added)} added as untriaged, {len(result.stale)} stale patterns removed")
+    for case, title in result.added:
+        print(f"  added: {case} (to \"{title}\")")
+    for pattern, title in result.stale:
+        print(f"  stale: {pattern} (\"{title}\") matched only passing cases: removed")
+    for pattern, case in result.too_broad:
+        print(f"  too broad: {pattern} matches {case}, which passes: narrow it by hand")
 
 
 def read_run(path: str) -> list[CaseRecord]:

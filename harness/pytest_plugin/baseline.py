@@ -1,24 +1,29 @@
-"""Known-issues baseline: a checked-in TOML file of case-id patterns (fnmatch globs) whose
-failure is known upstream. Under `--baseline FILE` a matched case that fails is a strict xfail
-(the run stays green); a matched case that passes fails the run until the entry is removed.
+"""Known-issues baseline: read, write and update the checked-in TOML file of library defects whose
+failing cases a gating run accepts. Under `--baseline FILE` a case one of its patterns matches that
+fails is a strict xfail (the run stays green); one that passes fails the run until the pattern goes.
+
+One `[[issue]]` table per defect (a `Finding`), its configured variants as fnmatch globs over case ids:
 
     [[issue]]
-    case = "torchao:mxfp8:136x64:bf16:ws3:gather:s0"   # a case id or a glob
-    reason = "uneven shards: ..."
-    link = "https://github.com/..."
+    title = "torchao 0.18 float8: uneven shards"
+    link = "docs/findings.md#torchao-uneven-shards"      # the upstream report, else the findings entry
+    reason = "the short rank sends fewer bytes: gloo aborts"   # optional
+    cases = [
+        "torchao:fp8_tensor:46x64:*:ws3:*",
+    ]
 
-`qgather baseline update --from reports/verdicts.json [--file known-issues.toml]` rewrites the
-file from a run: one exact-id entry per failing case, keeping the reason and link of the entry
-that matched it; entries that matched only passing cases are dropped, entries that matched no
-case of the run are kept as they are.
+The old one-case form (`case = "ID"`, `reason`, `link`) is still read, as a finding of one pattern
+titled by its reason. `qgather baseline update` (`update`) keeps the file's order and grouping: the
+file is written in one canonical layout (`dumps`), so an update's diff is only what it changed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qgather.errors import UsageError
 from qgather.model.case_record import CaseRecord, KnownIssue
@@ -32,18 +37,59 @@ else:  # optional before 3.11: without it only reading a baseline fails, with on
     except ImportError:
         _toml = None
 
+__all__ = ["DEFAULT_FILE", "BaselineError", "Finding", "KnownIssue", "Update", "clean_reason", "dumps", "escape",
+           "load", "load_findings", "match", "update"]
+
 DEFAULT_FILE = "known-issues.toml"
+UNTRIAGED = "Not yet triaged"  # the title prefix of the groups `update` adds for failures no entry covers
+UNTRIAGED_LINK = "docs/findings.md#not-yet-triaged"
+REASON_LIMIT = 160  # characters of a written reason, cut at a word boundary
 HEADER = """\
-# qgather known issues: failing cases known upstream, as strict xfails under --baseline.
-# Each [[issue]]: `case` is a case id or an fnmatch glob over case ids, `reason` says what fails,
-# `link` points at the upstream issue. A listed case that passes fails the run: remove its entry.
-# Regenerate from a run with `qgather baseline update --from reports/verdicts.json --file {name}`
-# (comments other than this header are not kept).
+# qgather known issues: library defects whose failing cases a gating run (--baseline) accepts.
+# One [[issue]] table per defect:
+#   title  = the finding, as docs/findings.md names it
+#   link   = the upstream report, else the finding's section of docs/findings.md
+#   reason = what fails (optional)
+#   cases  = fnmatch globs over case ids covering the defect's configured variants, never a passing case
+# A matched case that fails is a strict xfail; a matched case that passes fails the run.
+# Update from a run: `qgather baseline update --from reports/verdicts.json --file {name}` keeps this
+# order and grouping, adds uncovered failures to "{untriaged}" groups at the end and removes patterns
+# that matched only passing cases (comments other than this header are not kept).
 """
+_OLD_KEYS = frozenset({"case", "reason", "link"})
+_NEW_KEYS = frozenset({"title", "cases", "reason", "link"})
 
 
 class BaselineError(UsageError):
     """A baseline file that cannot be read: the message is one line naming the file."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One library defect: its title, the case-id globs of its configured variants, why, and where it is reported."""
+
+    title: str
+    cases: tuple[str, ...]
+    reason: str = ""
+    link: str = ""
+
+    @property
+    def summary(self) -> str:
+        """What a known issue says of a case this finding covers: the title, then the reason."""
+        return f"{self.title}: {self.reason}" if self.reason else self.title
+
+    def pattern_for(self, case_id: str) -> str | None:
+        """The first of the finding's patterns that matches the case id."""
+        return next((p for p in self.cases if KnownIssue(p, "").matches(case_id)), None)
+
+    def issues(self) -> tuple[KnownIssue, ...]:
+        """One KnownIssue per pattern (what a case record carries of the entry that matched it)."""
+        return tuple(KnownIssue(pattern, self.summary, self.link) for pattern in self.cases)
+
+    @classmethod
+    def of(cls, issue: KnownIssue) -> Finding:
+        """A finding of one pattern from a KnownIssue (the old one-case form)."""
+        return cls(title=issue.reason, cases=(issue.case,), link=issue.link)
 
 
 def _tomllib():
@@ -52,8 +98,8 @@ def _tomllib():
     return _toml
 
 
-def load(path: str) -> list[KnownIssue]:
-    """The entries of a baseline file; BaselineError (one line naming the file) when it cannot be read."""
+def load_findings(path: str) -> list[Finding]:
+    """The findings of a baseline file; BaselineError (one line naming the file) when it cannot be read."""
     tomllib = _tomllib()
     try:
         with open(path, "rb") as fh:
@@ -62,32 +108,52 @@ def load(path: str) -> list[KnownIssue]:
         raise BaselineError(f"baseline {path}: cannot read it ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise BaselineError(f"baseline {path}: not valid TOML: {str(exc).splitlines()[0]}") from None
-    return _issues(path, data)
-
-
-def _issues(path: str, data: dict) -> list[KnownIssue]:
     unknown = sorted(set(data) - {"issue"})
     if unknown:
         raise BaselineError(f"baseline {path}: unknown top-level key {unknown[0]!r}; entries are [[issue]] tables")
     entries = data.get("issue", [])
     if not isinstance(entries, list):
         raise BaselineError(f"baseline {path}: `issue` must be an array of tables ([[issue]])")
-    return [_issue(path, n, entry) for n, entry in enumerate(entries, 1)]
+    return [_finding(f"baseline {path}: issue #{n}", entry) for n, entry in enumerate(entries, 1)]
 
 
-def _issue(path: str, n: int, entry: object) -> KnownIssue:
-    where = f"baseline {path}: issue #{n}"
+def load(path: str) -> list[KnownIssue]:
+    """The file's patterns, one KnownIssue each in the file's order (what --baseline matches cases against)."""
+    return [issue for finding in load_findings(path) for issue in finding.issues()]
+
+
+def _finding(where: str, entry: object) -> Finding:
     if not isinstance(entry, dict):
         raise BaselineError(f"{where} is not a table")
-    extra = sorted(set(entry) - {"case", "reason", "link"})
+    if "case" in entry and "cases" not in entry:
+        return Finding.of(_old_issue(where, entry))
+    extra = sorted(set(entry) - _NEW_KEYS)
     if extra:
-        raise BaselineError(f"{where}: unknown key {extra[0]!r} (keys: case, reason, link)")
+        raise BaselineError(f"{where}: unknown key {extra[0]!r} (keys: title, link, reason, cases)")
+    _require_text(where, entry, "title")
+    for key in ("reason", "link"):
+        if not isinstance(entry.get(key, ""), str):
+            raise BaselineError(f"{where}: `{key}` must be a string")
+    cases = entry.get("cases")
+    if not isinstance(cases, list) or not cases or not all(isinstance(c, str) and c.strip() for c in cases):
+        raise BaselineError(f"{where}: `cases` must be a non-empty list of case-id patterns (strings)")
+    return Finding(entry["title"], tuple(cases), entry.get("reason", ""), entry.get("link", ""))
+
+
+def _old_issue(where: str, entry: dict) -> KnownIssue:
+    extra = sorted(set(entry) - _OLD_KEYS)
+    if extra:
+        raise BaselineError(f"{where}: unknown key {extra[0]!r} (the one-case form's keys: case, reason, link)")
     for key in ("case", "reason"):
-        if not isinstance(entry.get(key), str) or not entry[key].strip():
-            raise BaselineError(f"{where}: `{key}` must be a non-empty string")
+        _require_text(where, entry, key)
     if not isinstance(entry.get("link", ""), str):
         raise BaselineError(f"{where}: `link` must be a string")
     return KnownIssue(entry["case"], entry["reason"], entry.get("link", ""))
+
+
+def _require_text(where: str, entry: dict, key: str) -> None:
+    if not isinstance(entry.get(key), str) or not entry[key].strip():
+        raise BaselineError(f"{where}: `{key}` must be a non-empty string")
 
 
 def match(issues: Sequence[KnownIssue], case_id: str) -> KnownIssue | None:
@@ -100,42 +166,97 @@ def escape(case_id: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in case_id)
 
 
-def dumps(issues: Iterable[KnownIssue], name: str = DEFAULT_FILE) -> str:
-    """The baseline file's text: the header, then one [[issue]] table per entry."""
+def dumps(findings: Iterable[Finding | KnownIssue], name: str = DEFAULT_FILE) -> str:
+    """The baseline file's text in its one canonical layout: the header, then one [[issue]] per finding
+    (a KnownIssue is written as a finding of one pattern titled by its reason)."""
     # json.dumps writes a valid TOML basic string (the escapes it emits are TOML's too).
-    blocks = [HEADER.format(name=name)]
-    for issue in issues:
-        blocks.append(f"[[issue]]\ncase = {json.dumps(issue.case)}\nreason = {json.dumps(issue.reason)}\n"
-                      f"link = {json.dumps(issue.link)}\n")
+    blocks = [HEADER.format(name=name, untriaged=UNTRIAGED)]
+    for finding in findings:
+        if isinstance(finding, KnownIssue):
+            finding = Finding.of(finding)
+        lines = ["[[issue]]", f"title = {json.dumps(finding.title)}"]
+        lines += [f"{key} = {json.dumps(value)}" for key, value in (("link", finding.link),
+                                                                     ("reason", finding.reason)) if value]
+        lines += ["cases = [", *(f"    {json.dumps(pattern)}," for pattern in finding.cases), "]", ""]
+        blocks.append("\n".join(lines))
     return "\n".join(blocks)
 
 
 @dataclass(frozen=True)
 class Update:
-    """A baseline rewritten from a run, and what changed."""
+    """A baseline updated from a run, and what changed."""
 
-    issues: tuple[KnownIssue, ...]
-    added: int
-    kept: int
-    dropped: tuple[KnownIssue, ...]  # entries that matched only passing cases
-    uncovered: int  # entries that matched no case of the run (kept as they are)
+    findings: tuple[Finding, ...]
+    added: tuple[tuple[str, str], ...]  # (case id, the title of the untriaged group it went to)
+    covered: int  # failing cases an existing pattern already covers
+    stale: tuple[tuple[str, str], ...]  # (pattern, title): it matched only passing cases, so it was removed
+    too_broad: tuple[tuple[str, str], ...]  # (pattern, a passing case it matches): kept, to narrow by hand
+
+    @property
+    def changed(self) -> bool:
+        """Whether the file changes."""
+        return bool(self.added or self.stale)
 
 
-def update(issues: Sequence[KnownIssue], cases: Sequence[CaseRecord]) -> Update:
-    """The baseline after a run whose case records (verdicts.json's `cases`) are given."""
+def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
+    """The baseline after a run whose case records (verdicts.json's `cases`) are given: order and
+    grouping kept; a failing case no pattern covers goes to the untriaged group of its verdict and
+    reason (a new one at the end if none); a pattern that matched only passing cases is removed."""
     ran = [c for c in cases if c.verdict is not Verdict.SKIPPED]
     failing = sorted({c.case: c for c in ran if not c.passed}.values(), key=lambda c: c.case)
-    new, kept = [], 0
+    passing = sorted({c.case for c in ran if c.passed})
+    kept: list[Finding] = []
+    stale, too_broad = [], []
+    for finding in findings:
+        patterns = []
+        for pattern in finding.cases:
+            issue = KnownIssue(pattern, "")
+            passes = [case for case in passing if issue.matches(case)]
+            if passes and not any(issue.matches(c.case) for c in failing):
+                stale.append((pattern, finding.title))
+                continue
+            too_broad += [(pattern, case) for case in passes[:1]]
+            patterns.append(pattern)
+        if patterns:
+            kept.append(replace(finding, cases=tuple(patterns)))
+    added, covered = [], 0
     for case in failing:
-        old = match(issues, case.case)
-        kept += old is not None
-        reason = old.reason if old else f"{case.verdict.value}: {_first_line(case.reason)}"
-        new.append(KnownIssue(escape(case.case), reason, old.link if old else ""))
-    uncovered = [i for i in issues if not any(i.matches(c.case) for c in ran)]
-    dropped = [i for i in issues if i not in uncovered and not any(i.matches(c.case) for c in failing)]
-    result = sorted(new + uncovered, key=lambda i: i.case)
-    return Update(tuple(result), len(new) - kept, kept, tuple(dropped), len(uncovered))
+        if any(f.pattern_for(case.case) for f in kept):
+            covered += 1
+            continue
+        title = f"{UNTRIAGED}: {case.verdict.value}: {clean_reason(case.reason)}"
+        at = next((n for n, f in enumerate(kept) if f.title == title), None)
+        if at is None:
+            kept.append(Finding(title, (escape(case.case),), link=UNTRIAGED_LINK))
+        else:
+            kept[at] = replace(kept[at], cases=(*kept[at].cases, escape(case.case)))
+        added.append((case.case, title))
+    return Update(tuple(kept), tuple(added), covered, tuple(stale), tuple(too_broad))
 
 
-def _first_line(text: str) -> str:
-    return (text or "").strip().splitlines()[0] if (text or "").strip() else "no reason given"
+# What changes from one run of a case to the next: it must not enter a checked-in reason.
+_EPHEMERAL = [
+    (re.compile(r"\[[0-9a-fA-F:.]*[:.][0-9a-fA-F:.]*\](:\d+)?"), "<address>"),  # [::1]:29500, [127.0.0.1]:29500
+    (re.compile(r"\b\d{1,3}(\.\d{1,3}){3}(:\d+)?\b"), "<address>"),  # 127.0.0.1:29500
+    (re.compile(r"\b(localhost|[\w-]+(\.[\w-]+)+):\d{2,5}\b"), "<address>"),  # host.name:port
+    (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "<pointer>"),
+    (re.compile(r"\b(port|pid|PID|tid)(\s*[=:]?\s*)\d+\b"), r"\1\2<n>"),
+    (re.compile(r"/tmp/[^\s'\"():,]+"), "<tmp>"),
+]
+
+
+def clean_reason(text: str, limit: int = REASON_LIMIT) -> str:
+    """A case's reason as a baseline may hold it: its first line, with no address, port, pid or temporary
+    path, and at most `limit` characters, cut at a word boundary with "..."."""
+    lines = (text or "").strip().splitlines()
+    line = lines[0].strip() if lines else ""
+    for pattern, repl in _EPHEMERAL:
+        line = pattern.sub(repl, line)
+    if not line:
+        return "no reason given"
+    if len(line) <= limit:
+        return line
+    cut = line[:limit - 3]
+    if not line[limit - 3].isspace() and " " in cut:  # the cut falls inside a word: drop that word
+        cut = cut[:cut.rfind(" ")]
+    return cut.rstrip(" ,;:-(") + "..."
