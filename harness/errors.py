@@ -18,7 +18,8 @@ class QgatherError(Exception):
 
 
 class UsageError(QgatherError, ValueError):
-    """The user's input cannot describe anything that runs: the message says what and why."""
+    """The user's input cannot describe anything that runs: the message says what and why. Exit
+    code 4 (pytest's usage error) in the CLI and the plugin alike (README's "Exit codes")."""
 
 
 class HarnessFault(QgatherError, RuntimeError):

@@ -54,7 +54,7 @@ def test_broken_adapter(adapters, target, why, command):
         result = qgather("run", "--impl", target, "-q", "--formats", "nvfp4_2d", pythonpath=adapters)
     else:
         result = qgather("case", CASE.replace("reference", target, 1), pythonpath=adapters)
-    assert_one_line(result, 2, target, why)
+    assert_one_line(result, 4, target, why)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
@@ -66,13 +66,13 @@ def test_bad_case_timeout(command, value):
         result = qgather("case", CASE, f"--case-timeout={value}")
     else:
         result = qgather("case", "reference:nvfp4_2d:64x64:bf16:ws8:virtual:s0", f"--case-timeout={value}")
-    assert_one_line(result, 2, "--case-timeout")
+    assert_one_line(result, 4, "--case-timeout")
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]])
 def test_world_sizes_without_cases(workers):
     result = qgather("run", "--world-sizes", "5", "-q", "--formats", "nvfp4_2d", *workers)
-    assert_one_line(result, 2, "--world-sizes 5")
+    assert_one_line(result, 4, "--world-sizes 5")
 
 
 def test_world_sizes_without_cases_under_plain_pytest():
@@ -88,11 +88,11 @@ def test_world_sizes_without_cases_under_plain_pytest():
 @pytest.mark.parametrize("command", ["run", "case"])
 def test_gpu_asked_without_gpu(command, option):
     args = ["run", *option, "-q"] if command == "run" else ["case", CASE, *option]
-    assert_one_line(qgather(*args), 2, option[0], "no CUDA GPU")
+    assert_one_line(qgather(*args), 4, option[0], "no CUDA GPU")
 
 
-def test_selftest_usage_error_exits_2():
-    assert qgather("selftest", "--no-such-option").returncode == 2
+def test_selftest_usage_error_exits_4():
+    assert qgather("selftest", "--no-such-option").returncode == 4
 
 
 # The golden check: every bad entry reported, the rest still checked, exit 1.
@@ -159,7 +159,7 @@ def test_help_and_a_bad_option_start_no_torch():
             "main(['run', '--case-timeout=nan'])]; print(rcs, 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": REPO})
-    assert result.stdout.strip().splitlines()[-1] == "[0, 2, 2] False", result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[0, 4, 4] False", result.stdout + result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 2, result.stderr
 
 
@@ -190,8 +190,8 @@ def test_bench_passes_options_to_the_one_named_benchmark_and_refuses_them_for_se
         sys.modules["fake_formats"] = sys.modules["fake_gpu"] = Fake
         assert bench.main(["gpu", "--backend", "gloo", "--profile"]) == 0
         assert seen == [["--backend", "gloo", "--profile"]]
-        assert bench.main(["formats", "gpu", "--profile"]) == 2
-        assert bench.main(["nope"]) == 2
+        assert bench.main(["formats", "gpu", "--profile"]) == 4
+        assert bench.main(["nope"]) == 4
         assert seen == [["--backend", "gloo", "--profile"]]
     finally:
         bench.BENCHES.clear()

@@ -47,7 +47,7 @@ def test_list_cases_matches_pytest_collection():
 
 def test_list_cases_empty_selection_is_a_usage_error():
     result = qgather("list", "--cases", "--world-sizes", "5")
-    assert result.returncode == 2
+    assert result.returncode == 4
     assert result.stderr.strip() == "qgather list: the selection has no cases"
 
 

@@ -37,9 +37,9 @@ def test_filter_keeps_one_summary_line():
     assert f.filter(other)
 
 
-def test_run_quiet_keeps_final_line():
+def test_run_quiet_keeps_final_line(tmp_path):
     result = run("-m", "qgather", "run", "-q", "--formats", "nvfp4_2d", "--world-sizes", "1",
-                 "--scenarios", "gather", "-k", "alignment")
+                 "--scenarios", "gather", "-k", "alignment", "--report-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:]
     last = [line for line in result.stdout.splitlines() if line.strip()][-1]
     assert " passed" in last and " in " in last, last

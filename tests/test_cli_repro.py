@@ -17,6 +17,13 @@ def qgather(*args: str, pythonpath: str = REPO, cwd: str = REPO) -> subprocess.C
                           cwd=cwd, env=env, timeout=300)
 
 
+def activated_env() -> dict[str, str]:
+    """A fresh shell after README's set-up (`source .venv/bin/activate`): this venv's bin first on PATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    return env
+
+
 def _reproduce_line(stdout: str) -> str:
     return [line for line in stdout.splitlines() if line.startswith("reproduce: ")][-1][len("reproduce: "):]
 
@@ -29,8 +36,8 @@ def test_repro_prints_report_environment_and_command(tmp_path):
     for key in ("python: ", "torch: ", "transformer_engine: ", "torchao: ", "gpu: ", "backend: gloo"):
         assert key in out
     command = _reproduce_line(out)
-    assert command.split()[-1] == CASE or CASE in command
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assert command == f"qgather case {CASE}"  # the plain command, as every report prints it
+    env = activated_env()
     rerun = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=str(tmp_path), env=env,
                            timeout=300)
     assert rerun.returncode == 0, rerun.stderr
@@ -48,7 +55,7 @@ def test_repro_external_adapter_command_works_from_fresh_shell(tmp_path):
     assert result.returncode == 0, result.stderr
     command = _reproduce_line(result.stdout)
     assert command.startswith("PYTHONPATH=") and str(pkg) in shlex.split(command)[0]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = activated_env()
     rerun = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd="/", env=env, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert f"{case}: EXACT" in rerun.stdout
@@ -60,9 +67,9 @@ def test_repro_failing_verdict_exits_1():
     assert "reproduce: " in result.stdout
 
 
-def test_repro_bad_input_exits_2():
+def test_repro_bad_input_exits_4():
     result = qgather("repro", "reference:nofmt:64x64:bf16:ws2:gather:s0")
-    assert result.returncode == 2
+    assert result.returncode == 4
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("qgather repro:")
 

@@ -57,7 +57,7 @@ def test_cli_case_reproduces_and_sets_the_exit_code():
     done = _cli("case", "reference:nvfp4_2d:64x64:bf16:ws2:virtual:s0")
     assert done.returncode == 0 and "EXACT" in done.stdout
     bad = _cli("case", "reference:fp7:8x64:bf16:ws2:gather:s0")
-    assert bad.returncode == 2
+    assert bad.returncode == 4
     assert bad.stderr.strip().count("\n") == 0 and "unknown format 'fp7'" in bad.stderr
     assert "Traceback" not in bad.stderr
 

@@ -118,7 +118,7 @@ def test_a_bad_baseline_is_one_clear_line(tmp_path, command):
         assert result.returncode == 4
     else:
         result = run("run", "--baseline", str(bad), "--formats", "fp8_tensor", module="qgather")
-        assert result.returncode == 2
+        assert result.returncode == 4
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"baseline {bad}: not valid TOML" in lines[0] and "line 2" in lines[0]
@@ -244,7 +244,7 @@ def test_baseline_update_from_a_file_that_is_not_a_run_is_one_line(tmp_path):
     (tmp_path / "x.json").write_text('{"what": 1}')
     result = run("baseline", "update", "--from", str(tmp_path / "x.json"), "--file", str(tmp_path / "k.toml"),
                  module="qgather")
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.returncode == 4 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "not a qgather verdicts.json" in result.stderr
 
 

@@ -129,19 +129,19 @@ def test_reference_small_sweep_has_no_failure_groups():
     (["--impl", "reference", "--format", FMT, "--budget-s", "nan"], "--budget-s"),
     (["--impl", "reference", "--format", FMT, "--dtype", "int8"], "--dtype"),
 ])
-def test_bad_input_exits_2_with_one_line(argv, says, capsys):
+def test_bad_input_exits_4_with_one_line(argv, says, capsys):
     rc, out = _sweep(*argv)
     err = capsys.readouterr().err.strip()
-    assert rc == 2
+    assert rc == 4
     assert out == ""
     assert len(err.splitlines()) == 1 and err.startswith("qgather sweep: ") and says in err
 
 
-def test_cli_dispatches_sweep_and_exits_2_on_bad_input():
+def test_cli_dispatches_sweep_and_exits_4_on_bad_input():
     env = {**os.environ, "PYTHONPATH": REPO}
     result = subprocess.run([sys.executable, "-m", "qgather", "sweep", "--impl", "reference", "--format", "fp3"],
                             capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
-    assert result.returncode == 2
+    assert result.returncode == 4
     lines = [line for line in result.stderr.splitlines() if line.startswith("qgather sweep: ")]
     assert len(lines) == 1 and "unknown format" in lines[0]
 

@@ -4,7 +4,9 @@ module whose `main(argv) -> int` parses its own arguments.
 A command's module is imported only when the command runs (`importlib`, from the table below), so
 that `qgather --help` stays fast and starts no torch, and a missing optional library only affects
 the command that needs it. The commands that run cases unwind through the rank pools' cleanup on
-SIGTERM and Ctrl-C. A bad option value is one line on stderr and exit status 2, in every command.
+SIGTERM and Ctrl-C. Exit status, in every command, pytest's convention (README's "Exit codes"):
+0 ok, 1 a failing verdict / a surviving mutant / a stale baseline entry, 2 interrupted (Ctrl-C,
+SIGTERM), 4 bad input (one line on stderr: a bad option value, an unknown name, an empty selection).
 
     run        qgather.cli.run        the case suite under pytest
     case       qgather.cli.case       cases by id, their reports
@@ -28,7 +30,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qgather.cli.common import OptionRefused, usage, with_cleanup_on_signals
+from qgather.cli.common import USAGE_ERROR, OptionRefused, usage, with_cleanup_on_signals
+from qgather.errors import UsageError
 from qgather.quiet import quiet_torchao
 
 
@@ -99,13 +102,18 @@ def _main(argv: list[str]) -> int:
     quiet_torchao()
     if not argv or argv[0] in ("-h", "--help"):
         build_parser().print_help()
-        return 0 if argv else 2
+        return 0 if argv else USAGE_ERROR
     name, rest = argv[0], argv[1:]
     command = COMMANDS.get(name)
     if command is None:
-        build_parser().parse_args(argv)  # argparse's "invalid choice" message, exit 2
-        return 2
+        return usage(name, f"no such command; choose from {', '.join(COMMANDS)}")
     try:
         return command.main(rest)
     except OptionRefused as exc:  # from a module outside qgather.cli that adds the shared options (sweep)
         return usage(name, exc.message)
+    except UsageError as exc:  # a name no registry knows (a mutant, a benchmark), from any command
+        return usage(name, str(exc))
+    except SystemExit as exc:  # argparse's own refusal exits 2, pytest's "interrupted": bad input is 4
+        if exc.code == 2:
+            return USAGE_ERROR
+        raise

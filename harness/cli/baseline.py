@@ -19,7 +19,8 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="qgather baseline", description=main.__doc__)
     sub = parser.add_subparsers(dest="action", required=True)
     up = sub.add_parser("update", help="update the baseline from a run's verdicts.json (a minimal diff)")
-    up.add_argument("--from", dest="source", required=True, metavar="VERDICTS_JSON")
+    up.add_argument("--from", dest="source", required=True, metavar="VERDICTS_JSON",
+                    help="the verdicts.json of a run (--report-dir) whose failures the baseline lists")
     up.add_argument("--file", default=DEFAULT_FILE, help=f"the baseline to update (default: {DEFAULT_FILE})")
     args = parser.parse_args(argv)
     try:

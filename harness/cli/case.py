@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-from qgather.cli.common import add_run_options, refusing_in_one_line, run_options, shutdown_pools, usage
+from qgather.cli.common import USAGE_ERROR, add_run_options, refusing_in_one_line, run_options, shutdown_pools, usage
 from qgather.errors import UsageError
 from qgather.model.repro import repro_command
 
@@ -28,7 +28,7 @@ def main_case(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     options = run_options("case", args)
     if options is None:
-        return 2
+        return USAGE_ERROR
     from qgather.engine.run import run_case  # deferred: torch, once the options are checked
     from qgather.impls import UnknownImplementationError
     from qgather.model.case import CaseSpec
@@ -55,7 +55,7 @@ def main_repro(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     options = run_options("repro", args)
     if options is None:
-        return 2
+        return USAGE_ERROR
     from qgather.engine.run import run_case  # deferred: torch, once the options are checked
     from qgather.impls import UnknownImplementationError
     from qgather.model.case import CaseSpec

@@ -22,9 +22,13 @@ if TYPE_CHECKING:  # imported when a case runs: the CLI starts without torch
     from qgather.engine.run import RunOptions
 
 
+USAGE_ERROR = 4  # pytest.ExitCode.USAGE_ERROR: bad input, in every command (README's "Exit codes")
+INTERRUPTED = 2  # pytest.ExitCode.INTERRUPTED: Ctrl-C or SIGTERM during a run
+
+
 class OptionRefused(QgatherError):
     """A bad option value met while parsing. Not a ValueError, which argparse would turn into its
-    two-line usage message: it reaches `qgather.cli.main`, which prints one line and exits 2."""
+    two-line usage message: it reaches `qgather.cli.main`, which prints one line and exits 4."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -43,7 +47,7 @@ def _for_cli(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def refusing_in_one_line(command: str) -> Callable[[Callable[[Sequence[str]], int]], Callable[[Sequence[str]], int]]:
-    """Decorate a command's main: a bad option value (OptionRefused) is `usage(command, ...)`, exit 2."""
+    """Decorate a command's main: a bad option value (OptionRefused) is `usage(command, ...)`, exit 4."""
 
     def decorate(main: Callable[[Sequence[str]], int]) -> Callable[[Sequence[str]], int]:
         @functools.wraps(main)
@@ -77,7 +81,7 @@ def add_selection_options(parser: argparse.ArgumentParser) -> None:
 def usage(command: str, message: str) -> int:
     """Print `qgather <command>: <message>` to stderr, one line; the usage-error exit status."""
     print(f"qgather {command}: {message}", file=sys.stderr)
-    return 2
+    return USAGE_ERROR
 
 
 def run_options(command: str, args: argparse.Namespace) -> RunOptions | None:
@@ -104,7 +108,8 @@ def shutdown_pools() -> None:
 
 def with_cleanup_on_signals(command: str, run: Callable[[Sequence[str]], int], rest: Sequence[str]) -> int:
     """SIGTERM and Ctrl-C unwind through the pools' own cleanup (their `finally`s stop every rank
-    and helper), then exit non-zero: 128 + the signal number, as a shell reports it.
+    and helper), then exit 2 (pytest's "interrupted"; the pytest session of `qgather run` has
+    printed how many cases ran).
 
     SIGTERM is raised as KeyboardInterrupt, which an in-process pytest session (`qgather run`)
     treats as the end of the session, where a SystemExit would only fail the running test.
@@ -121,10 +126,10 @@ def with_cleanup_on_signals(command: str, run: Callable[[Sequence[str]], int], r
         rc = run(rest)
     except KeyboardInterrupt:
         print(f"qgather {command}: interrupted", file=sys.stderr)
-        rc = 128 + (received[0] if received else signal.SIGINT)
+        rc = INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
         shutdown_pools()
     if received and rc == 0:
-        rc = 128 + received[0]
+        rc = INTERRUPTED
     return rc

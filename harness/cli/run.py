@@ -1,5 +1,9 @@
-"""`qgather run`: the case suite under pytest, in this process, with qgather's options checked first
-(by the plugin's own parsers) and reports written by default."""
+"""`qgather run`: the case suite under pytest, in this process, with qgather's options and selection
+checked first (by the plugin's own parsers) and reports written by default.
+
+The default run is the default suite, what CI runs: `-m "not slow"` unless the user gives `-m` or
+`--exhaustive`. Exit status: pytest's (0 ok, 1 failing verdicts, 2 interrupted, 4 usage error); a
+selection that collects nothing (pytest's 5) is a usage error, 4."""
 
 from __future__ import annotations
 
@@ -9,9 +13,11 @@ import io
 from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, usage
+from qgather.model.options import joined_impls
 from qgather.paths import checkout_root, suite_dir
 
-PYTEST_USAGE_ERROR = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest for --help
+USAGE_ERROR = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest for --help
+NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 
 
 @refusing_in_one_line("run")
@@ -21,15 +27,24 @@ def main(extra: Sequence[str]) -> int:
     if "-h" in extra or "--help" in extra:
         return _help()
     args, _rest = _own_options().parse_known_args(extra)  # a bad value raises OptionRefused: one line
-    problem = _world_sizes_problem(args.world_sizes)
+    problem = _selection_problem(args)
     if problem:
         return usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
     quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
     # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
     reports = [] if _given(extra, "--report-dir") else ["--report-dir", "reports"]
-    rc = _pytest([*suite_pytest_args(), *quiet, "--qgather-summary", *reports, *extra])
-    return 2 if rc == PYTEST_USAGE_ERROR else rc
+    rc = _pytest([*suite_pytest_args(), *quiet, *default_markers(extra), "--qgather-summary", *reports, *extra])
+    if rc == NO_TESTS_COLLECTED:  # the selection ran nothing (the user's -m or -k made it empty)
+        return usage("run", "the selection collected no test (see -m / -k); nothing ran")
+    return rc
+
+
+def default_markers(extra: Sequence[str]) -> list[str]:
+    """`-m "not slow"` (the default suite, what CI runs) unless the user chose markers (-m) or the
+    full products (--exhaustive)."""
+    chosen = any(a == "-m" or (a.startswith("-m") and not a.startswith("--")) for a in extra)
+    return [] if chosen or "--exhaustive" in extra else ["-m", "not slow"]
 
 
 def _own_options() -> argparse.ArgumentParser:
@@ -44,15 +59,31 @@ def _given(args: list[str], name: str) -> bool:
     return any(a == name or a.startswith(name + "=") for a in args)
 
 
-def _world_sizes_problem(sizes: tuple[int, ...] | None) -> str | None:
-    """--world-sizes that no sweep of the suite has (checked here too: under xdist pytest cannot say so)."""
-    if not sizes:
+def _selection_problem(args: argparse.Namespace) -> str | None:
+    """Why the selection (--impl, --formats, --world-sizes, --scenarios) has no case of the suite
+    (None: it has some). Checked here too: under xdist the plugin's own check cannot stop the session."""
+    if not (args.formats or args.world_sizes or args.scenarios or args.impl):
         return None
-    from qgather.suite.modules import suite_sweeps  # deferred: the suite imports torch
+    from qgather.suite.coverage import suite_cases  # deferred: the suite imports torch
 
-    if any(set(sizes) & set(sweep.world_sizes) for _m, sweep, _i in suite_sweeps()):
+    cases, _ = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
+                           args.exhaustive)
+    if cases:
         return None
-    return f"--world-sizes {','.join(map(str, sorted(sizes)))}: no case in the selected suite has that world size"
+    if args.world_sizes and not suite_cases(list(joined_impls(args.impl)), world_sizes=args.world_sizes)[0]:
+        return f"--world-sizes {','.join(map(str, sorted(args.world_sizes)))}: no case in the selected suite has " \
+               "that world size"
+    return f"{selection_text(args)}: no case of the suite matches this selection"
+
+
+def selection_text(args: argparse.Namespace) -> str:
+    """The selection options as given, e.g. `--formats fp8_tensor --scenarios model`."""
+    parts = [f"--impl {','.join(joined_impls(args.impl))}"] if args.impl else []
+    for flag, value in (("--formats", args.formats), ("--world-sizes", args.world_sizes),
+                        ("--scenarios", args.scenarios)):
+        if value:
+            parts.append(f"{flag} {','.join(map(str, value))}")
+    return " ".join(parts)
 
 
 def suite_pytest_args() -> list[str]:

@@ -14,6 +14,8 @@ and an option refused by its syntax alone start no torch.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +113,21 @@ def gpu_problem(device: str, backend: str) -> str | None:
         return None
     asked = "--device cuda" if device == "cuda" else "--backend nccl"
     return f"{asked}: no CUDA GPU on this host (torch.cuda.is_available() is False)"
+
+
+def output_problem(flag: str, path: str, directory: bool = False) -> str | None:
+    """Why qgather cannot write the output `path` of option `flag` (None: it can), checked before the
+    first case runs. The directory (of a file: its parent) is created, as the run would create it."""
+    folder = path if directory else os.path.dirname(os.path.abspath(path))
+    if not directory and os.path.isdir(path):
+        return f"{flag} {path}: is a directory, not a file"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".qgather-probe-"):
+            pass
+    except OSError as exc:
+        return f"{flag} {path}: cannot write there ({exc.strerror or type(exc).__name__})"
+    return None
 
 
 # ------------------------------------------------------------------ declarations

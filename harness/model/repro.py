@@ -1,5 +1,6 @@
 """The one command that reruns a case: `qgather case <id>` with the run options that differ from
-the defaults. Every report (the failure text, the terminal summary, JSON, Markdown, JUnit) and
+the defaults, as typed in the shell README's set-up leaves the user in (the venv activated).
+Every report (the failure text, the terminal summary, JSON, Markdown, JUnit) and
 `qgather repro` print what this module builds."""
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ def repro_command(case_id: str, backend: str = "auto", device: str = "auto", cas
     Args:
         case_id: the case's id (`impl:format:MxK:dtype:wsN:scenario:sSEED[:CONFIG]`).
         backend, device, case_timeout: the run's options; defaults are left out.
-        standalone: a command that works from a fresh shell in any directory: this Python's
-            `-m qgather`, with PYTHONPATH for modules that shell could not import (a user's adapter).
+        standalone: a command that works from a fresh shell in any directory with qgather's
+            environment active (README's set-up: `source .venv/bin/activate`), with PYTHONPATH for
+            modules that shell could not import (a user's adapter).
 
     Example:
         >>> repro_command("reference:fp8_tensor:128x64:bf16:ws2:gather:s0", device="cpu")
         'qgather case reference:fp8_tensor:128x64:bf16:ws2:gather:s0 --device cpu'
     """
-    words = [sys.executable, "-m", "qgather"] if standalone else ["qgather"]
-    words += ["case", case_id]
+    words = ["qgather", "case", case_id]  # every printed repro is the plain command (README's shell has it)
     if device != "auto":
         words += ["--device", device]
     if backend != "auto":

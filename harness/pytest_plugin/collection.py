@@ -47,11 +47,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """A --world-sizes selection that no sweep has would otherwise pass green with nothing run."""
+    """A selection (--formats, --world-sizes, --scenarios) that matches no case of the sweeps
+    collected would otherwise pass green with nothing run: a usage error."""
     if role(session.config) is Role.XDIST_WORKER:
         return  # an xdist worker cannot stop the session cleanly; `qgather run` checks before pytest starts
-    sizes = settings(session.config).world_sizes
+    options = settings(session.config)
     counts = session.config.stash.get(sweep_sizes_key, None)
-    if sizes and counts is not None and sum(counts) == 0:
-        raise pytest.UsageError(f"--world-sizes {','.join(map(str, sizes))}: no case in the selected suite has "
-                                "that world size")
+    if counts is None or sum(counts):
+        return  # the selection has cases
+    if options.world_sizes:
+        raise pytest.UsageError(f"--world-sizes {','.join(map(str, options.world_sizes))}: no case in the selected "
+                                "suite has that world size")
+    given = [f"{flag} {','.join(map(str, value))}" for flag, value in (
+        ("--formats", options.formats), ("--scenarios", options.scenarios)) if value]
+    if given and counts:  # sweeps were collected, none with a case of this selection
+        raise pytest.UsageError(f"{' '.join(given)}: no case of the suite matches this selection")

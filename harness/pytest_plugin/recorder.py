@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Generator
@@ -22,8 +23,11 @@ from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.options import Settings
 from qgather.pytest_plugin.reports import build as build_reports
 from qgather.pytest_plugin.reports import write as write_reports
+from qgather.pytest_plugin.reports import write_text
 from qgather.pytest_plugin.results import Row, RunResults
+from qgather.pytest_plugin.summary import coverage_of
 from qgather.pytest_plugin.summary import write as write_summary
+from qgather.suite.coverage import markdown as coverage_markdown
 
 JSON_EVERY_S = 1.0  # --qgather-json is rewritten at most this often while cases finish, and at the end
 
@@ -43,6 +47,15 @@ def report_outcome(report: pytest.TestReport) -> Outcome:
     return Outcome(report.outcome)
 
 
+def is_case_test(nodeid: str) -> bool:
+    """A test parametrized with one case: its id's parameter is a case id (`impl:format:...:wsN:...`)."""
+    param = nodeid.partition("[")[2]
+    return bool(CASE_PARAM.search(param))
+
+
+CASE_PARAM = re.compile(r":ws\d+:")
+
+
 class Recorder:
     """Collects the session's case records and counts; writes verdicts.json/md and --qgather-json."""
 
@@ -57,6 +70,7 @@ class Recorder:
         self._rows: dict[Row, Counter[str]] = {row: Counter() for row in Row}
         self._json_written = 0.0
         self.ran_nothing: dict[str, str] = {}
+        self.collected_cases = 0  # case tests collected (M of "interrupted after N of M cases")
 
     # ------------------------------------------------------------------ hooks
     @pytest.hookimpl(tryfirst=True)  # before junitxml's: the record is not a property for junit.xml
@@ -87,20 +101,61 @@ class Recorder:
         elif report.skipped:
             self._count(Row.OTHER, "skipped", report.nodeid, False)
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """How many case tests this process collected (without xdist: all of them)."""
+        self.collected_cases = sum(1 for item in session.items if is_case_test(item.nodeid))
+
+    def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
+        """Under xdist: every worker collects the whole session; the first one's count is the session's."""
+        if not self.collected_cases:
+            self.collected_cases = sum(1 for nodeid in ids if is_case_test(nodeid))
+
     @pytest.hookimpl(wrapper=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
         """Before the other hooks: fail a run in which a named implementation ran nothing (so that
         a launched job's ranks agree on that exit status). After them: write the reports."""
+        self.interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
         self._gate(session)
         yield
         self._write_json(force=True)
         if self.settings.report_dir and not self.config.option.collectonly:
-            write_reports(self.settings.report_dir, build_reports(self.results(), self.settings, session))
+            results = self.results()
+            data = build_reports(results, self.settings, session)
+            data["incomplete"] = self.interrupted
+            data["collected_cases"] = self.collected_cases
+            write_reports(self.settings.report_dir, data)
+            cov = coverage_of(results)
+            if cov is not None:
+                write_text(os.path.join(self.settings.report_dir, "coverage.md"), coverage_markdown(cov))
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
-        """The ran-nothing gate's reason, the coverage of the cases run and, with --qgather-summary,
-        the verdicts reconciled with pytest's final line."""
-        write_summary(terminalreporter, self.results(), verdicts=self.settings.summary)
+        """The ran-nothing gate's reason, with --qgather-summary the verdicts reconciled with
+        pytest's final line, the interruption, the coverage's broken promises, where the reports are."""
+        write_summary(terminalreporter, self.results(), verdicts=self.settings.summary,
+                      reports=self.report_files(), interrupted=self.interrupted_line())
+
+    # ------------------------------------------------------------------ interruption and files
+    interrupted = False
+
+    def interrupted_line(self) -> str:
+        """`qgather: interrupted after N of M cases` when the session was interrupted, else ""."""
+        if not self.interrupted:
+            return ""
+        ran = len(self._checked)
+        return f"qgather: interrupted after {ran} of {max(self.collected_cases, ran)} cases"
+
+    def report_files(self) -> list[str]:
+        """The report directory and the files this session writes there ([] without --report-dir)."""
+        directory = self.settings.report_dir
+        if not directory or self.config.option.collectonly:
+            return []
+        files = ["verdicts.md", "verdicts.json"]
+        xml = self.config.option.xmlpath
+        if xml and os.path.dirname(os.path.abspath(xml)) == os.path.abspath(directory):
+            files.append(os.path.basename(xml))
+        if self._checked or self._also_ran:
+            files.append("coverage.md")
+        return [directory.rstrip("/") + "/", *files]
 
     # ------------------------------------------------------------------ records
     def results(self) -> RunResults:

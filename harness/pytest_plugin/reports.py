@@ -146,6 +146,8 @@ def _headline(data: dict[str, Any]) -> str:
     baseline = f", baseline `{session['baseline']}`" if session.get("baseline") else ""
     red = session.get("exit_status", 0) or outcomes["failed"] or outcomes["xpassed"]
     verdict = "**red**" if red else "**green**"
+    if data.get("incomplete"):  # the cases that did not run are counted nowhere above
+        verdict = f"**incomplete (interrupted)** after {total} of {data.get('collected_cases') or total} cases"
     return f"{verdict}: {total} cases - {', '.join(parts)} ({where}{baseline})"
 
 
@@ -242,11 +244,12 @@ def _cell(text: str) -> str:
 def write(directory: str, data: dict[str, Any]) -> None:
     """verdicts.json and verdicts.md into `directory`, each replaced whole (never half written)."""
     os.makedirs(directory, exist_ok=True)
-    _replace(os.path.join(directory, "verdicts.json"), json.dumps(data, indent=1, default=str) + "\n")
-    _replace(os.path.join(directory, "verdicts.md"), render_markdown(data))
+    write_text(os.path.join(directory, "verdicts.json"), json.dumps(data, indent=1, default=str) + "\n")
+    write_text(os.path.join(directory, "verdicts.md"), render_markdown(data))
 
 
-def _replace(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
+    """Replace the file at `path` whole with `text` (never half written)."""
     partial = path + ".partial"
     with open(partial, "w") as fh:
         fh.write(text)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from qgather.model.options import output_problem
 from qgather.pytest_plugin.collection import sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.options import Settings, settings_key
@@ -40,9 +41,21 @@ def pytest_configure(config: pytest.Config) -> None:
     elif this is Role.REPORTER:
         if options.report_dir and not config.option.xmlpath and not config.option.collectonly:
             config.option.xmlpath = os.path.join(options.report_dir, "junit.xml")
+        if not config.option.collectonly:
+            _check_outputs(config, options)
         recorder = Recorder(config, options)
         config.stash[recorder_key] = recorder
         config.pluginmanager.register(recorder, RECORDER_NAME)
+
+
+def _check_outputs(config: pytest.Config, options: Settings) -> None:
+    """Every output path is writable, before the first case (not a traceback after the last)."""
+    outputs = [("--report-dir", options.report_dir, True), ("--junitxml", config.option.xmlpath, False),
+               ("--qgather-json", options.json_path, False)]
+    for flag, path, directory in outputs:
+        problem = path and output_problem(flag, path, directory)
+        if problem:
+            raise pytest.UsageError(problem)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1,30 +1,42 @@
-"""The terminal summary at the end of a session: the ran-nothing gate's reason, the coverage of the
-cases run, and (--qgather-summary) the verdicts per implementation with the counts reconciled with
-pytest's final line, then the first failures with the command that reruns each.
+"""The terminal summary at the end of a session: the ran-nothing gate's reason, (--qgather-summary)
+the verdicts per implementation with the counts reconciled with pytest's final line and the first
+failures with the command that reruns each, the coverage's broken promises (or one line saying none
+is broken), and where the reports are.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pytest
 
 from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin.results import RunResults
-from qgather.suite.coverage import measure, summary_lines
+from qgather.suite.coverage import Coverage, measure, promise_lines
 
 FAILURES_SHOWN = 20
 
 
-def write(terminal: pytest.TerminalReporter, results: RunResults, verdicts: bool) -> None:
-    """Everything qgather adds to pytest's terminal summary; the verdicts only when asked."""
+def write(terminal: pytest.TerminalReporter, results: RunResults, verdicts: bool, reports: Sequence[str] = (),
+          interrupted: str = "") -> None:
+    """Everything qgather adds to pytest's terminal summary; the verdicts only when asked; `reports`:
+    the report files this session writes (their directory first); `interrupted`: the interruption line."""
     for impl, reason in results.ran_nothing.items():
         terminal.write_line(f"qgather: every {impl} case was skipped, so nothing of it was tested "
                             f"(first reason: {reason}); failing the run", red=True)
-    _coverage(terminal, results)
     if verdicts and (results.cases or results.also_ran):
         terminal.section("qgather verdicts")
         for line in verdict_lines(results):
             terminal.write_line(line)
+    if interrupted:
+        terminal.write_line(interrupted, red=True)
+    cov = coverage_of(results)
+    if cov is not None:
+        for line in promise_lines(cov):
+            terminal.write_line(line, red=line.lstrip().startswith("MISSING"))
+    if reports:
+        terminal.write_line(f"reports written to {reports[0]}: {', '.join(reports[1:])}")
 
 
 def verdict_lines(results: RunResults) -> list[str]:
@@ -56,16 +68,13 @@ def _first_line(text: str) -> str:
     return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
 
 
-def _coverage(terminal: pytest.TerminalReporter, results: RunResults) -> None:
-    """The coverage of the cases this session ran (`qgather coverage` prints the whole matrix)."""
+def coverage_of(results: RunResults) -> Coverage | None:
+    """The coverage of the cases this session ran (None: no case id); `qgather coverage` prints a
+    selection's whole matrix, the report directory holds this session's (coverage.md)."""
     specs = []
     for record in (*results.cases, *results.also_ran):
         try:
             specs.append(CaseSpec.parse(record.case))  # coverage reads the shape, which only the spec holds
         except CaseSpecError:
             continue
-    if not specs:
-        return
-    terminal.section("qgather coverage (format x buffer x regime x scenario x configuration)")
-    for line in summary_lines(measure(specs)):
-        terminal.write_line(line, red=line.lstrip().startswith("MISSING"))
+    return measure(specs) if specs else None

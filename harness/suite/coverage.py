@@ -7,7 +7,8 @@ of other configurations are shown when hit (they are covered pairwise, not promi
 
 `qgather coverage [--impl ..] [--formats ..] [--world-sizes ..] [--scenarios ..] [--exhaustive]`
 (qgather.cli.coverage) prints the matrix of the suite's selection as Markdown (exit 1 if a promised
-cell is missing); the pytest plugin prints its summary at the end of a session.
+cell is missing); the pytest plugin prints its broken promises (`promise_lines`) at the end of a session and
+writes the matrix of the cases it ran to the report directory's coverage.md.
 """
 
 from __future__ import annotations
@@ -95,6 +96,21 @@ def summary_lines(cov: Coverage, limit: int = 20) -> list[str]:
     for key in cov.missing[:limit]:
         fmt, buf, regime, scenario, config, ws = key
         lines.append(f"  MISSING {fmt} {buf} {regime} at ws{ws} ({scenario}, {config})")
+    return lines
+
+
+def promise_lines(cov: Coverage, limit: int = 10) -> list[str]:
+    """The end of a session's summary: one line when every promised cell is hit, else the broken
+    promises (the first `limit` missing cells)."""
+    hit = len(cov.promised) - len(cov.missing)
+    head = f"coverage: {hit}/{len(cov.promised)} promised cells hit"
+    if not cov.missing:
+        return [head]
+    lines = [f"{head}, {len(cov.missing)} MISSING (the report directory's coverage.md has the matrix)"]
+    for fmt, buf, regime, scenario, config, ws in cov.missing[:limit]:
+        lines.append(f"  MISSING {fmt} {buf} {regime} at ws{ws} ({scenario}, {config})")
+    if len(cov.missing) > limit:
+        lines.append(f"  ... and {len(cov.missing) - limit} more")
     return lines
 
 

@@ -214,7 +214,8 @@ def corpus_bytes(out_dir: str = GOLDEN_DIR) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qgather golden", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--producer", choices=("reference", "te"), default="reference")
+    parser.add_argument("--producer", choices=("reference", "te"), default="reference",
+                        help="who quantizes the corpus: the reference or TransformerEngine (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="verify the stored corpus instead of writing")
     parser.add_argument("--dir", default=GOLDEN_DIR, help="the corpus directory (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     if args.producer == "te" and not torch.cuda.is_available():
         print("qgather golden --producer te: needs a CUDA GPU with TransformerEngine", file=sys.stderr)
-        return 2
+        return 4  # the usage-error exit status (README "Exit codes")
     notes = write(args.producer, args.dir)
     for note in notes:
         print(note)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from qgather.engine.run import RunOptions, run_case
+from qgather.errors import UsageError
 from qgather.formats import FORMATS
 from qgather.impls.mutants import MUTANTS, Mutant
 from qgather.model.case import CaseSpec
@@ -127,8 +128,7 @@ def _select(names: Sequence[str]) -> list[type[Mutant]]:
     by_name = {m.bug: m for m in MUTANTS} | {m.name: m for m in MUTANTS}
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise SystemExit(f"qgather selftest: unknown mutant {unknown[0]!r}; "
-                         f"choose from {', '.join(m.bug for m in MUTANTS)}")
+        raise UsageError(f"unknown mutant {unknown[0]!r}; choose from {', '.join(m.bug for m in MUTANTS)}")
     return [by_name[n] for n in names]
 
 

@@ -1,0 +1,178 @@
+"""What a user meets in `qgather run`, `pytest cases` and the CLI: the default run is the default
+suite, every selection value and output path is checked before a case runs, one exit-code
+convention (pytest's: 0 ok, 1 failing verdicts, 2 interrupted, 4 usage error), every --help exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from qgather.cli import COMMANDS
+from qgather.cli.run import default_markers
+from qgather.suite.coverage import Coverage, promise_lines
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": REPO}
+
+
+def qgather(*args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qgather", *args], capture_output=True, text=True, cwd=cwd,
+                          env=ENV, timeout=300)
+
+
+def plain_pytest(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "cases", "-q", "-p", "no:cacheprovider", *args],
+                          capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+
+
+def one_line(result: subprocess.CompletedProcess, rc: int, *words: str) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == rc, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stdout + result.stderr
+    assert len(lines) == 1, result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------------ 1. the default run is the default suite
+@pytest.mark.parametrize("extra, markers", [
+    ([], ["-m", "not slow"]),
+    (["-q", "--formats", "nvfp4_2d"], ["-m", "not slow"]),
+    (["-m", "slow"], []),
+    (["-mslow"], []),
+    (["--exhaustive"], []),
+])
+def test_the_default_run_deselects_slow_unless_asked(extra, markers):
+    assert default_markers(extra) == markers
+
+
+def test_a_run_ends_with_a_short_summary_and_where_the_reports_are(tmp_path):
+    out = tmp_path / "reports"
+    result = qgather("run", "--formats", "nvfp4_2d", "--world-sizes", "2", "--scenarios", "gather",
+                     "--report-dir", str(out), cwd=str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:]
+    summary = result.stdout.split("qgather verdicts", 1)[1].splitlines()[1:]
+    assert len(summary) <= 15, summary
+    assert re.search(r"^coverage: (\d+)/\1 promised cells hit$", result.stdout, re.M), result.stdout[-2000:]
+    assert f"reports written to {out}/: verdicts.md, verdicts.json, junit.xml, coverage.md" in result.stdout
+    assert " deselected" in summary[-1]  # the slow cases: the default suite, not the full products
+    assert (out / "coverage.md").read_text().startswith("# qgather coverage: ")
+    assert json.loads((out / "verdicts.json").read_text())["incomplete"] is False
+
+
+def test_broken_promises_are_listed_and_a_kept_one_is_one_line():
+    key = ("nvfp4_2d", "data", "even", "gather", "default", 2)
+    assert promise_lines(Coverage(promised={key}, hits={key: 1})) == ["coverage: 1/1 promised cells hit"]
+    lines = promise_lines(Coverage(promised={key}))
+    assert lines[0].startswith("coverage: 0/1 promised cells hit, 1 MISSING")
+    assert lines[1] == "  MISSING nvfp4_2d data even at ws2 (gather, default)"
+
+
+# ------------------------------------------------------------------ 2. selections and output paths, checked first
+BAD_VALUES = [
+    ("--scenarios", "explode", "unknown scenario 'explode'; known: gather"),
+    ("--formats", "fp7", "unknown format 'fp7'; known: "),
+    ("--world-sizes", "x", "--world-sizes takes comma-separated integers"),
+    ("--world-sizes", "0", "--world-sizes: a world size must be >= 1"),
+    ("--impl", "no_such_impl", "--impl"),
+    ("--device", "tpu", "--device"),
+]
+
+
+# plain pytest parses with the same parsers (qgather.model.options): two of them there are enough
+@pytest.mark.parametrize("how, option, value, says", [
+    *(("run", *bad) for bad in BAD_VALUES), *(("pytest", *bad) for bad in BAD_VALUES[:2])])
+def test_a_bad_selection_value_is_one_line_exit_4(how, option, value, says):
+    result = qgather("run", option, value) if how == "run" else plain_pytest(option, value)
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
+    assert says in result.stderr and "Traceback" not in result.stderr + result.stdout
+    assert " passed" not in result.stdout and " skipped" not in result.stdout
+
+
+@pytest.mark.parametrize("how", ["run", "pytest"])
+def test_a_selection_without_cases_is_a_usage_error(how):
+    selection = ["--formats", "nvfp4_1d", "--scenarios", "model"]  # every name known, no case has both
+    if how == "run":
+        one_line(qgather("run", *selection), 4, "--formats nvfp4_1d --scenarios model", "no case")
+    else:
+        result = plain_pytest(*selection)
+        assert result.returncode == 4, result.stdout[-2000:]
+        assert "--formats nvfp4_1d --scenarios model: no case of the suite matches" in result.stderr
+
+
+def test_a_marker_selection_that_collects_nothing_is_a_usage_error(tmp_path):
+    one_line(qgather("run", "--formats", "nvfp4_2d", "-m", "no_such_marker", "--report-dir", str(tmp_path)), 4,
+             "collected no test")
+
+
+@pytest.mark.parametrize("how, option, path", [
+    ("run", "--report-dir", "/proc/x"), ("run", "--junitxml", "/proc/x.xml"), ("run", "--qgather-json", "/proc/x.json"),
+    ("run", "--qgather-json", "/"), ("pytest", "--report-dir", "/proc/x"),
+])
+def test_an_unwritable_output_is_refused_before_any_case(how, option, path):
+    args = ["--formats", "nvfp4_2d", option, path]
+    result = qgather("run", *args) if how == "run" else plain_pytest(*args)
+    line = one_line(result, 4, option, path)
+    assert "passed" not in result.stdout and "cannot write" in line or "is a directory" in line
+
+
+# ------------------------------------------------------------------ 3. exit codes and --help
+@pytest.mark.parametrize("argv, says", [
+    (["selftest", "no_such_mutant"], "unknown mutant 'no_such_mutant'"),
+    (["no_such_command"], "no such command"),
+    (["list", "--no-such-option"], ""),
+    (["gpu-check", "--no-such-option"], ""),
+    (["coverage", "--scenarios", "explode"], "unknown scenario"),
+])
+def test_bad_input_exits_4_in_every_command(argv, says):
+    result = qgather(*argv)
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
+    assert says in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_subcommand_help_prints_help_and_exits_0(command):
+    result = qgather(command, "--help")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.startswith(f"usage: qgather {command}"), result.stdout[:500]
+    lines = result.stdout.splitlines()
+    for i, line in enumerate(lines):  # argparse: an option without help stands alone on its line
+        if re.match(r"^  -\S", line) and "  " not in line.strip():
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            assert following.startswith(" " * 5), f"{command}: no help line for {line.strip()!r}"
+
+
+def test_the_usage_error_docstring_states_the_code():
+    from qgather.errors import UsageError
+
+    assert "Exit\n    code 4" in UsageError.__doc__
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_exits_2_and_says_what_ran(tmp_path, signum):
+    out, progress = tmp_path / "reports", tmp_path / "progress.json"
+    proc = subprocess.Popen([sys.executable, "-m", "qgather", "run", "--formats", "fp8_tensor,nvfp4_2d",
+                             "--scenarios", "gather,steps", "--report-dir", str(out), "--qgather-json", str(progress)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=ENV)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if progress.exists() and len(json.loads(progress.read_text() or "[]")) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 2, (proc.returncode, stdout[-2000:], stderr[-2000:])
+    match = re.search(r"qgather: interrupted after (\d+) of (\d+) cases", stdout + stderr)
+    assert match and 3 <= int(match[1]) < int(match[2]), stdout[-3000:]
+    data = json.loads((out / "verdicts.json").read_text())
+    assert data["incomplete"] is True and len(data["cases"]) == int(match[1])
+    assert sum(data["outcomes"].values()) == int(match[1])  # the cases that did not run are counted nowhere
+    assert "**incomplete (interrupted)**" in (out / "verdicts.md").read_text()
