@@ -58,3 +58,14 @@ def test_a_closed_pipe_ends_the_listing_quietly():
     proc.stdout.close()  # as `| head -1` does
     _, err = proc.communicate(timeout=120)
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()[-2000:]
+
+
+def test_list_cases_lists_what_run_runs_and_exhaustive_adds_the_slow_sweeps(capsys):
+    from qgather.cli import main
+
+    selection = ["list", "--cases", "--impl", "reference", "--formats", "fp8_tensor", "--world-sizes", "2"]
+    assert main(selection) == 0
+    default = set(capsys.readouterr().out.split())
+    assert main([*selection, "--exhaustive"]) == 0
+    exhaustive = set(capsys.readouterr().out.split())
+    assert default and default < exhaustive  # the full products (marked slow) only with --exhaustive

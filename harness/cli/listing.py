@@ -74,8 +74,11 @@ _LISTERS: dict[str, Callable[[], list[str]]] = {
 
 
 def _list_cases(args: argparse.Namespace) -> int:
+    """The ids `qgather run` would run with this selection: without --exhaustive, no sweep marked slow."""
     count = 0
     for _module, sweep, fixed in suite_sweeps():
+        if not args.exhaustive and "slow" in getattr(sweep, "marks", ()):
+            continue
         for case in sweep.cases(fixed or joined_impls(args.impl), formats=args.formats, world_sizes=args.world_sizes,
                                 scenarios=args.scenarios, exhaustive=args.exhaustive):
             print(case.id)

@@ -105,6 +105,7 @@ class Recorder:
         """How many case tests this process collected (without xdist: all of them)."""
         self.collected_cases = sum(1 for item in session.items if is_case_test(item.nodeid))
 
+    @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown where xdist is not loaded
     def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
         """Under xdist: every worker collects the whole session; the first one's count is the session's."""
         if not self.collected_cases:
