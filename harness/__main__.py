@@ -1,3 +1,5 @@
+"""`python -m qgather`: the command line (qgather.cli)."""
+
 import sys
 
 from qgather.cli import main
