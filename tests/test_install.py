@@ -120,9 +120,9 @@ def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(
     assert _case_ids(collected.stdout) == sorted(listed.stdout.split())
     assert "Warning" not in collected.stdout + collected.stderr, collected.stdout[-3000:]
 
+    # plain pytest: the default suite is -m 'not slow'
     pyargs = _run(["-m", "pytest", "--pyargs", "qgather.suite.cases", "--collect-only", "-q", "-p", "no:cacheprovider",
-                   "-m", "not slow", *SELECTION], elsewhere, installed)  # plain pytest: the default suite is -m 'not slow'
-
+                   "-m", "not slow", *SELECTION], elsewhere, installed)
     assert pyargs.returncode == 0, pyargs.stdout[-3000:] + pyargs.stderr[-3000:]
     assert _case_ids(pyargs.stdout) == sorted(listed.stdout.split())
 

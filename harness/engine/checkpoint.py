@@ -65,7 +65,7 @@ def _save(spec: CaseSpec, options: PoolOptions, path: str) -> tuple[str | None, 
     if outcome.status is OutcomeStatus.OK:
         return path, None
     if outcome.status is OutcomeStatus.ERROR:
-        # the adapter's own refusal rule (qgather.engine.run.refusal_check; not imported: run imports this module)
+        # the adapter's own refusal rule, as for the case itself (qgather.engine.run)
         found = classify_errors(outcome.errors, size, get_impl(spec.impl).refusal_problem)
         return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
     verdict = Verdict.HANG if outcome.status is OutcomeStatus.HANG else Verdict.CRASH

@@ -51,7 +51,7 @@ def classify_errors(errors: Mapping[int, RankError], world_size: int,
     rank may name its own shard size), before any data moved, of a type the implementation declares
     as its rejection (`refusal_problem` returns ""), and no internal fault (INTERNAL_ERRORS,
     INTERNAL_MESSAGES). Anything else is an ERROR with each rank's own message."""
-    lines = {rank: _line(e) for rank, e in errors.items()}
+    lines = {rank: e.first_line(limit=None) for rank, e in errors.items()}
     internal = any(INTERNAL_ERRORS & set(e.type_names or (e.type_name,)) for e in errors.values()) \
         or any(INTERNAL_MESSAGES.match(m) for m in lines.values())
     same = same_error_on_every_rank(errors, world_size) is not None
@@ -87,11 +87,6 @@ def _refusal(errors: Mapping[int, RankError], refusal_problem: RefusalCheck) -> 
         if error.phase not in BEFORE_DATA_MOVED:
             return f"raised in the {error.phase or 'unknown phase'}, not before any data moved"
     return ""
-
-
-def _line(error: RankError) -> str:
-    """'Type: first line of the message', whole (no cut: two ranks' messages are compared with it)."""
-    return f"{error.type_name}: {(error.message.strip().splitlines() or [''])[0]}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from qgather.engine.checkpoint import saved_checkpoint
-from qgather.engine.classify import Classification, RefusalCheck, classify_errors, classify_results
+from qgather.engine.classify import Classification, classify_errors, classify_results
 from qgather.engine.evidence import detail_evidence, note_lines, stack_lines, where_lines
 from qgather.errors import UsageError
 from qgather.formats import FORMATS
@@ -99,11 +99,6 @@ def _run(spec: CaseSpec, options: RunOptions) -> tuple[Classification, str]:
         return (failure, "") if failure else _run_on_pool(spec, options, checkpoint)
 
 
-def refusal_check(spec: CaseSpec) -> RefusalCheck:
-    """Whether an error of this case's implementation is one of its declared rejections."""
-    return get_impl(spec.impl).refusal_problem
-
-
 def _run_virtual(spec: CaseSpec) -> Classification:
     try:
         results = run_virtual(spec)
@@ -111,7 +106,7 @@ def _run_virtual(spec: CaseSpec) -> Classification:
         results = [exc] * spec.world_size
     errors = {rank: RankError.from_exception(rank, r) for rank, r in enumerate(results) if isinstance(r, BaseException)}
     if errors:
-        return classify_errors(errors, spec.world_size, refusal_check(spec))
+        return classify_errors(errors, spec.world_size, get_impl(spec.impl).refusal_problem)
     return classify_results(results)
 
 
@@ -138,7 +133,7 @@ def _classify_outcome(spec: CaseSpec, options: RunOptions, pool_spec: PoolSpec, 
     if outcome.status is OutcomeStatus.OK:
         return classify_results(outcome.results)
     if outcome.status is OutcomeStatus.ERROR:
-        return classify_errors(outcome.errors, spec.world_size, refusal_check(spec))
+        return classify_errors(outcome.errors, spec.world_size, get_impl(spec.impl).refusal_problem)
     headline = outcome.headline()
     if outcome.status is OutcomeStatus.HANG:
         lines = note_lines(outcome.notes) + stack_lines(outcome.stacks)
