@@ -80,23 +80,26 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     options = options or RunOptions()
     check_case(spec)
     started = time.monotonic()
-    found, placement = _run(spec, options)
+    found, placement, seconds = _run(spec, options)
     return CaseReport(spec, found.verdict, found.reason, found.details, expectation(spec),
                       time.monotonic() - started, placement,
-                      repro_command(spec.id, options.backend, options.device, options.case_timeout))
+                      repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds)
 
 
-def _run(spec: CaseSpec, options: RunOptions) -> tuple[Classification, str]:
+Seconds = tuple[tuple[str, float], ...]
+
+
+def _run(spec: CaseSpec, options: RunOptions) -> tuple[Classification, str, Seconds]:
     impl = get_impl(spec.impl)
     reason = impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl)
     if reason:
-        return Classification(Verdict.SKIPPED, reason), ""
+        return Classification(Verdict.SKIPPED, reason), "", ()
     if spec.scenario == "virtual":
-        return _run_virtual(spec), ""
+        return _run_virtual(spec), "", ()
     if spec.config.saved_at_world_size is None:
         return _run_on_pool(spec, options)
     with saved_checkpoint(spec, options) as (checkpoint, failure):
-        return (failure, "") if failure else _run_on_pool(spec, options, checkpoint)
+        return (failure, "", ()) if failure else _run_on_pool(spec, options, checkpoint)
 
 
 def _run_virtual(spec: CaseSpec) -> Classification:
@@ -110,22 +113,37 @@ def _run_virtual(spec: CaseSpec) -> Classification:
     return classify_results(results)
 
 
-def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> tuple[Classification, str]:
+def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> tuple[Classification, str, Seconds]:
     pool_spec = PoolSpec(backend=options.backend_for(spec.world_size), world_size=spec.world_size,
                          device=options.device_type())
     try:
         pool = get_pool(pool_spec.validate())
     except PoolSpecError as exc:  # also under torchrun/SLURM: a world size the launched job does not have
-        return Classification(Verdict.SKIPPED, str(exc)), ""
+        return Classification(Verdict.SKIPPED, str(exc)), "", ()
     kwargs = {"case_id": spec.id, "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
     outcome = pool.run(run_on_rank, spec, *case_args, **kwargs)
     found = _classify_outcome(spec, options, pool_spec, kwargs, outcome)
+    seconds = step_seconds(outcome)
     if not outcome.placement:
-        return found, ""
+        return found, "", seconds
     details = (*found.details, *where_lines(outcome))
-    return Classification(found.verdict, found.reason, details), outcome.placement
+    return Classification(found.verdict, found.reason, details), outcome.placement, seconds
+
+
+POOL_START = "pool start"
+
+
+def step_seconds(outcome: CaseOutcome) -> Seconds:
+    """Where the case's seconds went: the pool's start (when it was cold), then each step as long as
+    its slowest rank took (the ranks wait for each other in every collective)."""
+    slowest: dict[str, float] = {}
+    for result in outcome.results:
+        for step, seconds in getattr(result, "seconds", ()):
+            slowest[step] = max(slowest.get(step, 0.0), seconds)
+    head = ((POOL_START, outcome.startup_s),) if outcome.startup_s else ()
+    return head + tuple(slowest.items())
 
 
 def _classify_outcome(spec: CaseSpec, options: RunOptions, pool_spec: PoolSpec, kwargs: dict,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from qgather.errors import HarnessFault
@@ -100,6 +100,8 @@ class CaseRecord:
     repro: str  # the command that reruns the case (qgather.model.repro.repro_command)
     report: str  # the full case report (CaseReport.render)
     seconds: float = 0.0
+    #: where those seconds went: step -> seconds (qgather.engine.run.step_seconds); empty when not measured
+    step_seconds: dict[str, float] = field(default_factory=dict)
     placement: str = ""  # under a launcher: intra-node | cross-node
     checked: bool = False
     outcome: Outcome | None = None
@@ -125,6 +127,7 @@ class CaseRecord:
             repro=report.repro,
             report=report.render(),
             seconds=round(report.duration_s, 3),
+            step_seconds={step: round(value, 4) for step, value in report.seconds},
             placement=report.placement,
         )
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 
 class Phase(str, enum.Enum):
@@ -34,16 +35,60 @@ BEFORE_DATA_MOVED = frozenset({Phase.BUILD.value, Phase.SHARD.value, Phase.PRE_H
 
 
 class PhaseTracker:
-    """The phase this process is in; one tracker per scenario run."""
+    """The phase this process is in, and how long it spent in each (one tracker per scenario run).
 
-    def __init__(self) -> None:
-        self.current = Phase.BUILD
+    The clock charges the time between two phase changes to the phase that ran, and a `labelled`
+    block's time to its label (e.g. "golden"), so that a case's seconds can be read step by step.
+    `sync` (e.g. torch.cuda.synchronize) runs before every reading, so that device work queued in a
+    step is charged to that step and not to the next one that waits for it.
+    """
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self._current = Phase.BUILD
+        self._label = ""
+        self._sync = sync
+        self._since = time.perf_counter()
+        self._seconds: dict[str, float] = {}
+
+    @property
+    def current(self) -> Phase:
+        return self._current
+
+    @current.setter
+    def current(self, phase: Phase) -> None:
+        self._lap()
+        self._current = phase
 
     @contextlib.contextmanager
     def at(self, phase: Phase) -> Iterator[None]:
         """The block runs in `phase` (it stays the current one after the block, until the next)."""
         self.current = phase
         yield
+
+    @contextlib.contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        """The block's time is charged to `label`, whatever phases it passes through (the phase an error
+        is tagged with is unchanged)."""
+        self._lap()
+        outer, self._label = self._label, label
+        try:
+            yield
+        finally:
+            self._lap()
+            self._label = outer
+
+    def seconds(self) -> tuple[tuple[str, float], ...]:
+        """(step, seconds) so far, in the order the steps first ran."""
+        self._lap()
+        return tuple(self._seconds.items())
+
+    def _lap(self) -> None:
+        if self._sync is not None:
+            self._sync()
+        now = time.perf_counter()
+        key = self._label or self._current.value
+        self._seconds[key] = self._seconds.get(key, 0.0) + now - self._since
+        self._since = now
 
     @contextlib.contextmanager
     def tagging(self) -> Iterator[None]:

@@ -116,3 +116,5 @@ class RankResult:
     wire: WireSummary | None = None
     #: its own quantizer against the reference formats (None: no quantizer of its own; empty: they agree)
     quantizer: tuple[BufferDiff, ...] | None = None
+    #: (step, seconds) on this rank, in the order the steps ran (qgather.model.phases.PhaseTracker)
+    seconds: tuple[tuple[str, float], ...] = ()

@@ -24,6 +24,7 @@ class CaseReport:
         duration_s: wall time of the whole case.
         placement: under a launcher, "intra-node" or "cross-node".
         repro: the command that reruns the case under the run's options (default: `qgather case <id>`).
+        seconds: where the case's time went, step by step (qgather.engine.run.step_seconds).
     """
 
     spec: CaseSpec
@@ -34,6 +35,7 @@ class CaseReport:
     duration_s: float = 0.0
     placement: str = ""
     repro: str = ""
+    seconds: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.repro:

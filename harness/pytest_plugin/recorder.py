@@ -27,6 +27,7 @@ from qgather.pytest_plugin.reports import write_text
 from qgather.pytest_plugin.results import Row, RunResults
 from qgather.pytest_plugin.summary import coverage_of
 from qgather.pytest_plugin.summary import write as write_summary
+from qgather.pytest_plugin.timings import render as render_timings
 from qgather.suite.coverage import markdown as coverage_markdown
 
 JSON_EVERY_S = 1.0  # --qgather-json is rewritten at most this often while cases finish, and at the end
@@ -128,6 +129,9 @@ class Recorder:
             cov = coverage_of(results)
             if cov is not None:
                 write_text(os.path.join(self.settings.report_dir, "coverage.md"), coverage_markdown(cov))
+            if results.cases or results.also_ran:
+                write_text(os.path.join(self.settings.report_dir, "timings.md"),
+                           render_timings((*results.cases, *results.also_ran)))
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         """The ran-nothing gate's reason, with --qgather-summary the verdicts reconciled with
@@ -155,7 +159,7 @@ class Recorder:
         if xml and os.path.dirname(os.path.abspath(xml)) == os.path.abspath(directory):
             files.append(os.path.basename(xml))
         if self._checked or self._also_ran:
-            files.append("coverage.md")
+            files += ["coverage.md", "timings.md"]
         return [directory.rstrip("/") + "/", *files]
 
     # ------------------------------------------------------------------ records

@@ -118,6 +118,8 @@ class CaseOutcome:
     stacks: dict[int, str] = field(default_factory=dict)
     exit_codes: dict[int, int] = field(default_factory=dict)
     duration_s: float = 0.0
+    #: seconds spent starting the pool's ranks before this case (0: the pool was warm)
+    startup_s: float = 0.0
     case_id: str = ""
     unfinished: tuple[int, ...] = ()  # ranks that neither returned, raised nor died
     note: str = ""

@@ -21,7 +21,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -134,14 +134,17 @@ class RankPool:
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if self._ranks and self._idle_rank_gone():
             self._teardown()  # a rank died while idle (OOM killer, a stray signal): not this case's doing
+        startup = 0.0
         if not self._ranks:
+            began = time.monotonic()
             failure = self.start(case_id)
             if failure is not None:
                 return failure
+            startup = time.monotonic() - began
         start = time.monotonic()
         try:
             replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit)
-            return self._conclude(replies, time.monotonic() - start, case_id)
+            return replace(self._conclude(replies, time.monotonic() - start, case_id), startup_s=startup)
         except BaseException:
             # Interrupted mid-case (Ctrl-C, a bug here): the ranks' late replies would be read as
             # the next case's, so this pool's ranks cannot be trusted any more.

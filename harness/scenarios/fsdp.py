@@ -43,9 +43,12 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
     else:  # nothing steps the masters: a float32 copy would only hold memory
         master = weight = make_weight(spec, ctx.device, spec.torch_dtype)
     # The one-device twin first: its full-size module is gone before the golden and the shards exist.
-    twin = inspector.twin_output(weight, setup.param_dtype)
-    golden = golden_for(fmt, weight, impl)
-    module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
+    with phases.labelled("one-device twin"):
+        twin = inspector.twin_output(weight, setup.param_dtype)
+    with phases.labelled("golden"):
+        golden = golden_for(fmt, weight, impl)
+    with phases.labelled("sharded module"):
+        module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
     weight_shape = weight.to("meta")  # what the wire summary reads of the weight (shape, dtype)
     if spec.scenario == "gather":
         del master, weight  # the module holds its shard; a large weight's full copy would only hold memory
@@ -58,7 +61,9 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
             module.unshard()
     with phases.at(Phase.INSPECTION):
         first = inspector.judge(module.weight, golden, "unshard 1", setup.param_dtype)
-        first = replace(first, module=inspector.module_check(module, twin, setup.param_dtype), note=loaded)
+        with phases.labelled("library forward"):
+            checked = inspector.module_check(module, twin, setup.param_dtype)
+        first = replace(first, module=checked, note=loaded)
     stages = [first]
     module.reshard()
     if spec.config.compile:

@@ -8,6 +8,9 @@ one runner, and no runner serves a name the case model does not know.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+
+import torch
 
 from qgather.errors import HarnessFault
 from qgather.impls import get_impl
@@ -64,6 +67,14 @@ def run_on_rank(ctx: CaseContext, spec: CaseSpec, checkpoint: str | None = None)
     if runner is None:
         where = "runs in one process, not on a rank pool" if spec.scenario in IN_ONE_PROCESS else "is unknown"
         raise HarnessFault(f"case {spec.id}: scenario {spec.scenario!r} {where}")
-    phases = PhaseTracker()
+    phases = PhaseTracker(_device_sync(ctx.device))
     with phases.tagging():
-        return runner(ctx, spec, phases, checkpoint)
+        result = runner(ctx, spec, phases, checkpoint)
+    return replace(result, seconds=phases.seconds()) if isinstance(result, RankResult) else result
+
+
+def _device_sync(device: torch.device) -> Callable[[], None] | None:
+    """What makes the step clock wait for the device's queued work (CUDA runs asynchronously)."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(device)
