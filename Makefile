@@ -10,6 +10,9 @@ GPU_IMPLS ?= reference,torchao,te,te:delayed
 # Bounds each GPU case: a HANG (e.g. TE's blockwise uneven shards on NCCL) otherwise waits the
 # backend's default (120 s on NCCL), which alone can blow the job's 10-minute budget.
 GPU_CASE_TIMEOUT ?= 30
+# pytest-xdist workers of the GPU job: each keeps its own warm pools on the same GPUs (a case is small
+# next to a GPU; the job's time is the host's: TE's Python, pool starts, a failed rank's wait).
+GPU_WORKERS ?= 4
 
 ifeq ($(PY),$(VENV)/bin/python)
 SETUP := $(STAMP)
@@ -69,7 +72,7 @@ test-multigpu: $(SETUP)
 	@if $(PY) -c 'import qgather' 2>/dev/null; then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \
 	  export PYTHONPATH="$${path:+$$path:}$$PYTHONPATH"; set -e; \
 	  $(PY) -m qgather gpu-check; \
-	  $(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) \
+	  $(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) -n $(GPU_WORKERS) \
 	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
 
 selftest: $(SETUP)

@@ -118,3 +118,46 @@ def test_an_adapter_yielding_another_number_of_blocks_is_named(yielded, monkeypa
     results = run_virtual(CaseSpec.parse("reference:fp8_tensor:512x64:bf16:ws2:gather:s0"))
     assert all(isinstance(r, Exception) for r in results)
     assert "own_dequantize_blocks yielded" in str(results[0]) and "4 row blocks" in str(results[0])
+
+
+class _RowsOnly:
+    """An adapter whose layer output comes only block by block (`forward_rows`), from `q`'s values."""
+
+    name = "rows-only"
+
+    def __init__(self, fmt, q, corrupt_block: int | None = None):
+        self.fmt, self.q, self.corrupt_block, self.calls = fmt, q, corrupt_block, []
+
+    def forward(self, param, x):
+        raise AssertionError("a weight the adapter can cut by rows was multiplied whole")
+
+    def forward_rows(self, param, x, start, stop):
+        self.calls.append((start, stop))
+        values = self.fmt.dequantize_rows(self.q, start, stop).to(x.dtype)
+        if len(self.calls) - 1 == self.corrupt_block:
+            values[0, 0] += 1
+        return torch.matmul(x, values.transpose(-1, -2))
+
+    def output_tolerance(self, fmt):
+        return None
+
+
+@pytest.mark.parametrize("corrupt", [None, 1])
+def test_a_large_output_is_checked_block_by_block_on_both_sides(corrupt, monkeypatch):
+    from qgather.check.golden import golden_for
+    from qgather.check.inspection import Inspector
+    from qgather.model.case import shard_layout
+
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
+    golden = golden_for(fmt, weight)
+    spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
+    impl = _RowsOnly(fmt, golden.q, corrupt)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    inspector = Inspector(spec, impl, fmt, x, shard_layout(spec))
+    output, _, error = inspector._forward(weight, golden)
+    assert error == ""
+    assert impl.calls == [tuple(b) for b in fmt.row_blocks((448, 64))] and len(impl.calls) > 1
+    assert output.equal is (corrupt is None)
+    if corrupt is not None:
+        assert output.n_diff > 0

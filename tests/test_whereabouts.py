@@ -17,3 +17,12 @@ def test_the_ranks_own_barrier_before_the_case_is_not():
 
 def test_adapter_code_is_not():
     assert in_collective(["/x/mylib/tensor.py:10 fsdp_pre_all_gather", "/usr/lib/threading.py:300 wait"]) is None
+
+
+def test_a_library_call_that_waits_in_native_code_counts_as_a_collective():
+    # seen on an H100: TE's current-scaling quantize all-reduces the amax from C++ (no c10d frame)
+    frames = ["/x/qgather/scenarios/fsdp.py:80 run_fsdp",
+              "/site/transformer_engine/pytorch/tensor/float8_tensor.py:316 quantize_impl"]
+    assert in_collective(frames) == "float8_tensor.py:316 quantize_impl"
+    # only while the rank is in that call itself: a Python frame below it is not the native wait
+    assert in_collective(frames + ["/site/transformer_engine/pytorch/utils.py:10 helper"]) is None

@@ -7,7 +7,7 @@ agreement with the reference formats is judged apart (`Golden.quantizer_diffs`, 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +17,7 @@ from qgather.errors import HarnessFault
 from qgather.formats import Format, FormatError, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation
-from qgather.model.records import BufferDiff
+from qgather.model.records import BufferDiff, DiffProblem
 
 
 @dataclass
@@ -65,18 +65,40 @@ def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = 
         return Golden(None, str(exc))
     except NotImplementedError:
         ref = None  # a format registered with its layout only: no reference quantizer in qgather
-    own = impl.own_quantization(fmt.name, weight) if impl is not None else None
     if ref is None:
+        own = impl.own_quantization(fmt.name, weight) if impl is not None else None
         return _own_golden_only(fmt, weight, impl, own)
-    if own is None:
+    parts = impl.own_quantization_parts(fmt.name, weight) if impl is not None else None
+    if parts is None:
         return Golden(ref, None, fmt)
-    diffs = tuple(compare_buffers(own, ref))
+    diffs, replacements = _cross_check(ref, parts)
     if any(d.problem.breaks_layout for d in diffs):
         # Its own quantization does not even have the format's layout: judge against the reference.
         return Golden(ref, None, fmt, quantizer_diffs=diffs)
-    buffers = {name: own[name].to(t.device) for name, t in ref.buffers.items()}
-    q = QuantizedTensor(fmt.name, ref.shape, buffers, ref.valid)
-    return Golden(q, None, fmt, f"{impl.name}'s own quantizer", diffs)
+    ref.buffers.update(replacements)  # the golden is its own quantization (sharding invariance)
+    return Golden(ref, None, fmt, f"{impl.name}'s own quantizer", diffs)
+
+
+def _cross_check(ref: QuantizedTensor, parts: Iterable[dict[str, torch.Tensor]]
+                 ) -> tuple[tuple[BufferDiff, ...], dict[str, torch.Tensor]]:
+    """The implementation's own quantization, part by part, against the reference's buffers: the
+    differences, and its own buffers where their bits differ. Where they agree, the reference's
+    buffer serves (the same bits), so that a large weight's golden never holds two full
+    quantizations at once."""
+    diffs: list[BufferDiff] = []
+    differing: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    for part in parts:
+        seen |= set(part)
+        unknown = sorted(set(part) - set(ref.buffers))
+        if unknown:
+            raise HarnessFault(f"own quantization returned buffers the format does not have: {', '.join(unknown)}")
+        found = compare_buffers(part, QuantizedTensor(ref.format, ref.shape, {n: ref.buffers[n] for n in part},
+                                                      ref.valid))
+        diffs += found
+        differing.update({d.name: part[d.name].to(ref.device) for d in found if d.problem is DiffProblem.BITS})
+    rest = QuantizedTensor(ref.format, ref.shape, {n: t for n, t in ref.buffers.items() if n not in seen}, ref.valid)
+    return tuple(diffs + compare_buffers({}, rest)), differing
 
 
 def _own_golden_only(fmt: Format, weight: torch.Tensor, impl: Implementation | None,

@@ -67,7 +67,6 @@ class Inspector:
             return Stage(label, quantized, dtype_problem=dtype_problem,
                          accepted_unholdable=golden.error or "the format cannot hold this shape")
         m, k = flat_dims(golden.q.shape)
-        y_ref = torch.matmul(self.x.to(param.dtype), golden.dequantized_as(param.dtype).transpose(-1, -2))
         if not quantized:
             values = param.detach().float().reshape(golden.q.shape)
             return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
@@ -88,18 +87,31 @@ class Inspector:
         own = impl.own_dequantize_blocks(param, fmt, blocks)
         own_dequantized = None if own is None else \
             compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks)))
-        output, output_digest, forward_error = self._forward(param, y_ref)
+        output, output_digest, forward_error = self._forward(param, golden)
         return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
                      forward_error=forward_error, where=where, dtype_problem=dtype_problem)
 
-    def _forward(self, param: torch.Tensor, y_ref: torch.Tensor) -> tuple[Comparison | None, str, str]:
+    def _forward(self, param: torch.Tensor, golden: Golden) -> tuple[Comparison | None, str, str]:
         """(the layer output against the golden layer's, its digest, the forward's error)."""
+        x = self.x.to(param.dtype)
         try:
-            y = self.impl.forward(param, self.x.to(param.dtype))
+            y, blocks = self._output(param, x, golden)
         except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
             return None, "", _one_line(exc)
+        y_ref = _golden_output(x, golden, param.dtype, blocks)
         return compare_values(y, y_ref, self.impl.output_tolerance(self.fmt.name)), digest({"output": y}, {}), ""
+
+    def _output(self, param: torch.Tensor, x: torch.Tensor, golden: Golden) -> tuple[torch.Tensor, bool]:
+        """The implementation's layer output, and whether it came block by block of the golden's rows
+        (a large 2-D weight whose adapter can cut it by rows: `forward_rows`)."""
+        blocks = golden.fmt.row_blocks(golden.q.shape) if len(golden.q.shape) == 2 else []
+        if len(blocks) > 1:
+            first = self.impl.forward_rows(param, x, *blocks[0])
+            if first is not None:
+                rest = (self.impl.forward_rows(param, x, start, stop) for start, stop in blocks[1:])
+                return torch.cat([first, *rest], dim=-1), True
+        return self.impl.forward(param, x), False
 
     def twin_output(self, weight: torch.Tensor, compute_dtype: torch.dtype) -> TwinOutput | None:
         """The one-device twin's forward of `x` in the dtype the layer computes in (the mixed-precision
@@ -124,6 +136,15 @@ class Inspector:
         except Exception as exc:  # noqa: BLE001 - evidence: the same forward ran on one device
             return ModuleCheck(error=_one_line(exc))
         return ModuleCheck(output=compare_values(got, twin.output))
+
+
+def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: bool) -> torch.Tensor:
+    """The golden layer's output: x @ W^T with the golden's values rounded to `dtype`, block of rows by
+    block when the implementation's output came so (the same GEMM shapes on both sides: bit for bit)."""
+    if not blocks:
+        return torch.matmul(x, golden.dequantized_as(dtype).transpose(-1, -2))
+    return torch.cat([torch.matmul(x, values.to(dtype).transpose(-1, -2))
+                      for _, values in golden.dequantized_blocks()], dim=-1)
 
 
 def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden,

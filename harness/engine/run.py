@@ -151,7 +151,12 @@ def _classify_outcome(spec: CaseSpec, options: RunOptions, pool_spec: PoolSpec, 
     if outcome.status is OutcomeStatus.OK:
         return classify_results(outcome.results)
     if outcome.status is OutcomeStatus.ERROR:
-        return classify_errors(outcome.errors, spec.world_size, get_impl(spec.impl).refusal_problem)
+        found = classify_errors(outcome.errors, spec.world_size, get_impl(spec.impl).refusal_problem)
+        if not outcome.unfinished:
+            return found
+        # the ranks that never answered: where they were when the pool gave up on them
+        left = {rank: facts for rank, facts in outcome.notes.items() if rank in outcome.unfinished}
+        return Classification(found.verdict, found.reason, (*found.details, *note_lines(left)))
     headline = outcome.headline()
     if outcome.status is OutcomeStatus.HANG:
         lines = note_lines(outcome.notes) + stack_lines(outcome.stacks)

@@ -165,6 +165,13 @@ class Implementation(abc.ABC):
         own quantizer; None when it uses the harness's reference formats (nothing to cross-check)."""
         return None
 
+    def own_quantization_parts(self, fmt: str, weight: torch.Tensor) -> Iterator[dict[str, torch.Tensor]] | None:
+        """`own_quantization` in parts (e.g. one per usage: rowwise, then columnwise), each a dict of
+        some of its buffers, so that the golden's cross-check holds one part at a time next to the
+        reference. The default: the whole of own_quantization as one part."""
+        own = self.own_quantization(fmt, weight)
+        return None if own is None else iter((own,))
+
     def wire_allowance(self, fmt: str, shape: tuple[int, ...], shards, packed_bytes: int) -> tuple[str, int]:
         """How many bytes per rank its all-gather may move for a shard whose packed buffers take
         `packed_bytes` (qgather.check.wire.packed_shard_bytes), and the name of that wire mode. More
@@ -193,6 +200,14 @@ class Implementation(abc.ABC):
     def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The layer's output with this (unsharded) weight: y = x @ W^T (batched over experts)."""
         return torch.matmul(x, param.transpose(-1, -2))
+
+    def forward_rows(self, param: torch.Tensor, x: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+        """The output columns [start, stop) of `forward` for a 2-D weight (x @ W[start:stop]^T),
+        computed the way `forward` computes them, or None (the default) when the weight cannot be cut
+        by rows. With it, a large weight's output is checked block by block on both sides (the golden
+        layer with the same blocks, so the comparison stays bit for bit) and never held in the layer's
+        dtype whole."""
+        return None
 
     def run_model(self, ctx, spec: CaseSpec, phases) -> object:
         """The `model` scenario: the library's own small model trained sharded against the same

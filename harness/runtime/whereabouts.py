@@ -22,6 +22,15 @@ FRAMES = 12  # innermost frames sent back
 COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
                     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "torch/distributed/c10d_logger.py")
 
+# Library functions that wait in a collective issued from native code, where no torch.distributed
+# frame shows: TransformerEngine's current-scaling and NVFP4 quantizers all-reduce the amax inside
+# tex.quantize (with_amax_reduction; seen on an H100: a rank waiting there for a rank that raised).
+# Only the innermost frame counts: the rank is in the native call itself.
+NATIVE_COLLECTIVES = (
+    ("transformer_engine/pytorch/tensor/float8_tensor.py", frozenset({"quantize_impl", "update_quantized"})),
+    ("transformer_engine/pytorch/tensor/nvfp4_tensor.py", frozenset({"quantize_impl", "update_quantized"})),
+)
+
 
 #: Short facts the case leaves on its rank as it goes (e.g. what the pre-hook handed the all-gather),
 #: read by the parent when the rank never answers: the evidence a HANG report shows per rank.
@@ -84,8 +93,15 @@ def in_collective(frames: Sequence[str]) -> str | None:
     """The collective frame a rank's case is waiting in (innermost first), or None."""
     if any(own in f.replace("\\", "/") and f.endswith(" barrier") for f in frames for own in OWN_BARRIERS):
         return None
+    if frames and _in_native_collective(frames[-1]):
+        return frames[-1].replace("\\", "/").rsplit("/", 1)[-1]
     for frame in reversed(frames):
         path = frame.replace("\\", "/")
         if any(name in path for name in COLLECTIVE_FILES):
             return frame.rsplit("/", 1)[-1]
     return None
+
+
+def _in_native_collective(frame: str) -> bool:
+    location, _, function = frame.replace("\\", "/").rpartition(" ")
+    return any(path in location and function in functions for path, functions in NATIVE_COLLECTIVES)

@@ -82,3 +82,45 @@ def test_the_blocked_forward_weight_is_tes_own_rounding(fmt, te_ready, monkeypat
     assert layout is not None and layout.rowwise_rows == FORMATS[fmt].rowwise_rows, "not cut: nothing tested"
     blocked = TEAdapter()._dequantized_in(param, torch.bfloat16)
     assert torch.equal(blocked.view(torch.int16), whole.view(torch.int16))
+
+
+@pytest.mark.parametrize("fmt", ("fp8_block", "fp8_block_1x128", "mxfp8"))
+def test_quantizing_one_usage_at_a_time_gives_the_bits_of_one_pass(fmt, te_ready):
+    """The golden's cross-check quantizes a large weight with TE one usage at a time
+    (te_quantize_by_usage): each part must be the same bits as TE's pass with both usages."""
+    from qgather.impls.te.quantizers import TEUnavailable, te_quantize, te_quantize_by_usage
+
+    x = torch.randn(SHAPE, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda").to(torch.bfloat16)
+    try:
+        whole = te_quantize(fmt, x)
+    except TEUnavailable as exc:
+        pytest.skip(str(exc))
+    parts = list(te_quantize_by_usage(fmt, x))
+    assert [sorted(p) for p in parts] == [["rowwise_data", "rowwise_scale_inv"],
+                                          ["columnwise_data", "columnwise_scale_inv"]]
+    valid = FORMATS[fmt].valid_regions(SHAPE)  # TE leaves the scales' padding unwritten: not compared
+    for part in parts:
+        for name, tensor in part.items():
+            got, want = tensor[valid[name]], whole[name][valid[name]]
+            assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
+def test_the_blocked_output_check_is_bit_for_bit_on_both_sides(te_ready, monkeypatch):
+    """A large weight's layer output comes row block by row block (TEAdapter.forward_rows), and the
+    golden layer's with the same blocks: a gathered weight equal to the golden gives equal bits."""
+    from qgather.check.golden import golden_for
+    from qgather.check.inspection import Inspector
+    from qgather.impls.te.adapter import TEAdapter
+    from qgather.model.case import CaseSpec, shard_layout
+
+    x = torch.randn(SHAPE, generator=torch.Generator(device="cuda").manual_seed(4), device="cuda").to(torch.bfloat16)
+    param = _te_tensor("fp8_block", x)
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 300 * SHAPE[1])
+    spec = CaseSpec.parse(f"te:fp8_block:{SHAPE[0]}x{SHAPE[1]}:bf16:ws2:gather:s0")
+    impl = TEAdapter()
+    golden = golden_for(FORMATS["fp8_block"], x, impl)
+    layer_input = torch.randn(4, SHAPE[1], device="cuda")
+    inspector = Inspector(spec, impl, FORMATS["fp8_block"], layer_input, shard_layout(spec))
+    output, _, error = inspector._forward(param, golden)
+    assert error == "" and output.equal, output
+    assert impl.forward_rows(param, layer_input.to(torch.bfloat16), 0, 256) is not None, "not cut: nothing tested"

@@ -10,6 +10,7 @@ raise but returns garbage buffers (seen on an H200), so availability is checked 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -78,6 +79,26 @@ def te_quantize(fmt: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
                 "rowwise_scale_inv": _scale(quantized._rowwise_scale_inv),
                 "columnwise_scale_inv": _scale(quantized._columnwise_scale_inv)}
     return _nvfp4_buffers(fmt, quantized, x)
+
+
+def te_quantize_by_usage(fmt: str, x: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+    """te_quantize of a blockwise FP8 or MXFP8 format one usage at a time (TE's quantizer with only
+    rowwise, then only columnwise usage): each usage is computed on its own by TE, so the parts are
+    the buffers of one pass with both usages, while only one usage is held at a time."""
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    for rowwise in (True, False):
+        quantizer = make_quantizer(fmt)
+        quantizer.set_usage(rowwise=rowwise, columnwise=not rowwise)
+        quantized = quantizer(x)
+        torch.cuda.synchronize()
+        if rowwise:
+            yield {"rowwise_data": _bytes(quantized._rowwise_data).reshape(m, k),
+                   "rowwise_scale_inv": _scale(quantized._rowwise_scale_inv)}
+        else:
+            columnwise_shape = (k, m) if fmt.startswith("fp8_block") else (m, k)
+            yield {"columnwise_data": _bytes(quantized._columnwise_data).reshape(columnwise_shape),
+                   "columnwise_scale_inv": _scale(quantized._columnwise_scale_inv)}
+        del quantized
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
