@@ -111,7 +111,8 @@ def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> li
             diffs.append(BufferDiff(name, DiffProblem.DTYPE, detail=f"{have.dtype} != golden {want.dtype}"))
             continue
         region = golden.valid[name]
-        a, b = _bits(have.to(want.device)[region]), _bits(want[region]).view(_bits(have).dtype)
+        # on the gathered buffer's device; a golden waiting on the host comes over block by block
+        a, b = _bits(have[region]), _bits(want[region]).view(_bits(have).dtype)
         n_diff = _count_differing(a, b)
         if n_diff:
             diffs.append(BufferDiff(name, DiffProblem.BITS, n_diff=n_diff, n_valid=a.numel()))
@@ -122,11 +123,11 @@ def _count_differing(a: torch.Tensor, b: torch.Tensor) -> int:
     """Elements whose bits differ, counted in blocks of rows: the boolean mask of a large buffer
     would be as large as the buffer itself."""
     if a.dim() == 0 or a.numel() <= _DEVICE_CHUNK:
-        return int((a != b).sum())
+        return int((a != b.to(a.device)).sum())
     step = max(1, _DEVICE_CHUNK // max(1, a[0].numel()))
     total = torch.zeros((), dtype=torch.int64, device=a.device)
     for start in range(0, a.shape[0], step):
-        total += (a[start:start + step] != b[start:start + step]).sum()
+        total += (a[start:start + step] != b[start:start + step].to(a.device)).sum()
     return int(total)
 
 

@@ -19,6 +19,9 @@ from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation
 from qgather.model.records import BufferDiff, DiffProblem
 
+#: a golden of at least this many bytes may wait on the host while the case gathers (Golden.park)
+PARK_BYTES = 1 << 26
+
 
 @dataclass
 class Golden:
@@ -31,6 +34,42 @@ class Golden:
     source: str = "reference formats"
     quantizer_diffs: tuple[BufferDiff, ...] | None = None  # own quantizer vs reference; None: no own quantizer
     _whole: torch.Tensor | None = field(default=None, repr=False)
+    _device: torch.device | None = field(default=None, repr=False)  # set while parked on the host
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.q is None else sum(t.numel() * t.element_size() for t in self.q.buffers.values())
+
+    def park(self) -> bool:
+        """A large golden on a GPU waits in (pinned) host memory while the case shards and gathers, so
+        that the device does not hold a second full quantization next to FSDP2's all-gather buffers;
+        `unpark` brings back what a check reads. Whether it was parked."""
+        if self.q is None or self.q.device.type != "cuda" or self.nbytes < PARK_BYTES:
+            return False
+        self._device = self.q.device
+        for name, tensor in self.q.buffers.items():
+            self.q.buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+        return True
+
+    @property
+    def parked(self) -> bool:
+        return self._device is not None
+
+    def unpark(self, names: Iterable[str] | None = None) -> None:
+        """Back onto the device: the buffers `names` (None: every buffer). The golden stays parked
+        until every buffer is back."""
+        if self._device is None:
+            return
+        for name in self.q.buffers if names is None else names:
+            self.q.buffers[name] = self.q.buffers[name].to(self._device)
+        if all(t.device == self._device for t in self.q.buffers.values()):
+            self._device = None
+
+    def value_buffers(self) -> list[str]:
+        """The buffers its dequantization reads (the rowwise ones and the per-tensor values)."""
+        if not self.fmt.rowwise_rows:
+            return list(self.q.buffers)
+        return [n for n in self.q.buffers if n in self.fmt.rowwise_rows or n in self.fmt.glob_keys]
 
     def dequantized_blocks(self) -> Iterator[tuple[slice, torch.Tensor]]:
         """The golden's float32 values as (rows, block) over the flattened (M, K) weight: one block

@@ -86,7 +86,7 @@ def packed_shard_bytes(fmt: Format, golden: Golden, shard_rows: int) -> int | No
     """Bytes of one shard's row buffers: what a packed all-gather needs to move per rank."""
     if golden.q is None:
         return None
-    rows, _ = fmt.to_rows(golden.q)
+    rows, _ = fmt.row_views(golden.q)  # sizes only: no copy of a large golden
     total = 0
     for name, t in rows.items():
         entries = math.ceil(shard_rows / fmt.rows_per_entry[name])

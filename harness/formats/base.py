@@ -231,6 +231,11 @@ class Format:
         return ({k: v.contiguous() for k, v in rows.items()},
                 {k: v.contiguous() for k, v in glob.items()})
 
+    def row_views(self, q: QuantizedTensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """to_rows' buffers as views (not made contiguous): for reading their sizes without a copy."""
+        self._check_q(q)
+        return self._to_rows(q)
+
     def from_rows(self, rows: dict[str, torch.Tensor], glob: dict[str, torch.Tensor],
                   shape) -> QuantizedTensor:
         """Rebuild the full TE-layout QuantizedTensor from to_rows()'s output for a tensor of

@@ -47,6 +47,7 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
         twin = inspector.twin_output(weight, setup.param_dtype)
     with phases.labelled("golden"):
         golden = golden_for(fmt, weight, impl)
+        golden.park()  # a large golden waits on the host while the case shards and gathers
     with phases.labelled("sharded module"):
         module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
     weight_shape = weight.to("meta")  # what the wire summary reads of the weight (shape, dtype)
@@ -105,6 +106,7 @@ def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.
             impl.requantize_shard(local_shard(module), shard_master.detach().to(spec.torch_dtype), group)
             impl.after_step(module, group)
             golden = golden_for(fmt, full_param.detach().to(spec.torch_dtype), impl)
+            golden.park()
         param_types = (type(local_shard(module)),)
         label = f"unshard {step + 1} (after step {step})"
         if setup.forward_gathers:
