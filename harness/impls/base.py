@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from qgather.errors import HarnessFault
 from qgather.impls.rejections import DeclaredRejections, RejectionType
@@ -117,6 +118,13 @@ class Implementation(abc.ABC):
         FSDP2's default configuration only (its configured cases are SKIPPED, saying so).
         None (the default): the harness builds and shards the module (make_module / make_param)."""
         return None
+
+    def tensor_parallel_style(self, rowwise: bool) -> ParallelStyle:
+        """The style that distributes the module's weight on the "tp" mesh dimension in tp-DxT cases
+        (before fully_shard on "dp"): torch's ColwiseParallel (Shard(0)) or, for `tp-DxT-row`,
+        RowwiseParallel (Shard(1)). A library with tensor-parallel styles of its own returns those
+        (torchao's Float8ColwiseParallel / Float8RowwiseParallel)."""
+        return RowwiseParallel() if rowwise else ColwiseParallel()
 
     def make_module(self, fmt: str, weight: torch.Tensor) -> torch.nn.Module | None:
         """A module holding the quantized weight as `.weight`, for libraries whose quantized

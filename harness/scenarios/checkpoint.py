@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from qgather.impls import get_impl
-from qgather.model.case import CaseSpec
+from qgather.model.case import CaseSpec, saved_spec
 from qgather.model.phases import Phase, PhaseTracker
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios.data import make_input, make_weight
@@ -28,12 +28,6 @@ from qgather.scenarios.module import build_sharded_module
 #: seed offset of the weight a loading module starts from (never the checkpoint's)
 DECOY_SEED = 7919
 DECOY_SCALE = 4.0  # another amax too: a per-tensor scale the load fails to write stays visibly wrong
-
-
-def saved_spec(spec: CaseSpec) -> CaseSpec:
-    """The case as it runs at the checkpoint's world size A (where the save happens)."""
-    config = replace(spec.config, saved_at_world_size=None, saved_after_forward=False, compile=False)
-    return replace(spec, world_size=spec.config.saved_at_world_size, config=config)
 
 
 def initial_master(spec: CaseSpec, master: torch.Tensor) -> torch.Tensor:
