@@ -135,7 +135,8 @@ def _classify_stage(stages: list[Stage], results: Sequence[RankResult], details:
         details.append(f"values vs golden dequantized: {'equal' if values and values.equal else 'differ'}")
         return Verdict.DEGRADED, f"the gathered weight is a plain high-precision tensor on ranks {_ranks(ranks)}"
     if stages[0].accepted_unholdable:
-        return Verdict.SILENT_MISMATCH, f"accepted a shape the format cannot hold ({stages[0].accepted_unholdable})"
+        what = "a tp piece of a weight" if stages[0].piece else "a shape"
+        return Verdict.SILENT_MISMATCH, f"accepted {what} the format cannot hold ({stages[0].accepted_unholdable})"
     wrong_dtype = [r.rank for r, s in zip(results, stages) if s.dtype_problem]
     if wrong_dtype:
         return Verdict.SILENT_MISMATCH, f"{stages[0].dtype_problem or 'wrong dtype'} (ranks {_ranks(wrong_dtype)})"
