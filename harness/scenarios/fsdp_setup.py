@@ -46,6 +46,7 @@ from qgather.model.case import (
 )
 from qgather.model.config import FsdpConfig
 from qgather.model.records import Stage
+from qgather.runtime.launch import detect_launch
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios import tensor_parallel
 from qgather.scenarios.tensor_parallel import TensorParallelRank
@@ -78,7 +79,7 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
     if spec.scenario in UNCONFIGURABLE:
         return (f"the {spec.scenario} scenario calls the hooks without fully_shard: configuration "
                 f"{config.token} has nothing to apply to")
-    reason = _tensor_parallel_skip(spec)
+    reason = _tensor_parallel_skip(spec) or _two_dimensional_skip(spec)
     if reason:
         return reason
     if not takes_setup(impl):
@@ -122,6 +123,16 @@ def _tensor_parallel_skip(spec: CaseSpec) -> str | None:
     if spec.config.compile:
         return f"{spec.config.token}: torch.compile of a tensor-parallel module is not part of the tp cases"
     return None
+
+
+def _two_dimensional_skip(spec: CaseSpec) -> str | None:
+    """A 2-D mesh (hsdp-RxS, tp-DxT) is built over the default process group: under torchrun or SLURM
+    that is the whole job, so such a case runs only at the job's world size."""
+    launch = detect_launch()
+    if launch is None or not (spec.config.hsdp or spec.config.tp) or launch.world_size == spec.world_size:
+        return None
+    return (f"{spec.config.token}: its 2-D DeviceMesh spans the launched job's {launch.world_size} ranks; "
+            f"the case has {spec.world_size}")
 
 
 # ------------------------------------------------------------------ on a rank

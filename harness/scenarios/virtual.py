@@ -111,10 +111,12 @@ def _gather_piece(piece: _Piece, chunks: list[torch.Tensor], shards: ShardLayout
         deadlock.qgather_phase = Phase.COLLECTIVE.value
         return [deadlock] * len(ranks)
     outputs = tuple(torch.cat([inputs[i] for inputs, _ in pre]) for i in range(len(pre[0][0])))
-    wire_summary = replace(summarize_wire(wire, inspector.fmt, full, shards, golden, inspector.impl),
-                           collective_bytes=sum(t.numel() * t.element_size() for t in pre[0][0]),
-                           hook_calls=int(pre[0][1] is not PLAIN),
-                           collectives=int(len(ranks) > 1))  # the emulated one
+    # The log saw every virtual rank's pre-hook: per rank (they all handed the same shapes) is 1/n of it.
+    summary = summarize_wire(wire, inspector.fmt, full, shards, golden, inspector.impl)
+    wire_summary = replace(summary, collective_bytes=sum(t.numel() * t.element_size() for t in pre[0][0]),
+                           hook_calls=int(pre[0][1] is not PLAIN), collectives=int(len(ranks) > 1),  # the emulated one
+                           hook_outputs=summary.hook_outputs[:len(pre[0][0])],
+                           high_precision_elements=summary.high_precision_elements // len(ranks))
     results: list[RankResult | BaseException] = []
     seen: dict[str, Stage | BaseException] = {}
     for rank, local, (_, metadata) in zip(ranks, locals_, pre):
