@@ -142,7 +142,9 @@ class Implementation(abc.ABC):
     ) -> None:
         """Re-quantize this rank's shard `local` in place from its updated high-precision master rows,
         as an optimizer step would (the amax reduced over `group` where the format scales per
-        tensor). Required for the steps and reshard scenarios."""
+        tensor). `group` holds every rank with a piece of the weight: the case's world (under
+        tensor parallelism both mesh dimensions, not only FSDP2's "dp" mesh). Required for the
+        steps and reshard scenarios."""
         raise HarnessFault(f"{self.name} has no requantize_shard")
 
     def config_skip_reason(self, spec: CaseSpec) -> str | None:
