@@ -22,6 +22,7 @@ from qgather.impls import get_impl
 from qgather.model.case import CaseSpec, saved_spec
 from qgather.model.phases import Phase, PhaseTracker
 from qgather.runtime.rank import CaseContext
+from qgather.scenarios import fsdp_setup
 from qgather.scenarios.data import make_input, make_weight
 from qgather.scenarios.module import build_sharded_module
 
@@ -62,21 +63,26 @@ def save_on_rank(ctx: CaseContext, case: CaseSpec, checkpoint: str) -> dict[str,
     phases = PhaseTracker()
     with phases.tagging():
         spec = saved_spec(case)
-        module = build_sharded_module(ctx, spec, phases)
+        setup = fsdp_setup.prepare(ctx, spec)
+        module = build_sharded_module(ctx, spec, phases, setup=setup)
         if case.config.saved_after_forward:
             with phases.at(Phase.FORWARD):
-                _training_forward(ctx, spec, module)
+                _training_forward(ctx, spec, module, setup)
         with phases.at(Phase.SAVE):
             state = module.state_dict()
             dcp.save(state, checkpoint_id=checkpoint, process_group=ctx.group)
         return {name: _type_name(t) for name, t in state.items()}
 
 
-def _training_forward(ctx: CaseContext, spec: CaseSpec, module: torch.nn.Module) -> None:
+def _training_forward(ctx: CaseContext, spec: CaseSpec, module: torch.nn.Module, setup: fsdp_setup.Setup) -> None:
     """One forward of the sharded module as a training step runs it (FSDP2's unshard, the library's
-    own forward under its context, e.g. te.autocast), then the reshard a root's forward skips."""
+    own forward under its context, e.g. te.autocast), then the reshard a root's forward skips. A
+    rowwise TP rank's layer takes its K / T columns of the input."""
     impl = get_impl(spec.impl)
-    x = make_input(spec).to(device=ctx.device, dtype=spec.torch_dtype)
+    x = make_input(spec)
+    if setup.tp is not None:
+        x = setup.tp.input_piece(x).contiguous()
+    x = x.to(device=ctx.device, dtype=spec.torch_dtype)
     with impl.gather_context(ctx.group), impl.forward_context(spec):
         module(x)
     module.reshard()

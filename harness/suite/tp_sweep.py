@@ -33,8 +33,8 @@ MESHES = ("tp-2x2", "tp-2x2-row", "tp-1x2", "tp-2x1", "tp-2x4", "tp-4x2-row")
 SCENARIOS = ("gather", "steps", "reshard")
 DTYPES = ("bf16", "fp32")
 #: checkpoints saved at one dp size and loaded at another, the tp size and style unchanged
-#: (dcp-wsA under tp-DxT: saved at tp-(A/T)xT)
-CHECKPOINTS = ("tp-4x2+dcp-ws4", "tp-2x2+dcp-ws8", "tp-1x2-row+dcp-ws4", "tp-2x2-row+dcp-ws2")
+#: (dcp-wsA under tp-DxT: saved at tp-(A/T)xT; -trained: after a training forward there)
+CHECKPOINTS = ("tp-4x2+dcp-ws4", "tp-2x2+dcp-ws8", "tp-1x2-row+dcp-ws4-trained", "tp-2x2-row+dcp-ws2")
 #: implementations that hold only some formats
 IMPL_FORMATS = {"torchao": ("fp8_tensor",), "torchao:precompute": ("fp8_tensor",)}
 K = 64
