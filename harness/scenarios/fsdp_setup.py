@@ -122,6 +122,8 @@ def _tensor_parallel_skip(spec: CaseSpec) -> str | None:
                 "harness splits the TP dimension evenly)")
     if spec.config.compile:
         return f"{spec.config.token}: torch.compile of a tensor-parallel module is not part of the tp cases"
+    if not tensor_parallel.SPLITS_LOCALLY and spec.scenario != "virtual":
+        return f"{spec.config.token}: {tensor_parallel.NO_LOCAL_SPLIT}"
     return None
 
 
