@@ -109,7 +109,8 @@ def _tensor_parallel_only(config: FsdpConfig) -> bool:
 
 def _tensor_parallel_skip(spec: CaseSpec) -> str | None:
     """Why the case's tp-DxT cannot run (SKIPPED), or None: torch's styles split a linear layer's
-    2-D weight, and the harness splits the TP dimension evenly (as FSDP2 needs for its Shard(1))."""
+    2-D weight, the harness splits the TP dimension evenly (every TP piece has one shape), and each
+    rank splits its own copy of the weight (a torch without that gets no tp cases)."""
     tp = tensor_parallel_layout(spec)
     if tp is None:
         return None
