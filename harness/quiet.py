@@ -1,5 +1,6 @@
 """Library noise filtered to what a user needs: torchao's warnings about kernel libraries it cannot
-load (one per library, about 220 lines a run) become one line, in the runner and in every rank."""
+load (one per library, about 220 lines a run) become one line, in the runner and in every rank;
+torch's performance hint on every precomputed float8 scale over a ("dp", "tp") mesh is dropped."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def quiet_torchao(summary: bool = True) -> None:
     pytree = logging.getLogger("torch.utils._pytree")
     if not any(isinstance(f, _EnumConstantFilter) for f in pytree.filters):
         pytree.addFilter(_EnumConstantFilter())
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _SequentialMaxFilter) for f in redistribute.filters):
+        redistribute.addFilter(_SequentialMaxFilter())
 
 
 class _EnumConstantFilter(logging.Filter):
@@ -41,3 +45,13 @@ class _EnumConstantFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "register_constant() on Enum subclasses" not in record.getMessage()
+
+
+class _SequentialMaxFilter(logging.Filter):
+    """torchao's precomputed scale all-reduces a max over both dimensions of a ("dp", "tp") mesh, and
+    torch warns on every rank, at every step, that two sequential all-reduces are slower than one
+    over a flattened mesh: a performance hint (a max is the same in any order), noise here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Partial(max)" in message and "sequential all_reduce" in message)

@@ -1,5 +1,8 @@
 """The golden: what a gathered weight must equal, quantized on one device from the full weight.
 
+Under tensor parallelism a rank gathers only its TP piece: its golden is the full weight's golden
+cut to that piece (`tensor_parallel_piece`), per-tensor values (the whole weight's amax) included.
+
 For an implementation with its own quantizer the golden is its own single-device quantization of
 the full weight (sharding invariance: gathering the shards gives q(W)); that quantization's
 agreement with the reference formats is judged apart (`Golden.quantizer_diffs`, QUANTIZER_MISMATCH).
@@ -17,6 +20,8 @@ from qgather.errors import HarnessFault
 from qgather.formats import Format, FormatError, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation
+from qgather.model.case import TensorParallelLayout
+from qgather.model.layout import column_block
 from qgather.model.records import BufferDiff, DiffProblem
 
 #: a golden of at least this many bytes may wait on the host while the case gathers (Golden.park)
@@ -151,3 +156,37 @@ def _own_golden_only(fmt: Format, weight: torch.Tensor, impl: Implementation | N
     shape = tuple(weight.shape)
     q = QuantizedTensor(fmt.name, shape, dict(own), fmt.valid_regions(shape))
     return Golden(q, None, fmt, f"{impl.name}'s own quantizer (no reference quantizer)")
+
+
+def tensor_parallel_piece(golden: Golden, tp: TensorParallelLayout, tp_rank: int) -> Golden:
+    """The golden of TP rank `tp_rank`'s piece: the full weight's golden cut to the piece's rows
+    (colwise) or columns (rowwise) in the format's row layout, its per-tensor values those of the
+    whole weight. A piece that cuts a scale block has no such slice: a golden with only its `error`
+    (gathering it anyway is accepting a weight the one-device quantization cannot give)."""
+    if golden.q is None:
+        return golden
+    fmt, (start, end) = golden.fmt, tp.piece_range(tp_rank)
+    block = fmt.row_block if tp.dim == 0 else column_block(fmt.name)
+    what = "row" if tp.dim == 0 else "column"
+    if start % block or (end - start) % block and end != tp.shape[tp.dim]:
+        return Golden(None, f"{tp.label(tp_rank)} cuts {fmt.name}'s {block}-{what} scale blocks: no slice of the "
+                            "one-device quantization holds it", fmt, golden.source, golden.quantizer_diffs)
+    try:
+        fmt.check(tp.piece_shape(tp_rank))
+    except FormatError as exc:
+        return Golden(None, f"{tp.label(tp_rank)} cannot be held: {exc}", fmt, golden.source, golden.quantizer_diffs)
+    rows, glob = fmt.to_rows(golden.q)
+    cut = {name: _cut(t, fmt.rows_per_entry[name], tp, start, end) for name, t in rows.items()}
+    try:
+        q = fmt.from_rows(cut, glob, tp.piece_shape(tp_rank))
+    except FormatError as exc:
+        raise HarnessFault(f"the golden of {tp.label(tp_rank)} could not be cut from the full golden: {exc}") from None
+    return Golden(q, None, fmt, f"{golden.source}, cut to {tp.label(tp_rank)}", golden.quantizer_diffs)
+
+
+def _cut(t: torch.Tensor, rows_per_entry: int, tp: TensorParallelLayout, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) (colwise) or columns [start, end) (rowwise) of one row-layout buffer."""
+    if tp.dim == 0:
+        return t[start // rows_per_entry: -(-end // rows_per_entry)].contiguous()
+    width, k = t.shape[-1], tp.shape[1]
+    return t[..., start * width // k: -(-end * width // k)].contiguous()

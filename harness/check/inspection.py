@@ -8,7 +8,7 @@ already made stay part of the verdict.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,7 @@ class Inspector:
     fmt: Format
     x: torch.Tensor
     shards: ShardLayout | ColumnShardLayout
+    piece: str = ""  # tensor parallelism: the TP piece this rank gathers ("" without tp)
 
     def judge(self, param: torch.Tensor, golden: Golden, label: str, dtype: torch.dtype | None = None) -> Stage:
         """Compare one gathered (unsharded) weight with the golden, and its dtype with `dtype` (what
@@ -50,14 +51,18 @@ class Inspector:
 
         Args:
             param: the unsharded weight as the gather left it (the implementation's subclass, or a
-                plain tensor when it fell back to high precision).
-            golden: what it must equal.
+                plain tensor when it fell back to high precision); under tensor parallelism this
+                rank's gathered TP piece.
+            golden: what it must equal (under tensor parallelism: the full golden cut to the piece).
             label: the stage's name in the report (e.g. "unshard 1").
             dtype: the dtype the unsharded weight must have; None: not checked.
 
         Returns:
             The stage record: digests, buffer differences, value and output comparisons.
         """
+        return replace(self._judge(param, golden, label, dtype), piece=self.piece)
+
+    def _judge(self, param: torch.Tensor, golden: Golden, label: str, dtype: torch.dtype | None) -> Stage:
         impl, fmt = self.impl, self.fmt
         quantized = impl.is_quantized(param)
         dtype_problem = ""
@@ -117,7 +122,14 @@ class Inspector:
     def twin_output(self, weight: torch.Tensor, compute_dtype: torch.dtype) -> TwinOutput | None:
         """The one-device twin's forward of `x` in the dtype the layer computes in (the mixed-precision
         policy's param_dtype: FSDP2 casts a root's inputs to it); None when the library has no module
-        of its own. A shape the twin cannot run either is a note, not the gather's fault."""
+        of its own. A shape the twin cannot run either is a note, not the gather's fault. Under tensor
+        parallelism a TP rank's layer computes a part of the output (rowwise: a partial sum that the
+        library all-reduces over "tp"), which no one-device module computes bit for bit: a note."""
+        if self.piece:
+            if type(self.impl).single_device_output is Implementation.single_device_output:
+                return None
+            return TwinOutput(note="under tensor parallelism each TP rank computes a part of the layer output; the "
+                                   "gathered piece and x @ W_piece^T are compared, the library's forward is not")
         x = self.x.to(device=weight.device, dtype=compute_dtype)
         try:
             expected = self.impl.single_device_output(self.spec, weight, x)

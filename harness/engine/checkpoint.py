@@ -20,11 +20,11 @@ from typing import Protocol
 
 from qgather.engine.classify import Classification, classify_errors
 from qgather.impls import get_impl
-from qgather.model.case import CaseSpec
+from qgather.model.case import CaseSpec, saved_spec
 from qgather.model.verdict import Verdict
 from qgather.runtime import OutcomeStatus, PoolSpec, PoolSpecError, get_pool
 from qgather.runtime.lifeline import POOL_DIR_PREFIX
-from qgather.scenarios.checkpoint import save_on_rank, saved_spec
+from qgather.scenarios.checkpoint import save_on_rank
 
 
 class PoolOptions(Protocol):

@@ -135,20 +135,23 @@ def _classify_stage(stages: list[Stage], results: Sequence[RankResult], details:
         details.append(f"values vs golden dequantized: {'equal' if values and values.equal else 'differ'}")
         return Verdict.DEGRADED, f"the gathered weight is a plain high-precision tensor on ranks {_ranks(ranks)}"
     if stages[0].accepted_unholdable:
-        return Verdict.SILENT_MISMATCH, f"accepted a shape the format cannot hold ({stages[0].accepted_unholdable})"
+        what = "a tp piece of a weight" if stages[0].piece else "a shape"
+        return Verdict.SILENT_MISMATCH, f"accepted {what} the format cannot hold ({stages[0].accepted_unholdable})"
     wrong_dtype = [r.rank for r, s in zip(results, stages) if s.dtype_problem]
     if wrong_dtype:
         return Verdict.SILENT_MISMATCH, f"{stages[0].dtype_problem or 'wrong dtype'} (ranks {_ranks(wrong_dtype)})"
     digests = _group_ranks(results, stages, lambda s: s.digest)
-    if len(digests) > 1:
+    if _diverge(digests):
         details.append(_grouping_line("gathered buffers", digests))
         details.extend(_stage_details(stages[0], results[0].rank))
-        return Verdict.RANK_DIVERGENCE, f"ranks hold {len(digests)} different gathered results"
-    stage = stages[0]
-    if stage.buffer_diffs or not _equal(stage.dequantized):
-        details.extend(_stage_details(stage, None))
-        details.extend(_forward_error_lines(stages, results))
-        return Verdict.SILENT_MISMATCH, "; ".join(d.line() for d in stage.buffer_diffs) or "dequantized values differ"
+        return Verdict.RANK_DIVERGENCE, f"ranks{_of_one_piece(digests)} hold {_most_results(digests)} different " \
+                                        "gathered results"
+    for stage in _one_per_piece(stages):  # ranks of one piece agree: each piece is judged once
+        if stage.buffer_diffs or not _equal(stage.dequantized):
+            details.extend(_piece_line(stage) + _stage_details(stage, None))
+            details.extend(_forward_error_lines(stages, results))
+            reason = "; ".join(d.line() for d in stage.buffer_diffs) or "dequantized values differ"
+            return Verdict.SILENT_MISMATCH, f"{stage.piece}: {reason}" if stage.piece else reason
     own = [r.rank for r, s in zip(results, stages) if not _equal(s.own_dequantized)]
     if own:
         worst = next(s.own_dequantized for s in stages if not _equal(s.own_dequantized))
@@ -158,16 +161,44 @@ def _classify_stage(stages: list[Stage], results: Sequence[RankResult], details:
     return _classify_outputs(stages, results, details)
 
 
-def _group_ranks(results: list[RankResult], stages: list[Stage], key) -> dict[str, list[int]]:
-    """Ranks grouped by what `key` reads from their stage (a digest): one group means they agree."""
-    groups: dict[str, list[int]] = {}
+def _group_ranks(results: list[RankResult], stages: list[Stage], key) -> dict[tuple[str, str], list[int]]:
+    """Ranks grouped by the piece of the weight they gathered (tensor parallelism: a TP piece; else
+    the whole weight, "") and what `key` reads from their stage (a digest): ranks of one piece must
+    agree, ranks of different TP pieces hold different pieces."""
+    groups: dict[tuple[str, str], list[int]] = {}
     for result, stage in zip(results, stages):
-        groups.setdefault(key(stage), []).append(result.rank)
+        groups.setdefault((stage.piece, key(stage)), []).append(result.rank)
     return groups
 
 
-def _grouping_line(what: str, groups: dict[str, list[int]]) -> str:
-    return f"ranks grouped by identical {what}: " + "; ".join(f"[{_ranks(r)}]" for r in groups.values())
+def _diverge(groups: dict[tuple[str, str], list[int]]) -> bool:
+    """Whether the ranks of some piece fall into more than one group."""
+    pieces = [piece for piece, _ in groups]
+    return len(pieces) != len(set(pieces))
+
+
+def _most_results(groups: dict[tuple[str, str], list[int]]) -> int:
+    pieces = [piece for piece, _ in groups]
+    return max(pieces.count(p) for p in pieces)
+
+
+def _of_one_piece(groups: dict[tuple[str, str], list[int]]) -> str:
+    return " of one tp piece" if any(piece for piece, _ in groups) else ""
+
+
+def _one_per_piece(stages: list[Stage]) -> list[Stage]:
+    """The first rank's stage of every piece, in rank order (one stage without tensor parallelism)."""
+    return list({stage.piece: stage for stage in reversed(stages)}.values())[::-1]
+
+
+def _piece_line(stage: Stage) -> list[str]:
+    return [f"the {stage.piece} differs from its slice of the one-device golden"] if stage.piece else []
+
+
+def _grouping_line(what: str, groups: dict[tuple[str, str], list[int]]) -> str:
+    by_piece = any(piece for piece, _ in groups)
+    return f"ranks grouped by {'tp piece and ' if by_piece else ''}identical {what}: " + "; ".join(
+        f"[{_ranks(r)}]" for r in groups.values())
 
 
 def _forward_error_lines(stages: list[Stage], results: list[RankResult]) -> list[str]:
@@ -183,7 +214,7 @@ def _classify_outputs(stages: list[Stage], results: Sequence[RankResult], detail
         first = next(s.forward_error for s in stages if s.forward_error)
         return Verdict.ERROR, f"the forward raised on ranks {_ranks(raised)} ({first}) with the right weight"
     outputs = _group_ranks(results, stages, lambda s: s.output_digest)
-    if len(outputs) > 1:
+    if _diverge(outputs):
         details.append(_grouping_line("layer outputs", outputs))
         return Verdict.RANK_DIVERGENCE, "ranks compute different layer outputs from the same gathered weight"
     wrong = [s.output for s in stages if s.output is None or not s.output.equal]

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from qgather.errors import HarnessFault
 from qgather.impls.rejections import DeclaredRejections, RejectionType
@@ -118,6 +119,13 @@ class Implementation(abc.ABC):
         None (the default): the harness builds and shards the module (make_module / make_param)."""
         return None
 
+    def tensor_parallel_style(self, rowwise: bool) -> ParallelStyle:
+        """The style that distributes the module's weight on the "tp" mesh dimension in tp-DxT cases
+        (before fully_shard on "dp"): torch's ColwiseParallel (Shard(0)) or, for `tp-DxT-row`,
+        RowwiseParallel (Shard(1)). A library with tensor-parallel styles of its own returns those
+        (torchao's Float8ColwiseParallel / Float8RowwiseParallel)."""
+        return RowwiseParallel() if rowwise else ColwiseParallel()
+
     def make_module(self, fmt: str, weight: torch.Tensor) -> torch.nn.Module | None:
         """A module holding the quantized weight as `.weight`, for libraries whose quantized
         parameter only exists inside their own module type (e.g. torchao's Float8Linear).
@@ -134,7 +142,9 @@ class Implementation(abc.ABC):
     ) -> None:
         """Re-quantize this rank's shard `local` in place from its updated high-precision master rows,
         as an optimizer step would (the amax reduced over `group` where the format scales per
-        tensor). Required for the steps and reshard scenarios."""
+        tensor). `group` holds every rank with a piece of the weight: the case's world (under
+        tensor parallelism both mesh dimensions, not only FSDP2's "dp" mesh). Required for the
+        steps and reshard scenarios."""
         raise HarnessFault(f"{self.name} has no requantize_shard")
 
     def config_skip_reason(self, spec: CaseSpec) -> str | None:

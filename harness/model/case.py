@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -181,14 +181,68 @@ class ColumnShardLayout:
         return None
 
 
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """How a tensor-parallel style splits a 2-D (M, K) weight over the "tp" mesh dimension:
+    ColwiseParallel along dim 0 (M / T rows each), RowwiseParallel along dim 1 (K / T columns each),
+    torch.chunk's split as DTensor's Shard makes it. FSDP2 then shards each piece along its dim 0
+    over the "dp" dimension, so a TP rank's hooks see a piece of a piece."""
+
+    shape: tuple[int, int]  # the full weight
+    size: int  # T, the ranks of the "tp" dimension
+    dim: int  # 0: colwise (Shard(0)), 1: rowwise (Shard(1))
+
+    @property
+    def chunk(self) -> int:
+        return math.ceil(self.shape[self.dim] / self.size)
+
+    @property
+    def even(self) -> bool:
+        return self.shape[self.dim] % self.size == 0
+
+    def piece_range(self, tp_rank: int) -> tuple[int, int]:
+        """[start, end) of TP rank `tp_rank`'s piece along the split dimension."""
+        start = min(tp_rank * self.chunk, self.shape[self.dim])
+        return start, min(start + self.chunk, self.shape[self.dim])
+
+    def piece_shape(self, tp_rank: int = 0) -> tuple[int, int]:
+        start, end = self.piece_range(tp_rank)
+        return (end - start, self.shape[1]) if self.dim == 0 else (self.shape[0], end - start)
+
+    def label(self, tp_rank: int) -> str:
+        """How a report names the piece, e.g. "tp rank 1 of 2: rows [64, 128)"."""
+        start, end = self.piece_range(tp_rank)
+        return f"tp rank {tp_rank} of {self.size}: {'rows' if self.dim == 0 else 'columns'} [{start}, {end})"
+
+
+def tensor_parallel_layout(spec: CaseSpec) -> TensorParallelLayout | None:
+    """The case's TP split (None without tp-DxT)."""
+    config = spec.config
+    if config.tp is None:
+        return None
+    return TensorParallelLayout((spec.shape[0], spec.shape[-1]), config.tp[1], 1 if config.tp_style == "row" else 0)
+
+
 def shard_world_size(spec: CaseSpec) -> int:
-    """Ranks the weight is split over: the shard dimension of an HSDP mesh, else the whole world."""
-    return spec.config.hsdp[1] if spec.config.hsdp else spec.world_size
+    """Ranks the weight is split over by FSDP2: the shard dimension of an HSDP mesh, the "dp"
+    dimension under tensor parallelism, else the whole world."""
+    if spec.config.hsdp:
+        return spec.config.hsdp[1]
+    return spec.config.tp[0] if spec.config.tp else spec.world_size
 
 
 def shard_layout(spec: CaseSpec) -> ShardLayout | ColumnShardLayout:
-    """How FSDP2 splits the case's weight under its configuration: the golden's and the inspection's view."""
+    """How FSDP2 splits the case's weight under its configuration: the golden's and the inspection's
+    view. Under tensor parallelism: how it splits each TP piece over the "dp" ranks."""
     size = shard_world_size(spec)
     if spec.config.shard_dim == 1:
         return ColumnShardLayout(spec.shape[0], spec.shape[-1], size)
+    tp = tensor_parallel_layout(spec)
+    if tp is not None:
+        return ShardLayout(tp.piece_shape()[0], size, 1)
     return ShardLayout(spec.shape[0], size, spec.inner_rows)
+
+
+def saved_spec(spec: CaseSpec) -> CaseSpec:
+    """A dcp-wsA case as it runs at the checkpoint's world size A, where the save happens."""
+    return replace(spec, world_size=spec.config.saved_at_world_size, config=spec.config.saved_config)

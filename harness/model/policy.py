@@ -7,10 +7,10 @@ Everything else fails, with a report that says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from qgather.formats import FORMATS, FormatError
-from qgather.model.case import CaseSpec
+from qgather.model.case import CaseSpec, saved_spec
 from qgather.model.layout import alignment_problem
 from qgather.model.verdict import Verdict
 
@@ -43,9 +43,9 @@ def expectation(spec: CaseSpec) -> Expectation:
         return Expectation(False, str(exc))
     # a checkpoint saved at world size A was sharded there too: aligned only if aligned at both sizes
     saved = spec.config.saved_at_world_size
-    for size in (spec.world_size, *(() if saved is None else (saved,))):
-        problem = alignment_problem(replace(spec, world_size=size))  # rows, or K under dim1, over the shard mesh
+    for case in (spec, *(() if saved is None else (saved_spec(spec),))):
+        problem = alignment_problem(case)  # rows, or K under dim1, over the shard mesh (and the tp split)
         if problem:
-            at = f" at world size {size} (where the checkpoint was saved)" if size != spec.world_size else ""
+            at = f" at world size {saved} (where the checkpoint was saved)" if case is not spec else ""
             return Expectation(False, problem + at)
     return Expectation(True, "")

@@ -89,6 +89,7 @@ class Stage:
     module: ModuleCheck | None = None  # the library's own forward against the same module on one device
     dtype_problem: str = ""  # the unsharded weight's dtype is not the one the mixed-precision policy asks for
     note: str = ""  # how the stage ran (e.g. the torch.compile backend), shown with an EXACT verdict
+    piece: str = ""  # tensor parallelism: which TP piece this rank gathered; ranks agree only within a piece
 
 
 @dataclass(frozen=True)

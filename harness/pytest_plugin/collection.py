@@ -15,7 +15,7 @@ import pytest
 from qgather.pytest_plugin.options import settings
 from qgather.pytest_plugin.role import Role, role
 from qgather.runtime.launch import default_world_sizes, detect_launch
-from qgather.suite.sweeps import Sweep
+from qgather.suite.sweeps import CaseSet, Sweep
 
 # How many cases each parametrized sweep yielded (a --world-sizes that no sweep has selects none).
 sweep_sizes_key = pytest.StashKey[list[int]]()
@@ -32,8 +32,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     impls = getattr(metafunc.module, "IMPLS", None) or list(options.impls)
     launch = detect_launch()
     # Under a launcher the job's sizes, not a one-host pool's; --world-sizes selects as it does without one.
-    if launch is not None and isinstance(sweep, Sweep) and "virtual" not in sweep.scenarios and not options.world_sizes:
-        sweep = dataclasses.replace(sweep, world_sizes=default_world_sizes(launch.world_size))
+    if launch is not None and not options.world_sizes:
+        sweep = _on_job(sweep, default_world_sizes(launch.world_size))
     selection = dict(formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
     cases = sweep.cases(impls, **selection)
     default = {c.id for c in cases}
@@ -44,6 +44,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     slow = [*marks, pytest.mark.slow]
     params = [pytest.param(c, id=c.id, marks=marks if c.id in default else slow) for c in cases]
     metafunc.parametrize("case", params)
+
+
+def _on_job(sweep: object, sizes: list[int]) -> object:
+    """The sweep with the launched job's world sizes for its world-size-free parts (a Sweep of real
+    scenarios, also inside a CaseSet); sweeps with sizes of their own (virtual, tp meshes) keep them."""
+    if isinstance(sweep, Sweep) and "virtual" not in sweep.scenarios:
+        return dataclasses.replace(sweep, world_sizes=sizes)
+    if isinstance(sweep, CaseSet):
+        return dataclasses.replace(sweep, sweeps=[_on_job(s, sizes) for s in sweep.sweeps])
+    return sweep
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

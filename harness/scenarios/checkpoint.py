@@ -19,21 +19,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from qgather.impls import get_impl
-from qgather.model.case import CaseSpec
+from qgather.model.case import CaseSpec, saved_spec
 from qgather.model.phases import Phase, PhaseTracker
 from qgather.runtime.rank import CaseContext
+from qgather.scenarios import fsdp_setup
 from qgather.scenarios.data import make_input, make_weight
 from qgather.scenarios.module import build_sharded_module
 
 #: seed offset of the weight a loading module starts from (never the checkpoint's)
 DECOY_SEED = 7919
 DECOY_SCALE = 4.0  # another amax too: a per-tensor scale the load fails to write stays visibly wrong
-
-
-def saved_spec(spec: CaseSpec) -> CaseSpec:
-    """The case as it runs at the checkpoint's world size A (where the save happens)."""
-    config = replace(spec.config, saved_at_world_size=None, saved_after_forward=False, compile=False)
-    return replace(spec, world_size=spec.config.saved_at_world_size, config=config)
 
 
 def initial_master(spec: CaseSpec, master: torch.Tensor) -> torch.Tensor:
@@ -68,21 +63,26 @@ def save_on_rank(ctx: CaseContext, case: CaseSpec, checkpoint: str) -> dict[str,
     phases = PhaseTracker()
     with phases.tagging():
         spec = saved_spec(case)
-        module = build_sharded_module(ctx, spec, phases)
+        setup = fsdp_setup.prepare(ctx, spec)
+        module = build_sharded_module(ctx, spec, phases, setup=setup)
         if case.config.saved_after_forward:
             with phases.at(Phase.FORWARD):
-                _training_forward(ctx, spec, module)
+                _training_forward(ctx, spec, module, setup)
         with phases.at(Phase.SAVE):
             state = module.state_dict()
             dcp.save(state, checkpoint_id=checkpoint, process_group=ctx.group)
         return {name: _type_name(t) for name, t in state.items()}
 
 
-def _training_forward(ctx: CaseContext, spec: CaseSpec, module: torch.nn.Module) -> None:
+def _training_forward(ctx: CaseContext, spec: CaseSpec, module: torch.nn.Module, setup: fsdp_setup.Setup) -> None:
     """One forward of the sharded module as a training step runs it (FSDP2's unshard, the library's
-    own forward under its context, e.g. te.autocast), then the reshard a root's forward skips."""
+    own forward under its context, e.g. te.autocast), then the reshard a root's forward skips. A
+    rowwise TP rank's layer takes its K / T columns of the input."""
     impl = get_impl(spec.impl)
-    x = make_input(spec).to(device=ctx.device, dtype=spec.torch_dtype)
+    x = make_input(spec)
+    if setup.tp is not None:
+        x = setup.tp.input_piece(x).contiguous()
+    x = x.to(device=ctx.device, dtype=spec.torch_dtype)
     with impl.gather_context(ctx.group), impl.forward_context(spec):
         module(x)
     module.reshard()

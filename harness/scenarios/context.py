@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qgather.check.golden import Golden, golden_for, tensor_parallel_piece
 from qgather.check.inspection import Inspector
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS, Format
@@ -31,7 +32,7 @@ class RankCase:
     fmt: Format
     phases: PhaseTracker  # where in the case this rank is (errors leaving it are tagged with it)
     setup: fsdp_setup.Setup  # the configuration's fully_shard kwargs, shard layout and dtype
-    x: torch.Tensor  # the layer input, on the rank's device
+    x: torch.Tensor  # the layer input, on the rank's device (a rowwise TP rank's: its K / T columns)
     checkpoint: str | None = None  # a dcp-wsA case: the directory its runner saved at world size A
 
     @classmethod
@@ -41,7 +42,17 @@ class RankCase:
         if (spec.config.saved_at_world_size is None) != (checkpoint is None):
             raise HarnessFault("a dcp-wsA case runs with the checkpoint its runner saved (qgather.engine.checkpoint)")
         setup = fsdp_setup.prepare(ctx, spec)
-        return cls(ctx, spec, impl, fmt, phases, setup, make_input(spec).to(ctx.device), checkpoint)
+        x = make_input(spec)
+        if setup.tp is not None:  # a rowwise TP rank multiplies its K / T columns of the input
+            x = setup.tp.input_piece(x).contiguous()
+        return cls(ctx, spec, impl, fmt, phases, setup, x.to(ctx.device), checkpoint)
+
+    def golden(self, weight: torch.Tensor) -> Golden:
+        """What this rank's gathered weight must equal for the full `weight`: its golden, cut to
+        this rank's TP piece under tensor parallelism."""
+        golden = golden_for(self.fmt, weight, self.impl)
+        tp = self.setup.tp
+        return golden if tp is None else tensor_parallel_piece(golden, tp.layout, tp.rank)
 
     @property
     def shards(self) -> ShardLayout | ColumnShardLayout:
@@ -51,4 +62,5 @@ class RankCase:
     @property
     def inspector(self) -> Inspector:
         """The inspection of this case's gathered weights (qgather.check.inspection)."""
-        return Inspector(self.spec, self.impl, self.fmt, self.x, self.setup.shards)
+        piece = "" if self.setup.tp is None else self.setup.tp.label
+        return Inspector(self.spec, self.impl, self.fmt, self.x, self.setup.shards, piece)

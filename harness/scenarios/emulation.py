@@ -1,6 +1,7 @@
 """FSDP2's sharding and hook-calling conventions, emulated where the harness calls the hooks itself
 (the hooks and virtual scenarios): the dim-0 chunking, a rank's padded local shard, the pre-hook's
-call signature and FSDP2's padded-size rule for uneven shards.
+call signature and FSDP2's padded-size rule for uneven shards; and, for tensor parallelism, a TP
+style's split of the full parameter before FSDP2 shards each piece.
 
 Each piece follows torch 2.13's FSDPParam (`_init_sharded_param`, `all_gather_inputs`), so that a
 subclass sees the same calls here as under `fully_shard`.
@@ -36,6 +37,13 @@ class VirtualMesh:
 class PaddedSizeRule(HarnessFault):
     """FSDP2's rule for uneven shards, checked by the harness where it calls the hooks itself. It is
     raised only on ranks with padding, as FSDP2 raises it; never an implementation's rejection."""
+
+
+def tensor_parallel_pieces(param: torch.Tensor, tp_size: int, dim: int) -> list[torch.Tensor]:
+    """A TP style's split of the full parameter on the "tp" mesh dimension, as DTensor's Shard(dim)
+    makes it for a rank that splits its own copy (`src_data_rank=None`): torch.chunk along `dim`,
+    each rank's piece cloned (torch 2.13's Shard._select_split_tensor)."""
+    return [piece.clone() for piece in torch.chunk(param, tp_size, dim=dim)]
 
 
 def fsdp2_chunks(param: torch.Tensor, world_size: int) -> list[torch.Tensor]:

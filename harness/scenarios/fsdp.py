@@ -15,7 +15,6 @@ from dataclasses import replace
 
 import torch
 
-from qgather.check.golden import golden_for
 from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import record_wire, summarize_wire
 from qgather.model.case import CaseSpec
@@ -46,11 +45,11 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
     with phases.labelled("one-device twin"):
         twin = inspector.twin_output(weight, setup.param_dtype)
     with phases.labelled("golden"):
-        golden = golden_for(fmt, weight, impl)
+        golden = case.golden(weight)
         golden.park()  # a large golden waits on the host while the case shards and gathers
     with phases.labelled("sharded module"):
         module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
-    weight_shape = weight.to("meta")  # what the wire summary reads of the weight (shape, dtype)
+    weight_shape = setup.piece(weight).to("meta")  # what the wire summary reads of the gathered weight
     if spec.scenario == "gather":
         del master, weight  # the module holds its shard; a large weight's full copy would only hold memory
     loaded = checkpoint_reshard.load(ctx, spec, module, checkpoint, phases)
@@ -61,7 +60,7 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
         with impl.gather_context(ctx.group), record_wire(param_types) as wire:
             module.unshard()
     with phases.at(Phase.INSPECTION):
-        first = inspector.judge(module.weight, golden, "unshard 1", setup.param_dtype)
+        first = inspector.judge(setup.unsharded(module.weight), golden, "unshard 1", setup.param_dtype)
         with phases.labelled("library forward"):
             checked = inspector.module_check(module, twin, setup.param_dtype)
         first = replace(first, module=checked, note=loaded)
@@ -89,7 +88,7 @@ def _requantize_unchanged(case: RankCase, module: torch.nn.Module, master: torch
 def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.Tensor) -> list[Stage]:
     """Optimizer steps on the sharded master rows, re-quantized on the shards, then the `out=`
     path of the next unshard; the golden takes the same steps on the full weight."""
-    impl, fmt, spec, setup, phases, group = case.impl, case.fmt, case.spec, case.setup, case.phases, case.ctx.group
+    impl, spec, setup, phases, group = case.impl, case.spec, case.setup, case.phases, case.ctx.group
     inspector = case.inspector
     n_steps = STEPS if spec.scenario == "steps" else 1
     shard_master = torch.nn.Parameter(setup.master_slice(master).clone())
@@ -105,14 +104,14 @@ def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.
         with torch.no_grad(), phases.at(Phase.STEP):
             impl.requantize_shard(local_shard(module), shard_master.detach().to(spec.torch_dtype), group)
             impl.after_step(module, group)
-            golden = golden_for(fmt, full_param.detach().to(spec.torch_dtype), impl)
+            golden = case.golden(full_param.detach().to(spec.torch_dtype))
             golden.park()
         param_types = (type(local_shard(module)),)
         label = f"unshard {step + 1} (after step {step})"
         if setup.forward_gathers:
             def judge(weight, what, label=label, golden=golden):
                 with phases.at(Phase.INSPECTION):
-                    return inspector.judge(weight, golden, f"{label}, {what}", setup.param_dtype)
+                    return inspector.judge(setup.unsharded(weight), golden, f"{label}, {what}", setup.param_dtype)
 
             with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
                 stages.extend(fsdp_setup.gather_through_forward(module, case.x.to(setup.param_dtype), judge))
@@ -120,7 +119,7 @@ def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.
         with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
             module.unshard()
         with phases.at(Phase.INSPECTION):
-            stage = inspector.judge(module.weight, golden, label, setup.param_dtype)
+            stage = inspector.judge(setup.unsharded(module.weight), golden, label, setup.param_dtype)
             twin = inspector.twin_output(full_param.detach().to(spec.torch_dtype), setup.param_dtype)
             stages.append(replace(stage, module=inspector.module_check(module, twin, setup.param_dtype)))
         module.reshard()

@@ -1,5 +1,6 @@
 """The module under FSDP2: the implementation's own sharded module, or qgather's bias-free linear
-layer over its quantized parameter, sharded with `fully_shard` as the case's configuration says.
+layer over its quantized parameter, sharded with `fully_shard` as the case's configuration says
+(under tp-DxT: first distributed on the "tp" mesh dimension, qgather.scenarios.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec
 from qgather.model.phases import Phase, PhaseTracker
 from qgather.runtime.rank import CaseContext
-from qgather.scenarios import fsdp_setup
+from qgather.scenarios import fsdp_setup, tensor_parallel
 from qgather.scenarios.data import make_weight
 
 
-class QuantizedLinear(torch.nn.Module):
-    """A bias-free linear layer whose weight is the implementation's quantized parameter."""
+class QuantizedLinear(torch.nn.Linear):
+    """A bias-free linear layer whose weight is the implementation's quantized parameter. An
+    nn.Linear, so that torch's tensor-parallel styles (which distribute only nn.Linear and
+    nn.Embedding) apply to it; built without nn.Linear's own (high-precision) weight."""
 
     def __init__(self, impl: Implementation, weight: torch.Tensor) -> None:
-        super().__init__()
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = weight.shape[-1], weight.shape[0]
         self.impl = impl
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through the implementation's own forward of its quantized weight."""
@@ -44,6 +49,8 @@ def build_sharded_module(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker,
         weight = master.to(spec.torch_dtype)
         module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
         with phases.at(Phase.SHARD):
+            if setup.tp is not None:  # tensor parallel first, then FSDP2 on "dp" (as TP + FSDP2 users do)
+                tensor_parallel.distribute(impl, module, setup.tp)
             fully_shard(module, **setup.kwargs)
     return module
 

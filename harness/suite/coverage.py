@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from qgather.model.case import CaseSpec
+from qgather.model.case import CaseSpec, tensor_parallel_layout
 from qgather.suite import shape_space
 from qgather.suite.modules import suite_sweeps
 
@@ -49,13 +49,22 @@ def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAUL
         if spec.scenario == "model":  # its shape is a model's hidden x ffn, not a weight's
             continue
         config = config_name(spec)
-        for buffer, regime in shape_space.regimes(spec.fmt, tuple(spec.shape), spec.world_size):
+        for buffer, regime in shape_space.regimes(spec.fmt, *_sharded(spec)):
             cov.hits[(spec.fmt, buffer, regime, spec.scenario, config, spec.world_size)] += 1
         seen.add((spec.fmt, spec.world_size, spec.scenario, config))
     for fmt, ws, scenario, config in seen:
         if config in primary:
             cov.promised |= {(fmt, b, r, scenario, config, ws) for b, r in shape_space.promised(fmt, ws)}
     return cov
+
+
+def _sharded(spec: CaseSpec) -> tuple[tuple[int, ...], int]:
+    """(shape, ranks) of what FSDP2 shards along dim 0: under tensor parallelism one TP piece over
+    the "dp" ranks, else the weight over the world."""
+    tp = tensor_parallel_layout(spec)
+    if tp is None:
+        return tuple(spec.shape), spec.world_size
+    return tp.piece_shape(), spec.config.tp[0]
 
 
 def markdown(cov: Coverage) -> str:

@@ -1,5 +1,6 @@
 """Zoo bugs in state that outlives one all-gather: an optimizer step that re-quantizes with the shard's
-own amax or leaves the columnwise copy stale, an `out=` re-gather that keeps old scales or layout,
+own amax (or the amax of FSDP2's shard mesh only, under tensor parallelism) or leaves the columnwise
+copy stale, an `out=` re-gather that keeps old scales or layout,
 a checkpoint or a torch.compile rebuild that drops the per-tensor scale (each class's docstring says
 which real failure it models; qgather.impls.mutants.table says how each is caught).
 """
@@ -30,6 +31,35 @@ class PerRankAmaxStep(Mutant):
         if not master_rows.numel():
             return master_rows.new_zeros((), dtype=torch.float32)
         return master_rows.detach().abs().amax().float()
+
+
+class AmaxGroupFromHookParam(QuantizedParam):
+    """Half of bug class 24: the parameter takes the process group its per-tensor amax is reduced
+    over from the mesh FSDP2 hands its pre-all-gather hook, as TransformerEngine's FSDP2 path sets
+    its quantizer's `amax_reduction_group` from the parameter's FSDP mesh (module/base.py's
+    reset_parameters; the hooks likewise). That mesh is FSDP2's shard mesh: the whole weight's
+    ranks without tensor parallelism (and the shard dimension under HSDP, whose replicas hold the
+    same values), but only the "dp" ranks of one TP piece under tp-DxT."""
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        if hasattr(mesh, "get_group"):  # a real DeviceMesh (the virtual scenario's has no group)
+            # BUG (with AmaxOverShardMeshStep): the shard mesh is taken for every rank holding the weight.
+            self._amax_group = mesh.get_group()
+        return super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+
+
+class AmaxOverShardMeshStep(Mutant):
+    """Models an optimizer step that re-quantizes a shard with the amax all-reduced over FSDP2's
+    shard mesh (the group the pre-hook recorded, AmaxGroupFromHookParam) instead of every rank that
+    holds a piece of the weight. Exact under flat FSDP2 and HSDP; under tensor parallelism every TP
+    piece gets its own amax, so a piece of small rows is scaled by its own maximum, not the whole
+    weight's: the gathered piece differs from its slice of the one-device quantization (the ranks
+    of one piece agree with each other). Before the first gather no hook has run and the group the
+    harness hands the step is used, so the first gather is still right."""
+
+    def _global_amax(self, local, master_rows, group):
+        # BUG: the shard mesh's group (the "dp" ranks of one TP piece) where every rank's is meant.
+        return super()._global_amax(local, master_rows, getattr(local, "_amax_group", None) or group)
 
 
 class StaleDerivedStep(Mutant):

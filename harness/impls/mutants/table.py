@@ -76,4 +76,10 @@ ZOO: tuple[MutantSpec, ...] = (
     MutantSpec("no_reshard_stale_layout", 20, state.NoReshardStaleLayoutParam, V.SILENT_MISMATCH,
                ("fp8_tensor:128x64:bf16:ws2:steps:s0:raf-no",),
                doc="without reshard after forward, the out= re-gather keeps the first gather's layout and scales"),
+    MutantSpec("amax_over_dp_only", 24, state.AmaxGroupFromHookParam, V.SILENT_MISMATCH,
+               ("fp8_tensor:128x64:bf16:ws4:steps:s0:tp-2x2", "nvfp4_2d:128x64:bf16:ws4:steps:s0:tp-2x2-row"),
+               also=frozenset({V.RANK_DIVERGENCE}), adapter=state.AmaxOverShardMeshStep,
+               formats=("fp8_tensor", "fp8_tensor_e5m2", "nvfp4_1d", "nvfp4_2d"),
+               doc="the per-tensor amax of a step reduced over FSDP2's shard mesh: under tensor parallelism dp only, "
+                   "not tp"),
 )

@@ -2,6 +2,10 @@
 the wire (qgather.impls.reference.wire says how, by mode), and `fsdp_post_all_gather` parses every
 rank's section back, drops the padding and rebuilds the TransformerEngine layout with
 `Format.from_rows` (re-padded scales, transposed and derived columnwise buffers).
+
+Under tensor parallelism (a weight distributed on a "tp" mesh, then fully_shard on "dp") the hooks
+see this rank's TP piece: `orig_size` is the piece's shape, the mesh the "dp" one, and the `out=`
+of a re-gather the unsharded DTensor on "tp", whose local tensor is refreshed.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from qgather.errors import HarnessFault
 from qgather.impls.reference.wire import WireLayout, WireMeta, WireMode, pack_bytes, pack_planes, unpack_planes
@@ -66,7 +71,10 @@ class AllGatherHooks:
         glob = {n: t.clone() for n, t in metadata.glob.items()}
         q = self._fmt.from_rows(rows, glob, layout.full_shape)
         if out is not None:
-            out._refresh(rows, glob, q.buffers)
+            # Under tensor parallelism the unsharded parameter FSDP2 hands back is a DTensor on the
+            # "tp" mesh whose local tensor is this rank's gathered piece: that is what to refresh.
+            target = out._local_tensor if isinstance(out, DTensor) else out
+            target._refresh(rows, glob, q.buffers)
             return None
         param = type(self)(self._fmt, rows, glob, layout.full_shape, param_dtype, te=dict(q.buffers))
         return param, ()

@@ -23,7 +23,11 @@ class TEAdapter(Implementation):
     rejection_types = ("AssertionError: FSDP2 requires", "NotImplementedError")
 
     def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
-        reason = super().skip_reason(spec, device) or te_import_error() or self.route_skip_reason(spec)
+        reason = super().skip_reason(spec, device)
+        if spec.fmt in self.formats and spec.scenario in self.scenarios and device.type not in self.devices:
+            missing = te_import_error()  # TE's own reason too, where it is not even importable
+            return f"{reason} ({missing})" if missing else reason
+        reason = reason or te_import_error() or self.route_skip_reason(spec)
         if reason:
             return reason
         if len(spec.shape) != 2:

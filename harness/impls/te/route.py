@@ -9,6 +9,11 @@ quantized_model_init example):
      quantizes it with the recipe's weight quantizer (current scaling and NVFP4 all-reduce the
      amax over the shard group first) and installs it with `DTensor.from_local`.
 
+Under tensor parallelism (`tp-DxT[-row]`) TE's own TP applies, not torch's styles: te.Linear is
+built with `tp_group` (the "tp" mesh's group), `tp_size` and `parallel_mode` ("column" for tp-DxT,
+"row" for tp-DxT-row), so each rank's module holds its TP piece, and `fully_shard` on "dp" shards
+that piece; TE's reset_parameters reduces the amax over the mesh FSDP2 put on the parameter.
+
 The gathers then go through TE's own `fsdp_pre_all_gather` / `fsdp_post_all_gather`, and the
 steps/reshard scenarios re-quantize the sharded parameter in place with `quantize_`, as TE's
 optimizers do with master weights.
@@ -37,6 +42,7 @@ from qgather.impls.te.tensors import read_te_buffers
 from qgather.model.case import CaseSpec
 from qgather.model.records import RankResult
 from qgather.scenarios import fsdp_setup
+from qgather.scenarios.tensor_parallel import TensorParallelRank
 
 
 class TransformerEngineRoute(TEAdapter):
@@ -62,7 +68,7 @@ class TransformerEngineRoute(TEAdapter):
         _check_no_leaked_autocast()
         setup = setup or fsdp_setup.prepare(ctx, spec)
         rows = setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype)
-        module = self._linear_on_meta(spec, rows)
+        module = self._linear_on_meta(spec, rows, tp=setup.tp)
         fully_shard(module, **setup.kwargs)
         with torch.enable_grad():
             module.reset_parameters()
@@ -115,16 +121,27 @@ class TransformerEngineRoute(TEAdapter):
         with torch.no_grad(), self.forward_context(spec):
             return module(x).float()
 
-    def _linear_on_meta(self, spec: CaseSpec, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    def _linear_on_meta(self, spec: CaseSpec, rows: torch.Tensor, dtype: torch.dtype | None = None,
+                        tp: TensorParallelRank | None = None) -> torch.nn.Module:
         import transformer_engine.pytorch as te  # TE is optional: imported on use
 
         out_features, in_features = spec.shape
         with te.quantized_model_init(enabled=True, recipe=make_recipe(spec.fmt, self.recipes)):
             module = te.Linear(in_features, out_features, bias=False, params_dtype=dtype or spec.torch_dtype,
-                               device="meta", init_method=_writes(rows))
+                               device="meta", init_method=_writes(rows), **_tensor_parallel_kwargs(tp))
         if spec.fmt in NVFP4 and not has_nvfp4_kernels():
             _install_reference_bits_quantizer(module, spec.fmt)
         return module
+
+
+def _tensor_parallel_kwargs(tp: TensorParallelRank | None) -> dict:
+    """TE's own tensor parallelism for a tp-DxT case, as Megatron-style TE users write it: te.Linear
+    takes the global sizes and the "tp" process group and holds only its piece (column: out / T
+    rows, Shard(0); row: in / T columns, Shard(1)); fully_shard on "dp" then shards that piece."""
+    if tp is None:
+        return {}
+    return {"tp_group": tp.mesh.get_group(), "tp_size": tp.layout.size,
+            "parallel_mode": "row" if tp.rowwise else "column", "sequence_parallel": False}
 
 
 def _check_no_leaked_autocast() -> None:

@@ -29,6 +29,12 @@ to 792) with bit-exact gathered buffers. So on CUDA the real forward runs too, a
 agree with the returned output within float8 activation rounding, else the case fails (REJECTED,
 with the numbers), which catches a gathered `_scale` that torchao's matmul would misuse.
 
+Tensor parallelism (`tp-DxT[-row]`): torchao's own Float8ColwiseParallel / Float8RowwiseParallel
+distribute the converted weight on "tp" before fully_shard on "dp", as torchao's FSDP2 + TP test
+(test/float8/test_fsdp2_tp.py) does. Its pre-hook reduces the amax over the mesh FSDP2 hands it,
+the "dp" one: each TP piece is cast with its own scale unless the scale is precomputed
+(`torchao:precompute`, whose all-reduce runs over the whole 2-D DTensor): docs/findings.md.
+
 Scenarios: `gather`, `steps`, `reshard`. `hooks` and `virtual` are skipped with the reasons in
 `skip_reason` (torchao's legacy one-argument hook signature; an amax all-reduce that one process
 cannot emulate). 3-D expert weights are skipped: torchao has no float8 all-gather for them.
@@ -40,6 +46,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from qgather.impls.base import Implementation
 from qgather.impls.torchao.transport import float8_as_bytes_on_gloo
@@ -70,6 +77,7 @@ def _torchao():
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
     from torchao.float8.fsdp_utils import (
         WeightWithDynamicFloat8CastTensor,
@@ -86,6 +94,8 @@ def _torchao():
         "LinearMMConfig": LinearMMConfig,
         "WeightWithDynamicFloat8CastTensor": WeightWithDynamicFloat8CastTensor,
         "precompute": precompute_float8_dynamic_scale_for_fsdp,
+        "Float8ColwiseParallel": Float8ColwiseParallel,
+        "Float8RowwiseParallel": Float8RowwiseParallel,
     }
 
 
@@ -150,6 +160,13 @@ class TorchaoFloat8(Implementation):
         self._precompute_pending = self.precompute
         return module
 
+    def tensor_parallel_style(self, rowwise: bool):
+        """torchao's own styles (torchao.float8.float8_tensor_parallel), as its FSDP2 + TP users apply
+        them after convert_to_float8_training: they distribute the weight as torch's do and cast the
+        activations to float8 in the layer's input hooks."""
+        ao = _torchao()
+        return ao["Float8RowwiseParallel"]() if rowwise else ao["Float8ColwiseParallel"]()
+
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         """The wrapped full weight, as convert_to_float8_training builds it (hooks/virtual only)."""
         return self.make_module(fmt, weight).weight
@@ -200,6 +217,8 @@ class TorchaoFloat8(Implementation):
         scale (a factor of 2 or more) is far outside it. Shapes torch._scaled_mm cannot multiply
         (dims not multiples of 16) raise torchao's own error."""
         module = self._module
+        if module is not None and isinstance(module.weight, DTensor) and module.weight._local_tensor is param:
+            return  # tp-DxT: the layer's forward needs the TP style's DTensor input; x @ W_piece^T is compared
         if module is None or module.weight is not param:
             raise RuntimeError(f"{self.name}: the gathered weight is not the current Float8Linear's weight")
         y_real = _torchao()["Float8Linear"].forward(module, x).float()

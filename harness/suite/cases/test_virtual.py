@@ -1,12 +1,15 @@
 """Virtual worlds: one process emulates FSDP2's chunking, padding and concatenation, for sweeps
-up to 1024 ranks that no pool could run."""
+up to 1024 ranks that no pool could run; with tensor parallelism, dp x tp worlds of 64 to 1024
+ranks (qgather.suite.tp_sweep.TensorParallelVirtual)."""
 
 from qgather.model.case import CaseSpec
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin.options import settings
-from qgather.suite.sweeps import Sweep
+from qgather.suite.sweeps import CaseSet, Sweep
+from qgather.suite.tp_sweep import TensorParallelVirtual
 
-SWEEP = Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8, 16, 64, 256, 1024))
+SWEEP = CaseSet([Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8, 16, 64, 256, 1024)),
+                 TensorParallelVirtual()])
 
 
 def test_virtual(case, qgather):
