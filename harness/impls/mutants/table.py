@@ -76,4 +76,7 @@ ZOO: tuple[MutantSpec, ...] = (
     MutantSpec("no_reshard_stale_layout", 20, state.NoReshardStaleLayoutParam, V.SILENT_MISMATCH,
                ("fp8_tensor:128x64:bf16:ws2:steps:s0:raf-no",),
                doc="without reshard after forward, the out= re-gather keeps the first gather's layout and scales"),
+    MutantSpec("empty_shard_stale_scale", 21, state.EmptyShardStaleScaleParam, V.RANK_DIVERGENCE,
+               ("fp8_tensor:1x16:bf16:ws3:gather:s0:dcp-ws1",), also=frozenset({V.SILENT_MISMATCH}),
+               doc="a rank without rows gathers with its own per-tensor scale, which a checkpoint load never wrote"),
 )
