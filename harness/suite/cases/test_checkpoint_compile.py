@@ -8,8 +8,9 @@ The default run is the checkpoint design of qgather.suite.config_sweep (`CHECKPO
 covering design in which every pair of a checkpoint token (dcp-ws1..4, dcp-ws2-trained), compile,
 a loading world size B (1..4) and a shape regime (judged where the checkpoint was saved and where
 it is loaded: qgather.suite.config_regimes) occurs, plus the cases of two TE findings (`FINDINGS`).
-torchao (and its precomputed scales) runs its own sets unless --impl names the implementations. `-m slow` adds the full product of A, B in 1..8 on an
-aligned and an uneven shape, and compile with the hand-picked shapes.
+torchao (and its precomputed scales) runs its own sets unless --impl names the implementations.
+`-m slow` adds the full product of A, B in 1..8 on an aligned and an uneven shape, and compile with
+the hand-picked shapes.
 """
 
 from __future__ import annotations
