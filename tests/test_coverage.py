@@ -66,6 +66,19 @@ def test_the_suite_summary_prints_the_coverage():
     assert "MISSING" not in out and "cells hit, 0/0" not in out, out[-2000:]
 
 
+def test_a_configuration_run_prints_its_pair_promise():
+    """A run of one format's whole FSDP2-configuration design ends with its pairs promised and hit."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "cases/test_fsdp_configs.py", "-p", "no:cacheprovider", "-q",
+         "--formats", "fp8_tensor_e5m2", "--impl", "reference", "--device", "cpu"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    line = next(line for line in result.stdout.splitlines() if "configuration pairs" in line)
+    hit, promised = line.split()[1].split("/")
+    assert line == f"coverage: {hit}/{promised} promised configuration pairs hit" and hit == promised != "0", line
+
+
 def test_bench_suite_prints_cases_per_second():
     env = {**os.environ, "PYTHONPATH": REPO, "QGATHER_BENCH_WORKERS": "0"}
     result = subprocess.run(

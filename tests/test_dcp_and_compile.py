@@ -49,6 +49,18 @@ def test_resharded_checkpoint_is_exact_and_a_lost_scale_is_caught():
     assert after == before, "a checkpoint directory outlived its case"
 
 
+def test_a_rank_without_rows_takes_the_loaded_scale():
+    """A checkpoint loads nothing onto a rank that holds no rows (1 row over 3 ranks): the reference
+    gathers with rank 0's per-tensor scale; a subclass using its own stale one diverges there, and
+    only there (46 rows over 3 ranks, the sweep's uneven shape before the regimes: every rank holds rows)."""
+    empty = "fp8_tensor:1x16:bf16:ws3:gather:s0:dcp-ws1"
+    assert selftest.run(f"reference:{empty}").verdict is Verdict.EXACT
+    mutant = selftest.run(f"mutant:empty_shard_stale_scale:{empty}")
+    assert mutant.verdict is Verdict.RANK_DIVERGENCE and "[0]; [1,2]" in mutant.render(), mutant.render()
+    held = "fp8_tensor:46x64:bf16:ws3:gather:s0:dcp-ws1"
+    assert selftest.run(f"mutant:empty_shard_stale_scale:{held}").verdict is Verdict.EXACT
+
+
 def test_compiled_forward_is_bitwise_and_an_unflatten_that_drops_the_scale_is_caught():
     reference = selftest.run(f"reference:{COMPILED}")
     assert reference.verdict is Verdict.EXACT, reference.render()

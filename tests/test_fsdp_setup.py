@@ -13,7 +13,7 @@ from qgather.model.case import CaseSpec, ColumnShardLayout, shard_layout
 from qgather.model.policy import expectation
 from qgather.model.verdict import Verdict
 from qgather.scenarios import fsdp_setup
-from qgather.suite.config_sweep import ConfigSweep
+from qgather.suite.config_sweep import FSDP, TORCHAO_BESIDE, ConfigSweep
 from qgather.suite.covering import pairwise
 
 CPU = RunOptions(backend="gloo", device="cpu")
@@ -28,11 +28,11 @@ def test_pairwise_covers_every_pair():
 
 
 def test_sweep_covers_every_dimension_value():
-    cases = ConfigSweep().cases(["reference"])
+    cases = ConfigSweep(FSDP, companions=TORCHAO_BESIDE).cases(["reference"])
     tokens = {t for c in cases for t in c.config.token.split("+")}
     assert {"mp-bf16", "mp-fp32", "raf-no", "dim1", "hsdp-2x2", "hsdp-1x2", "hsdp-2x1"} <= tokens
     assert {c.impl for c in cases} == {"reference", "torchao"}
-    assert len(ConfigSweep(product=True).cases(["reference"])) > 10 * len(cases)
+    assert len(ConfigSweep(FSDP, product=True).cases(["reference"])) > 10 * len(cases)
 
 
 def test_layouts_follow_the_shard_dimension():
@@ -117,7 +117,7 @@ def test_an_own_route_gets_the_configuration_only_when_it_takes_setup():
 def test_a_narrowed_configuration_run_is_a_subset_of_the_full_run():
     """A baseline written from the full run must name the cases a run narrowed by world size,
     format or scenario has (the README splits the GPU gate by world size)."""
-    full = {c.id for c in ConfigSweep().cases(["reference"])}
-    for narrowed in (ConfigSweep().cases(["reference"], world_sizes=[2]),
-                     ConfigSweep().cases(["reference"], formats=["nvfp4_2d"], scenarios=["steps"])):
+    full = {c.id for c in ConfigSweep(FSDP).cases(["reference"])}
+    for narrowed in (ConfigSweep(FSDP).cases(["reference"], world_sizes=[2]),
+                     ConfigSweep(FSDP).cases(["reference"], formats=["nvfp4_2d"], scenarios=["steps"])):
         assert narrowed and {c.id for c in narrowed} <= full

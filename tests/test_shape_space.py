@@ -11,9 +11,8 @@ from qgather.formats import FORMATS, FormatError
 from qgather.formats.base import flat_dims
 from qgather.model.case import ShardLayout
 from qgather.suite import coverage, shape_space
-from qgather.suite.config_sweep import world_and_mesh
 from qgather.suite.modules import suite_sweeps
-from qgather.suite.sweeps import CPU_WORLD_SIZES, RULE_SHAPES, SuiteSweep, Sweep, alignment_shapes, narrow
+from qgather.suite.sweeps import CPU_WORLD_SIZES, RULE_SHAPES, CaseSet, SuiteSweep, Sweep, alignment_shapes, narrow
 
 Axis = shape_space.Axis
 
@@ -194,11 +193,12 @@ def test_every_suite_sweep_answers_the_protocol():
     sweeps = suite_sweeps()
     for module, sweep, _impls in sweeps:
         assert isinstance(sweep, SuiteSweep), module
-    assert {type(sweep).__name__ for _m, sweep, _i in sweeps} >= {"Sweep", "CaseSet", "ConfigSweep"}
+    assert {type(sweep).__name__ for _m, sweep, _i in sweeps} >= {"Sweep", "ConfigSweep"}
+    assert isinstance(CaseSet([]), SuiteSweep)
     assert not isinstance(object(), SuiteSweep)
 
 
 def test_narrow_keeps_the_selected_values_in_their_order():
     assert narrow((3, 1, 2), None) == [3, 1, 2]
     assert narrow((3, 1, 2), [2, 3, 9]) == [3, 2]
-    assert narrow(("ws2", "hsdp-2x2", "hsdp-1x2"), [4], key=lambda m: world_and_mesh(m)[0]) == ["hsdp-2x2"]
+    assert narrow(("ws2", "ws4", "hsdp-2x2"), [4], key=lambda m: 4 if m != "ws2" else 2) == ["ws4", "hsdp-2x2"]

@@ -1,5 +1,7 @@
 """`qgather coverage`: the coverage matrix (format x buffer x regime x scenario x configuration) of
-a selection as Markdown; exit 1 when a promised cell is missing."""
+a selection as Markdown, and the configuration designs' pairs (configuration token x shape regime
+per format, the other two-way combinations, the pairs that cannot occur and why); exit 1 when a
+promised cell or pair is missing."""
 
 from __future__ import annotations
 
@@ -23,4 +25,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return usage("coverage", "the selection has no cases")
     cov = measure(cases, primary)
     print(markdown(cov))
-    return 1 if cov.missing else 0
+    return 1 if cov.broken else 0

@@ -45,6 +45,7 @@ from qgather.model.case import (
     tensor_parallel_layout,
 )
 from qgather.model.config import FsdpConfig
+from qgather.model.fsdp_rules import fsdp_skip_reason
 from qgather.model.records import Stage
 from qgather.runtime.launch import detect_launch
 from qgather.runtime.rank import CaseContext
@@ -84,23 +85,7 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
         return reason
     if not takes_setup(impl):
         return f"{impl.name} shards on its own route (make_sharded_module), which takes no FSDP2 configuration"
-    reason = impl.config_skip_reason(spec)
-    if reason:
-        return reason
-    if config.shard_dim == 1:
-        if len(spec.shape) != 2:
-            return "dim1: Shard(1) of a 3-D expert weight splits each expert's rows, not K (2-D weights only)"
-        if spec.shape[-1] % shard_world_size(spec):
-            return (f"dim1: FSDP2 requires even sharding on a nonzero dim (K={spec.shape[-1]} over "
-                    f"{shard_world_size(spec)} ranks raises NotImplementedError in fully_shard)")
-    raf, size = config.reshard_after_forward, shard_world_size(spec)
-    if not isinstance(raf, bool) and size % raf:
-        return f"raf-{raf}: FSDP2 needs an int reshard_after_forward that divides the shard world size {size}"
-    if not isinstance(raf, bool) and 1 < raf < size:
-        return (f"raf-{raf}: FSDP2 (torch {torch.__version__}) cannot re-gather a parameter with all-gather "
-                "extensions from its post-forward reshard to a smaller mesh (FSDPParam.all_gather_inputs raises "
-                "NotImplementedError in SHARDED_POST_FORWARD); raf-1 (= False) and raf-S (= True) run")
-    return None
+    return impl.config_skip_reason(spec) or fsdp_skip_reason(spec)
 
 
 def _tensor_parallel_only(config: FsdpConfig) -> bool:

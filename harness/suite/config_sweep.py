@@ -1,93 +1,104 @@
-"""The FSDP2 configuration sweep: formats x shapes x dtypes x mixed precision x reshard_after_forward
-x mesh (flat or HSDP) x shard dim x scenario, as a covering design (every pair of dimension values in
-at least one case: qgather.suite.covering.pairwise) for the default run, or the full product (`slow`).
+"""The configuration sweeps: FSDP2 configurations (mixed precision, reshard_after_forward, HSDP
+meshes, dim-1 sharding: `FSDP`) and checkpoint resharding / torch.compile (`CHECKPOINT`) crossed
+with the shape regimes the formats' rules produce (qgather.suite.config_regimes), per format.
+
+Each design is one table row per configuration component (`FSDP_COMPONENTS`,
+`CHECKPOINT_COMPONENTS`) plus its world sizes, scenarios and dtypes. Its space
+(qgather.suite.config_space) is every valid case of those factors, each on the shape that
+produces its regime under its configuration; the default run is a covering design of that space
+per format (qgather.suite.covering.cover_pairs): every pair of labels of two dimensions that some
+valid case can hold, (configuration token, regime) per format included, occurs in at least one
+case. `qgather coverage` shows those pairs and fails when one is missing (qgather.suite.config_coverage).
+The full product of the space is the slow sweep.
+
+A component added to a table (e.g. a tensor-parallel `tp-DxT`, whose token qgather.model.config
+parses and whose FSDP2 rules qgather.model.fsdp_rules and qgather.model.case.shard_layout know)
+enters the design, its pairs and the coverage as it is: nothing else here names a component.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cache
+from types import MappingProxyType
 
 from qgather.formats import FORMATS
 from qgather.model.case import CaseSpec
-from qgather.model.config import FsdpConfig
-from qgather.suite.covering import pairwise
+from qgather.suite.config_space import REGIME, Component, Design, Row, rows
+from qgather.suite.covering import cover_pairs
 from qgather.suite.sweeps import SuiteSweep, narrow
 
-MP = ("", "mp-bf16", "mp-bf16-rfp32", "mp-fp32", "mp-fp32-rbf16")
-RAF = ("", "raf-no", "raf-S")  # raf-S: the int equal to the shard world size (smaller ints: FSDP2 cannot)
-MESHES = ("ws2", "ws4", "hsdp-2x2", "hsdp-1x2", "hsdp-2x1")
-SHARD_DIMS = ("", "dim1")
-SCENARIOS = ("gather", "steps", "reshard")
-DTYPES = ("bf16", "fp32")
-SHAPES = ("aligned", "split")
+FSDP_COMPONENTS: tuple[Component, ...] = (
+    Component("mp", ("", "mp-bf16", "mp-bf16-rfp32", "mp-fp32", "mp-fp32-rbf16")),
+    Component("raf", ("", "raf-no", "raf-2", "raf-4")),  # an int runs only as 1 or the shard size (fsdp_rules)
+    Component("hsdp", ("", "hsdp-2x2", "hsdp-1x2", "hsdp-2x1")),
+    Component("dim", ("", "dim1")),
+)
+FSDP = Design("fsdp", FSDP_COMPONENTS, world_sizes=(2, 4), scenarios=("gather", "steps", "reshard"),
+              dtypes=("bf16", "fp32"), configured_only=True)
+
+CHECKPOINT_COMPONENTS: tuple[Component, ...] = (
+    Component("dcp", ("", "dcp-ws1", "dcp-ws2", "dcp-ws3", "dcp-ws4", "dcp-ws2-trained")),
+    Component("compile", ("", "compile")),
+)
+CHECKPOINT = Design("checkpoint", CHECKPOINT_COMPONENTS, world_sizes=(1, 2, 3, 4), scenarios=("gather",),
+                    dtypes=("bf16",), configured_only=True)
+
+#: every configuration design of the suite, for qgather.suite.config_coverage
+DESIGNS: tuple[Design, ...] = (FSDP, CHECKPOINT)
+
 IMPL_FORMATS = {"torchao": ("fp8_tensor",)}  # implementations that hold only some formats
 
-
-def shape_for(fmt: str, kind: str) -> tuple[int, int]:
-    """`aligned`: 8 row blocks (aligned at 2 and 4 ranks); `split`: 8.5 blocks (4-rank shards split a
-    block). K holds two of the format's column blocks, so dim-1 shards align at 2 ranks, not at 4."""
-    u = max(FORMATS[fmt].row_block, 16)
-    k = 256 if fmt.startswith("fp8_block") else 64
-    return (8 * u, k) if kind == "aligned" else (17 * u // 2, k)
+#: beside the reference in the default run: torchao, without the regimes where torchao 0.18's float8
+#: all-gather is a known failure on gloo (docs/findings.md#torchao-uneven-shards; `--impl` runs them)
+TORCHAO_BESIDE: Mapping[str, frozenset[str]] = MappingProxyType({"torchao": frozenset({"uneven", "zero-row", "m<ws"})})
 
 
-def world_and_mesh(mesh: str) -> tuple[int, str]:
-    if mesh.startswith("ws"):
-        return int(mesh[2:]), ""
-    r, s = (int(v) for v in mesh.removeprefix("hsdp-").split("x"))
-    return r * s, mesh
-
-
-def config_token(mp: str, raf: str, mesh: str, dim: str) -> str:
-    _, hsdp = world_and_mesh(mesh)
-    shard = int(hsdp.split("x")[1]) if hsdp else world_and_mesh(mesh)[0]
-    raf = f"raf-{shard}" if raf == "raf-S" else raf
-    return "+".join(p for p in (mp, raf, hsdp, dim) if p)
+@cache
+def covering_rows(design: Design, fmt: str) -> tuple[Row, ...]:
+    """The default run's rows of one format: a covering design of its space, in factor order."""
+    space = rows(design, fmt)
+    return tuple(space[i] for i in cover_pairs([row.labels for row in space]))
 
 
 @dataclass(frozen=True)
 class ConfigSweep(SuiteSweep):
-    """The configuration dimensions as one covering array, impl x format a factor of it: unlike
-    qgather.suite.sweeps.Sweep, not every (format, shape, world size, scenario) runs. The array is made over
-    every value and then narrowed to the selection, so a narrowed run's ids are a subset of the full
-    run's (one known-issues baseline serves both)."""
+    """A design's cases: the covering rows per format (the product with `product` or exhaustive), for
+    each implementation. The design is made per format over every world size and scenario and then
+    narrowed to the selection, so a narrowed run's ids are a subset of the full run's (one
+    known-issues baseline serves both), and a format's ids do not depend on the other formats.
 
+    `companions`: implementations that run beside the plugin's default one (reference), each without
+    the cases hitting the regimes given (where it is a known failure; `--impl` runs them all)."""
+
+    design: Design
     product: bool = False
     marks: Sequence[str] = field(default_factory=tuple)
-    #: beside the plugin's default implementation (reference), these run too
-    also_with_default: Sequence[str] = ("torchao",)
+    companions: Mapping[str, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({world_and_mesh(m)[0] for m in MESHES}))
+        return self.design.world_sizes
 
     @property
     def scenarios(self) -> tuple[str, ...]:
-        return SCENARIOS
+        return self.design.scenarios
 
     def cases(self, impls: Iterable[str], formats: Iterable[str] | None = None,
               world_sizes: Iterable[int] | None = None, scenarios: Iterable[str] | None = None,
               exhaustive: bool = False) -> list[CaseSpec]:
         impls = list(impls)
+        leave_out = {impl: frozenset() for impl in impls}
         if impls == ["reference"]:
-            impls += list(self.also_with_default)
-        impl_fmts = [f"{i}|{f}" for i in impls for f in IMPL_FORMATS.get(i, FORMATS)]
-        # The design is built over every value, then narrowed (as Sweep does): a run narrowed to some
-        # formats, world sizes or scenarios runs a subset of the full run's ids, so a baseline written
-        # from one applies to the other.
-        factors = (impl_fmts, SHAPES, DTYPES, MP, RAF, MESHES, SHARD_DIMS, SCENARIOS)
-        rows = itertools.product(*factors) if self.product or exhaustive else pairwise(factors)
-        keep_fmts = set(narrow(FORMATS, formats))
-        keep_scens = set(narrow(SCENARIOS, scenarios))
-        keep_meshes = set(narrow(MESHES, world_sizes, key=lambda m: world_and_mesh(m)[0]))
-        return [self._case(*row) for row in rows
-                if row[0].split("|")[1] in keep_fmts and row[7] in keep_scens and row[5] in keep_meshes]
-
-    @staticmethod
-    def _case(impl_fmt, shape, dtype, mp, raf, mesh, dim, scenario) -> CaseSpec:
-        impl, fmt = impl_fmt.split("|")
-        ws, _ = world_and_mesh(mesh)
-        config = FsdpConfig.parse(config_token(mp, raf, mesh, dim))
-        return CaseSpec(impl, fmt, shape_for(fmt, shape), dtype, ws, scenario, 0, config)
+            leave_out.update(self.companions)
+        sizes, scens = set(narrow(self.world_sizes, world_sizes)), set(narrow(self.scenarios, scenarios))
+        out = []
+        for fmt in narrow(FORMATS, formats):
+            chosen = rows(self.design, fmt) if self.product or exhaustive else covering_rows(self.design, fmt)
+            chosen = [r for r in chosen if r.spec.world_size in sizes and r.spec.scenario in scens]
+            for impl, left_out in leave_out.items():
+                if fmt in IMPL_FORMATS.get(impl, FORMATS):
+                    out += [replace(r.spec, impl=impl) for r in chosen
+                            if not {v for d, v in r.labels if d == REGIME} & left_out]
+        return out

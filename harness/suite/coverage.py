@@ -1,14 +1,16 @@
 """The coverage matrix of a run: format x buffer x regime x scenario x configuration (x world size),
-which cells its cases hit and which promised cells they miss.
+which cells its cases hit and which promised cells they miss; and the configuration pairs of the
+configuration designs (qgather.suite.config_coverage: configuration token x shape regime per format,
+and the other two-way combinations).
 
 A cell is promised for every (format, world size, scenario) the run has cases of under a sweep's
 first FSDP2 configuration: each regime of qgather.suite.shape_space's space at that world size. Cells
-of other configurations are shown when hit (they are covered pairwise, not promised).
+of other configurations are shown when hit (the configuration designs promise pairs instead).
 
 `qgather coverage [--impl ..] [--formats ..] [--world-sizes ..] [--scenarios ..] [--exhaustive]`
-(qgather.cli.coverage) prints the matrix of the suite's selection as Markdown (exit 1 if a promised
-cell is missing); the pytest plugin prints its broken promises (`promise_lines`) at the end of a session and
-writes the matrix of the cases it ran to the report directory's coverage.md.
+(qgather.cli.coverage) prints the matrix and the pairs of the suite's selection as Markdown (exit 1 if
+a promised cell or pair is missing); the pytest plugin prints its broken promises (`promise_lines`) at
+the end of a session and writes both of the cases it ran to the report directory's coverage.md.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from qgather.model.case import CaseSpec, tensor_parallel_layout
-from qgather.suite import shape_space
+from qgather.suite import config_coverage, shape_space
+from qgather.suite.config_coverage import PairCoverage
 from qgather.suite.modules import suite_sweeps
 
 DEFAULT_CONFIG = "default"
@@ -34,15 +37,22 @@ def config_name(spec: CaseSpec) -> str:
 class Coverage:
     hits: Counter = field(default_factory=Counter)  # Key -> cases
     promised: set[Key] = field(default_factory=set)
+    pairs: PairCoverage = field(default_factory=PairCoverage)
 
     @property
     def missing(self) -> list[Key]:
         return sorted(k for k in self.promised if not self.hits[k])
 
+    @property
+    def broken(self) -> bool:
+        """Whether a promised cell or configuration pair is missing."""
+        return bool(self.missing or self.pairs.missing)
+
 
 def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAULT_CONFIG,)) -> Coverage:
     """The cells `cases` hit, and those promised for the (format, world size, scenario, config) they run."""
-    cov = Coverage()
+    cases = list(cases)
+    cov = Coverage(pairs=config_coverage.measure(cases))
     primary = set(promised_configs)
     seen: set[tuple[str, int, str, str]] = set()
     for spec in cases:
@@ -83,6 +93,8 @@ def markdown(cov: Coverage) -> str:
             cells = [_cell(cov, (fmt, buf, regime, scenario, config, w)) for w in sizes]
             out.append(f"| {fmt} | {buf} | {regime} | " + " | ".join(cells) + " |")
         out.append("")
+    if cov.pairs.hits and (cov.pairs.promised or cov.pairs.impossible):
+        out += ["", config_coverage.markdown(cov.pairs)]
     return "\n".join(out)
 
 
@@ -105,7 +117,7 @@ def summary_lines(cov: Coverage, limit: int = 20) -> list[str]:
     for key in cov.missing[:limit]:
         fmt, buf, regime, scenario, config, ws = key
         lines.append(f"  MISSING {fmt} {buf} {regime} at ws{ws} ({scenario}, {config})")
-    return lines
+    return lines + config_coverage.promise_lines(cov.pairs, limit)
 
 
 def promise_lines(cov: Coverage, limit: int = 10) -> list[str]:
@@ -113,21 +125,25 @@ def promise_lines(cov: Coverage, limit: int = 10) -> list[str]:
     promises (the first `limit` missing cells)."""
     hit = len(cov.promised) - len(cov.missing)
     head = f"coverage: {hit}/{len(cov.promised)} promised cells hit"
+    pairs = config_coverage.promise_lines(cov.pairs, limit)
     if not cov.missing:
-        return [head]
+        return [head, *pairs]
     lines = [f"{head}, {len(cov.missing)} MISSING (the report directory's coverage.md has the matrix)"]
     for fmt, buf, regime, scenario, config, ws in cov.missing[:limit]:
         lines.append(f"  MISSING {fmt} {buf} {regime} at ws{ws} ({scenario}, {config})")
     if len(cov.missing) > limit:
         lines.append(f"  ... and {len(cov.missing) - limit} more")
-    return lines
+    return lines + pairs
 
 
 def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None,
                 exhaustive: bool = False) -> tuple[list[CaseSpec], set[str]]:
-    """The suite's selected cases and the configuration tokens promised in full (each sweep's first)."""
+    """The suite's selected cases (as `qgather run` runs them: without `exhaustive`, no sweep marked
+    slow) and the configuration tokens promised in full (each sweep's first)."""
     cases, primary = [], set()
     for _module, sweep, fixed in suite_sweeps():
+        if not exhaustive and "slow" in getattr(sweep, "marks", ()):
+            continue
         cases += sweep.cases(fixed or impls, formats=formats, world_sizes=world_sizes, scenarios=scenarios,
                              exhaustive=exhaustive)
         configs = getattr(sweep, "configs", None)  # sweeps built on the shape space promise its regimes

@@ -1,6 +1,6 @@
 """Covering designs for the default run: every pair of dimension values at least once.
 
-Two problems, two greedy generators over one vocabulary (a label is (dimension, value); a pair is
+Three problems, three greedy generators over one vocabulary (a label is (dimension, value); a pair is
 two labels in sorted order):
 
 `pairwise(factors)`: a covering array of strength 2 over independent factors (qgather.suite.config_sweep).
@@ -15,9 +15,16 @@ under the sweep's first configuration, chosen greedily so that every pair of val
 dimensions (free with free, free with a row's format, world size, scenario or regime) occurs, then
 cases of the other configurations are added until their pairs occur too (qgather.suite.sweeps.Sweep).
 
-The two choose differently (per factor vs. whole free combinations, with validity, pinned rows and
-primary configurations), so their designs differ even where both apply; each suite's case ids are
-its generator's. `--exhaustive` runs the full product.
+`cover_pairs(candidates)`: the configuration sweeps (qgather.suite.config_sweep) list every valid case
+of their space (qgather.suite.config_space), each with its labels (a case has every regime it hits,
+so several labels of one dimension), and pick cases until every pair of labels of two dimensions
+that some candidate holds is held by a picked one: validity comes from the candidates, so no
+impossible pair is asked for. Each pick starts from the uncovered pair the fewest candidates hold
+and takes, among those holding it, the one covering the most uncovered pairs.
+
+The three choose differently (per factor, whole free combinations with pinned rows and primary
+configurations, whole valid cases), so their designs differ even where two apply; each suite's case
+ids are its generator's. `--exhaustive` runs the full product.
 """
 
 from __future__ import annotations
@@ -109,3 +116,32 @@ def pairwise_over_rows(
         chosen.add(best)
         missing -= best_new
     return out
+
+
+def cover_pairs(candidates: Sequence[frozenset[Label]]) -> list[int]:
+    """Indices, in increasing order, of candidates (label sets) that together hold every pair of labels
+    of two dimensions that some candidate holds (deterministic, greedy)."""
+    labels = sorted({label for c in candidates for label in c}, key=repr)
+    ids = {label: i for i, label in enumerate(labels)}
+    n = len(labels)
+    held = []
+    for c in candidates:
+        mine = sorted(ids[label] for label in c)
+        held.append([a * n + b for a, b in combinations(mine, 2) if labels[a][0] != labels[b][0]])
+    holders: list[set[int]] = [set() for _ in labels]
+    count: dict[int, int] = {}
+    for index, c in enumerate(candidates):
+        for label in c:
+            holders[ids[label]].add(index)
+    for pairs in held:
+        for p in pairs:
+            count[p] = count.get(p, 0) + 1
+    uncovered = set(count)
+    chosen: list[int] = []
+    while uncovered:
+        rarest = min(uncovered, key=lambda p: (count[p], p))
+        a, b = divmod(rarest, n)
+        best = max(sorted(holders[a] & holders[b]), key=lambda i: sum(p in uncovered for p in held[i]))
+        chosen.append(best)
+        uncovered.difference_update(held[best])
+    return sorted(chosen)

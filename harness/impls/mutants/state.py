@@ -1,8 +1,9 @@
 """Zoo bugs in state that outlives one all-gather: an optimizer step that re-quantizes with the shard's
 own amax (or the amax of FSDP2's shard mesh only, under tensor parallelism) or leaves the columnwise
-copy stale, an `out=` re-gather that keeps old scales or layout,
-a checkpoint or a torch.compile rebuild that drops the per-tensor scale (each class's docstring says
-which real failure it models; qgather.impls.mutants.table says how each is caught).
+copy stale, an `out=` re-gather that keeps old scales or layout, a checkpoint or a torch.compile
+rebuild that drops the per-tensor scale, a checkpoint load that never reaches the per-tensor scale
+of a rank without rows (each class's docstring says which real failure it models;
+qgather.impls.mutants.table says how each is caught).
 """
 
 from __future__ import annotations
@@ -160,3 +161,20 @@ class NoReshardStaleLayoutParam(QuantizedParam):
         for name, t in fresh._rows.items():
             out._rows[name].copy_(t)
         return None
+
+
+class EmptyShardStaleScaleParam(QuantizedParam):
+    """Models a subclass that keeps its per-tensor values (scale, amax) on every shard and builds the
+    gathered weight with its own rank's, as TransformerEngine's Float8Tensor hooks hand their
+    `_scale_inv` to the post-hook as metadata. Every rank holds the same values as long as they are
+    computed together (an amax all-reduce after each step). But torch.distributed.checkpoint loads a
+    shard by reading the saved chunks that overlap it: a rank that holds no rows (fewer rows, or
+    experts, than ranks) reads nothing, and its values stay those the model was built with. Its
+    gathered weight dequantizes the loaded bytes with them, while the other ranks' is right.
+
+    The reference sends rank 0's values with the shards where a rank can hold no rows (uneven
+    shards) and every rank uses those; this subclass uses its own."""
+
+    def _per_tensor_values(self, outputs, metadata):
+        # BUG: this rank's own per-tensor values, which a checkpoint load never wrote on an empty shard.
+        return {n: t.clone() for n, t in metadata.glob.items()}

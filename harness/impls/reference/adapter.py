@@ -9,6 +9,7 @@ each, so every method here does one thing.
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,16 @@ from qgather.impls.base import PACKED_SLACK, Implementation
 from qgather.impls.reference.param import QuantizedParam, ShardAlignmentError
 from qgather.model.case import ShardLayout
 
-__all__ = ["ReferenceImplementation"]
+__all__ = ["ReferenceImplementation", "per_tensor_bytes"]
+
+
+@cache
+def per_tensor_bytes(fmt_name: str) -> int:
+    """Bytes of a format's per-tensor values (its row layout's `glob`: a scale, amaxes)."""
+    fmt = FORMATS[fmt_name]
+    probe = torch.ones(math.lcm(fmt.m_multiple, fmt.row_block, 2), math.lcm(fmt.k_multiple, 32))
+    _rows, glob = fmt.to_rows(fmt.quantize(probe))
+    return sum(t.numel() * t.element_size() for t in glob.values())
 
 
 class ReferenceImplementation(Implementation):
@@ -37,9 +47,11 @@ class ReferenceImplementation(Implementation):
         if shards.world_size == 1 or shards.even:
             return super().wire_allowance(fmt, shape, shards, packed_bytes)
         # Uneven shards: FSDP2 wants every input at the padded shard's shape, so the packed bytes
-        # travel in byte planes of that shape (see fsdp_pre_all_gather): whole planes, not bytes.
+        # travel in byte planes of that shape (see fsdp_pre_all_gather), the per-tensor values after
+        # them: whole planes, not bytes.
         plane = shards.chunk * math.prod(shape[1:])
-        return "byte planes", max(1, math.ceil(packed_bytes * PACKED_SLACK / plane)) * plane
+        sent = packed_bytes * PACKED_SLACK + per_tensor_bytes(fmt)
+        return "byte planes", max(1, math.ceil(sent / plane)) * plane
 
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
         return self.param_class.from_weight(FORMATS[fmt], weight)

@@ -1,7 +1,8 @@
 """The reference's FSDP2 all-gather hooks: `fsdp_pre_all_gather` lays this rank's row buffers on
 the wire (qgather.impls.reference.wire says how, by mode), and `fsdp_post_all_gather` parses every
 rank's section back, drops the padding and rebuilds the TransformerEngine layout with
-`Format.from_rows` (re-padded scales, transposed and derived columnwise buffers).
+`Format.from_rows` (re-padded scales, transposed and derived columnwise buffers), with the
+per-tensor values of rank 0 where they travel (uneven shards), else this rank's own.
 
 Under tensor parallelism (a weight distributed on a "tp" mesh, then fully_shard on "dp") the hooks
 see this rank's TP piece: `orig_size` is the piece's shape, the mesh the "dp" one, and the `out=`
@@ -30,20 +31,23 @@ class AllGatherHooks:
         layout = ShardLayout(orig_size[0], mesh.size(), math.prod(orig_size[1:-1]))
         wire = self._padded_wire(layout.chunk * layout.inner_rows)
         mode = WireMode.SINGLE if layout.world_size == 1 else WireMode.ROWS if layout.even else WireMode.PLANES
+        glob = self._metadata_glob()
+        sent = glob if mode is WireMode.PLANES else {}
         wire_layout = WireLayout(
             fmt=self._fmt.name,
             full_shape=tuple(orig_size),
             world_size=layout.world_size,
             mode=mode,
             buffers=tuple((n, t.dtype, tuple(t.shape)) for n, t in wire.items()),
+            per_tensor=tuple((n, t.dtype, tuple(t.shape)) for n, t in sent.items()),
         )
-        meta = WireMeta(wire_layout, self._metadata_glob())
+        meta = WireMeta(wire_layout, glob)
         if mode is WireMode.ROWS:
             return tuple(wire.values()), meta
         if mode is WireMode.SINGLE:
             return (pack_bytes(list(wire.values())),), meta
         plane_shape = (layout.chunk, *orig_size[1:])
-        return pack_planes(list(wire.values()), plane_shape), meta
+        return pack_planes([*wire.values(), *sent.values()], plane_shape), meta
 
     def _pre_all_gather_cols(self, mesh, orig_size):
         """A Shard(1) piece: FSDP2 views every all-gather output as the shard's shape and
@@ -68,7 +72,7 @@ class AllGatherHooks:
     def fsdp_post_all_gather(self, all_gather_outputs, metadata: WireMeta, param_dtype, *, out=None):
         layout = metadata.layout
         rows = self._gathered_rows(all_gather_outputs, layout)
-        glob = {n: t.clone() for n, t in metadata.glob.items()}
+        glob = self._per_tensor_values(all_gather_outputs, metadata)
         q = self._fmt.from_rows(rows, glob, layout.full_shape)
         if out is not None:
             # Under tensor parallelism the unsharded parameter FSDP2 hands back is a DTensor on the
@@ -78,6 +82,16 @@ class AllGatherHooks:
             return None
         param = type(self)(self._fmt, rows, glob, layout.full_shape, param_dtype, te=dict(q.buffers))
         return param, ()
+
+    def _per_tensor_values(self, outputs, metadata: WireMeta) -> dict[str, torch.Tensor]:
+        """The gathered weight's per-tensor values: rank 0's from the planes where they travel (rank 0
+        always holds rows, so a checkpoint load wrote them), else this rank's own."""
+        layout = metadata.layout
+        if not layout.per_tensor:
+            return {n: t.clone() for n, t in metadata.glob.items()}
+        first = [o[: layout.shard_layout.chunk] for o in outputs]
+        values = unpack_planes(first, layout.buffers + layout.per_tensor)
+        return {name: values[name].clone() for name, _, _ in layout.per_tensor}
 
     def _gathered_rows(self, outputs, layout: WireLayout) -> dict[str, torch.Tensor]:
         """Every rank's row buffers, concatenated in rank order, read as the wire mode says."""

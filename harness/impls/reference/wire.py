@@ -8,6 +8,9 @@ Wire modes (`WireMode`), chosen from shapes only, so identical on every rank:
   equal the format's packed size;
 - PLANES (uneven shards): FSDP2 requires every all-gather input to have the padded shard's shape, so
   the padded row buffers are serialized into uint8 planes of that shape and parsed back per rank;
+  the per-tensor values (scale, amax) travel after them, and the post-hook takes rank 0's: only
+  here can a rank hold no rows, and a checkpoint load never writes the per-tensor values of a rank
+  that holds none (it has nothing to read), so its own may be stale;
 - COLS (Shard(1)): planes of exactly the shard's shape, concatenated by FSDP2 along dim 1.
 """
 
@@ -42,6 +45,7 @@ class WireLayout:
     world_size: int
     mode: WireMode
     buffers: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # name, dtype, padded shape
+    per_tensor: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] = ()  # sent after them (PLANES)
 
     @property
     def shard_layout(self) -> ShardLayout:

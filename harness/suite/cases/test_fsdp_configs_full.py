@@ -1,8 +1,8 @@
-"""The full product of the FSDP2 configuration dimensions (qgather.suite.config_sweep): `-m slow`."""
+"""The full product of the FSDP2 configuration design's space (qgather.suite.config_sweep): `-m slow`."""
 
-from qgather.suite.config_sweep import ConfigSweep
+from qgather.suite.config_sweep import FSDP, TORCHAO_BESIDE, ConfigSweep
 
-SWEEP = ConfigSweep(product=True, marks=("slow",))
+SWEEP = ConfigSweep(FSDP, product=True, marks=("slow",), companions=TORCHAO_BESIDE)
 
 
 def test_fsdp_config_product(case, qgather):
