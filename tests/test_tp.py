@@ -159,7 +159,7 @@ def test_the_case_runs_on_a_dp_x_tp_mesh_with_torchs_placements():
     """tp-2x2 (colwise): FSDP2 shards each TP piece over dp (a strided shard of dim 0 beside TP's
     Shard(0)); after the unshard the weight is a DTensor on "tp" holding this rank's piece."""
     outcome = get_pool(PoolSpec("gloo", 4, "cpu")).run(
-        __import__("tests._tensor_parallel_adapters", fromlist=["x"]).sharded_placements,
+        __import__("tests._tp_adapters", fromlist=["x"]).sharded_placements,
         "reference:nvfp4_2d:128x64:bf16:ws4:gather:s0:tp-2x2", timeout=60)
     assert outcome.status is OutcomeStatus.OK, outcome.headline()
     by_rank = outcome.results
@@ -190,7 +190,7 @@ def test_a_misaligned_tp_split_is_rejected_naming_the_block():
 def test_a_whole_weight_gathered_where_a_tp_piece_belongs_is_caught():
     """An own route that ignores tensor parallelism gathers the full weight on every rank."""
     report = run_case(CaseSpec.parse(
-        "tests._tensor_parallel_adapters:IgnoresTensorParallel:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2"), CPU)
+        "tests._tp_adapters:IgnoresTensorParallel:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2"), CPU)
     assert report.verdict is Verdict.SILENT_MISMATCH and "tp rank 0 of 2" in report.reason, report.render()
     assert "shape" in report.reason, report.render()
 

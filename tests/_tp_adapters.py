@@ -1,4 +1,4 @@
-"""Helpers of tests/test_tensor_parallel.py that must be importable on the rank pools: an adapter
+"""Helpers of tests/test_tp.py that must be importable on the rank pools: an adapter
 whose own route ignores tensor parallelism, and a probe of the sharded module's placements."""
 
 from __future__ import annotations
