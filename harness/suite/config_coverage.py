@@ -32,6 +32,7 @@ class PairCoverage:
     promised: set[Key] = field(default_factory=set)
     impossible: dict[Key, str] = field(default_factory=dict)  # of the (design, format)s the run has cases of
     not_promised: dict[tuple[str, str], str] = field(default_factory=dict)  # (design, format) -> why not
+    designs: tuple[Design, ...] = DESIGNS
 
     @property
     def missing(self) -> list[Key]:
@@ -40,9 +41,9 @@ class PairCoverage:
 
 def measure(cases: Iterable[CaseSpec], designs: Iterable[Design] = DESIGNS) -> PairCoverage:
     """The pairs `cases` hold in each design, and those promised (see the module docstring)."""
-    cov = PairCoverage()
+    cov = PairCoverage(designs=tuple(designs))
     cases = list(cases)
-    for design in designs:
+    for design in cov.designs:
         configured: dict[str, set[tuple[int, str]]] = defaultdict(set)
         for spec in cases:
             labels = case_labels(design, spec)
@@ -96,7 +97,7 @@ def markdown(cov: PairCoverage) -> str:
     out = [f"# configuration pairs: {len(cov.promised) - len(cov.missing)}/{len(cov.promised)} promised pairs hit, "
            f"{len(cov.missing)} missing", "",
            "Regimes: " + "; ".join(f"`{r}` {DESCRIPTIONS[r]}" for r in REGIMES) + ".", ""]
-    for design in DESIGNS:
+    for design in cov.designs:
         for fmt in sorted({k[1] for k in (*cov.hits, *cov.impossible) if k[0] == design.name}):
             if not any(k[:2] == (design.name, fmt) for k in (*cov.promised, *cov.impossible)):
                 continue  # no configured case of the design: its pairs are FSDP2's defaults only
@@ -131,7 +132,7 @@ def _format_section(cov: PairCoverage, design: Design, fmt: str) -> list[str]:
                 line += ", MISSING " + ", ".join(f"({_name(k[2][0])}, {_name(k[2][1])})" for k in missing)
             out.append(line)
     impossible = sorted((k for k in keys if k in cov.impossible), key=repr)
-    never = _regimes_never(impossible)
+    never = _regimes_never(design, impossible)
     if never:
         out += ["", f"Regimes {fmt} cannot produce here: " + "; ".join(
             f"{r} ({cov.impossible[k]})" for r, k in never.items()) + "."]
@@ -142,21 +143,17 @@ def _format_section(cov: PairCoverage, design: Design, fmt: str) -> list[str]:
     return out + [""]
 
 
-def _regimes_never(impossible: list[Key]) -> dict[str, Key]:
+def _regimes_never(design: Design, impossible: list[Key]) -> dict[str, Key]:
     """The regimes no case of the design can hit (every pair with them is impossible), each with one
     of its pairs (whose reason says why)."""
+    partners = {(d, v) for d in design.dimensions if d != REGIME for v in design.values(d)}
     by_regime: dict[str, list[Key]] = defaultdict(list)
     for key in impossible:
         for dimension, value in key[2]:
             if dimension == REGIME:
                 by_regime[value].append(key)
     return {r: keys[0] for r, keys in by_regime.items()
-            if {(k[2][0] if k[2][1] == (REGIME, r) else k[2][1]) for k in keys} >= _partners(keys[0][0], r)}
-
-
-def _partners(design_name: str, regime: str) -> set:
-    design = next(d for d in DESIGNS if d.name == design_name)
-    return {(d, v) for d in design.dimensions if d != REGIME for v in design.values(d)}
+            if {(k[2][0] if k[2][1] == (REGIME, r) else k[2][1]) for k in keys} >= partners}
 
 
 def _ordered(a, b) -> Pair:
