@@ -44,43 +44,44 @@ def measure(cases: Iterable[CaseSpec], designs: Iterable[Design] = DESIGNS) -> P
     cov = PairCoverage(designs=tuple(designs))
     cases = list(cases)
     for design in cov.designs:
-        configured: dict[str, set[tuple[int, str]]] = defaultdict(set)
-        for spec in cases:
-            labels = case_labels(design, spec)
-            if labels is None:
-                continue
-            for pair in pairs_of(labels):
-                cov.hits[(design.name, spec.fmt, pair)] += 1
-            if not spec.config.is_default:
-                configured[spec.fmt].add((spec.world_size, spec.scenario))
+        ran = _count_hits(cov, design, cases)
         everywhere = {(ws, s) for ws in design.world_sizes for s in design.scenarios}
-        for fmt, ran in sorted(configured.items()):
+        for fmt, places in sorted(ran.items()):
             cov.impossible.update({(design.name, fmt, p): why for p, why in impossible(design, fmt).items()})
-            if ran == everywhere:
+            if places == everywhere:
                 cov.promised |= {(design.name, fmt, p) for p in achievable(design, fmt)}
-            else:
-                left = sorted(everywhere - ran)
-                cov.not_promised[(design.name, fmt)] = (
-                    "the run has no configured case at " + ", ".join(f"ws{ws} {s}" for ws, s in left[:4])
-                    + (f" and {len(left) - 4} more" if len(left) > 4 else ""))
+                continue
+            left = sorted(everywhere - places)
+            cov.not_promised[(design.name, fmt)] = (
+                "the run has no configured case at " + ", ".join(f"ws{ws} {s}" for ws, s in left[:4])
+                + (f" and {len(left) - 4} more" if len(left) > 4 else ""))
     return cov
+
+
+def _count_hits(cov: PairCoverage, design: Design, cases: list[CaseSpec]) -> dict[str, set[tuple[int, str]]]:
+    """Count the pairs of every case the design expresses; return, per format, the (world size,
+    scenario)s its configured cases ran at."""
+    ran: dict[str, set[tuple[int, str]]] = defaultdict(set)
+    for spec in cases:
+        labels = case_labels(design, spec)
+        if labels is None:
+            continue
+        for pair in pairs_of(labels):
+            cov.hits[(design.name, spec.fmt, pair)] += 1
+        if not spec.config.is_default:
+            ran[spec.fmt].add((spec.world_size, spec.scenario))
+    return ran
 
 
 # ------------------------------------------------------------------ reports
 
 
-def _value(label) -> str:
-    dimension, value = label
-    if dimension == REGIME:
-        return str(value)
-    if dimension == "ws":
-        return f"ws{value}"
-    return f"{dimension}={value}" if value == "" else str(value)
-
-
 def _name(label) -> str:
+    """How a label reads: the token or regime itself, `ws4`, `mp=default` for a component's default."""
     dimension, value = label
-    return f"{dimension}=default" if value == "" else _value(label)
+    if value == "":
+        return f"{dimension}=default"
+    return f"ws{value}" if dimension == "ws" else str(value)
 
 
 def _cell(cov: PairCoverage, key: Key) -> str:
