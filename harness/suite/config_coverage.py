@@ -32,6 +32,7 @@ class PairCoverage:
     promised: set[Key] = field(default_factory=set)
     impossible: dict[Key, str] = field(default_factory=dict)  # of the (design, format)s the run has cases of
     not_promised: dict[tuple[str, str], str] = field(default_factory=dict)  # (design, format) -> why not
+    designs: tuple[Design, ...] = DESIGNS
 
     @property
     def missing(self) -> list[Key]:
@@ -40,46 +41,47 @@ class PairCoverage:
 
 def measure(cases: Iterable[CaseSpec], designs: Iterable[Design] = DESIGNS) -> PairCoverage:
     """The pairs `cases` hold in each design, and those promised (see the module docstring)."""
-    cov = PairCoverage()
+    cov = PairCoverage(designs=tuple(designs))
     cases = list(cases)
-    for design in designs:
-        configured: dict[str, set[tuple[int, str]]] = defaultdict(set)
-        for spec in cases:
-            labels = case_labels(design, spec)
-            if labels is None:
-                continue
-            for pair in pairs_of(labels):
-                cov.hits[(design.name, spec.fmt, pair)] += 1
-            if not spec.config.is_default:
-                configured[spec.fmt].add((spec.world_size, spec.scenario))
+    for design in cov.designs:
+        ran = _count_hits(cov, design, cases)
         everywhere = {(ws, s) for ws in design.world_sizes for s in design.scenarios}
-        for fmt, ran in sorted(configured.items()):
+        for fmt, places in sorted(ran.items()):
             cov.impossible.update({(design.name, fmt, p): why for p, why in impossible(design, fmt).items()})
-            if ran == everywhere:
+            if places == everywhere:
                 cov.promised |= {(design.name, fmt, p) for p in achievable(design, fmt)}
-            else:
-                left = sorted(everywhere - ran)
-                cov.not_promised[(design.name, fmt)] = (
-                    "the run has no configured case at " + ", ".join(f"ws{ws} {s}" for ws, s in left[:4])
-                    + (f" and {len(left) - 4} more" if len(left) > 4 else ""))
+                continue
+            left = sorted(everywhere - places)
+            cov.not_promised[(design.name, fmt)] = (
+                "the run has no configured case at " + ", ".join(f"ws{ws} {s}" for ws, s in left[:4])
+                + (f" and {len(left) - 4} more" if len(left) > 4 else ""))
     return cov
+
+
+def _count_hits(cov: PairCoverage, design: Design, cases: list[CaseSpec]) -> dict[str, set[tuple[int, str]]]:
+    """Count the pairs of every case the design expresses; return, per format, the (world size,
+    scenario)s its configured cases ran at."""
+    ran: dict[str, set[tuple[int, str]]] = defaultdict(set)
+    for spec in cases:
+        labels = case_labels(design, spec)
+        if labels is None:
+            continue
+        for pair in pairs_of(labels):
+            cov.hits[(design.name, spec.fmt, pair)] += 1
+        if not spec.config.is_default:
+            ran[spec.fmt].add((spec.world_size, spec.scenario))
+    return ran
 
 
 # ------------------------------------------------------------------ reports
 
 
-def _value(label) -> str:
-    dimension, value = label
-    if dimension == REGIME:
-        return str(value)
-    if dimension == "ws":
-        return f"ws{value}"
-    return f"{dimension}={value}" if value == "" else str(value)
-
-
 def _name(label) -> str:
+    """How a label reads: the token or regime itself, `ws4`, `mp=default` for a component's default."""
     dimension, value = label
-    return f"{dimension}=default" if value == "" else _value(label)
+    if value == "":
+        return f"{dimension}=default"
+    return f"ws{value}" if dimension == "ws" else str(value)
 
 
 def _cell(cov: PairCoverage, key: Key) -> str:
@@ -96,7 +98,7 @@ def markdown(cov: PairCoverage) -> str:
     out = [f"# configuration pairs: {len(cov.promised) - len(cov.missing)}/{len(cov.promised)} promised pairs hit, "
            f"{len(cov.missing)} missing", "",
            "Regimes: " + "; ".join(f"`{r}` {DESCRIPTIONS[r]}" for r in REGIMES) + ".", ""]
-    for design in DESIGNS:
+    for design in cov.designs:
         for fmt in sorted({k[1] for k in (*cov.hits, *cov.impossible) if k[0] == design.name}):
             if not any(k[:2] == (design.name, fmt) for k in (*cov.promised, *cov.impossible)):
                 continue  # no configured case of the design: its pairs are FSDP2's defaults only
@@ -131,7 +133,7 @@ def _format_section(cov: PairCoverage, design: Design, fmt: str) -> list[str]:
                 line += ", MISSING " + ", ".join(f"({_name(k[2][0])}, {_name(k[2][1])})" for k in missing)
             out.append(line)
     impossible = sorted((k for k in keys if k in cov.impossible), key=repr)
-    never = _regimes_never(impossible)
+    never = _regimes_never(design, impossible)
     if never:
         out += ["", f"Regimes {fmt} cannot produce here: " + "; ".join(
             f"{r} ({cov.impossible[k]})" for r, k in never.items()) + "."]
@@ -142,21 +144,17 @@ def _format_section(cov: PairCoverage, design: Design, fmt: str) -> list[str]:
     return out + [""]
 
 
-def _regimes_never(impossible: list[Key]) -> dict[str, Key]:
+def _regimes_never(design: Design, impossible: list[Key]) -> dict[str, Key]:
     """The regimes no case of the design can hit (every pair with them is impossible), each with one
     of its pairs (whose reason says why)."""
+    partners = {(d, v) for d in design.dimensions if d != REGIME for v in design.values(d)}
     by_regime: dict[str, list[Key]] = defaultdict(list)
     for key in impossible:
         for dimension, value in key[2]:
             if dimension == REGIME:
                 by_regime[value].append(key)
     return {r: keys[0] for r, keys in by_regime.items()
-            if {(k[2][0] if k[2][1] == (REGIME, r) else k[2][1]) for k in keys} >= _partners(keys[0][0], r)}
-
-
-def _partners(design_name: str, regime: str) -> set:
-    design = next(d for d in DESIGNS if d.name == design_name)
-    return {(d, v) for d in design.dimensions if d != REGIME for v in design.values(d)}
+            if {(k[2][0] if k[2][1] == (REGIME, r) else k[2][1]) for k in keys} >= partners}
 
 
 def _ordered(a, b) -> Pair:
