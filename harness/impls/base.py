@@ -33,6 +33,7 @@ SCENARIO_METHODS: dict[str, tuple[str, ...]] = {
     "hooks": ("make_param",),  # the hooks and virtual scenarios shard the parameter themselves
     "virtual": ("make_param",),
     "model": ("run_model",),
+    "layers": ("requantize_shard",),  # the layers scenario takes optimizer steps too
 }
 #: the two routes to a sharded module: the harness's own FSDP2 route, or the library's own
 ROUTES = ("make_param", "make_sharded_module")
@@ -238,7 +239,7 @@ def missing_methods(adapter: type[Implementation] | Implementation) -> list[str]
         >>> class Half(Implementation):
         ...     def is_quantized(self, param): return True
         >>> missing_methods(Half)
-        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard)', \
+        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard, layers)', \
 'make_param (for hooks, virtual)']
     """
     cls = adapter if isinstance(adapter, type) else type(adapter)

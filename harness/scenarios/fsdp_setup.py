@@ -33,6 +33,7 @@ from torch.distributed.tensor import Shard
 
 from qgather.impls.base import Implementation
 from qgather.model.case import DTYPES, CaseSpec, ColumnShardLayout, ShardLayout, shard_layout, shard_world_size
+from qgather.model.layers import SCENARIO as LAYERS
 from qgather.model.records import Stage
 from qgather.runtime.rank import CaseContext
 
@@ -61,6 +62,9 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
     if spec.scenario in UNCONFIGURABLE:
         return (f"the {spec.scenario} scenario calls the hooks without fully_shard: configuration "
                 f"{config.token} has nothing to apply to")
+    layers = _layers_skip_reason(spec)
+    if layers:
+        return layers
     if not takes_setup(impl):
         return f"{impl.name} shards on its own route (make_sharded_module), which takes no FSDP2 configuration"
     reason = impl.config_skip_reason(spec)
@@ -79,6 +83,17 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
         return (f"raf-{raf}: FSDP2 (torch {torch.__version__}) cannot re-gather a parameter with all-gather "
                 "extensions from its post-forward reshard to a smaller mesh (FSDPParam.all_gather_inputs raises "
                 "NotImplementedError in SHARDED_POST_FORWARD); raf-1 (= False) and raf-S (= True) run")
+    return None
+
+
+def _layers_skip_reason(spec: CaseSpec) -> str | None:
+    """The configurations the layers scenario (qgather.scenarios.layers) does not run."""
+    if spec.scenario != LAYERS:
+        return None
+    if spec.config.shard_dim == 1:
+        return "dim1: the layers module holds a 3-D expert weight, and Shard(1) splits 2-D weights only"
+    if spec.config.saved_at_world_size is not None:
+        return "dcp-wsA: the layers scenario loads no checkpoint (the gather scenario does)"
     return None
 
 

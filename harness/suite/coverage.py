@@ -3,7 +3,9 @@ which cells its cases hit and which promised cells they miss.
 
 A cell is promised for every (format, world size, scenario) the run has cases of under a sweep's
 first FSDP2 configuration: each regime of qgather.suite.shape_space's space at that world size. Cells
-of other configurations are shown when hit (they are covered pairwise, not promised).
+of other configurations are shown when hit (they are covered pairwise, not promised). A `layers`
+case hits the cells of every weight of its module (qgather.model.layers) and promises none: its
+sweep picks a few module shapes, not the shape space.
 
 `qgather coverage [--impl ..] [--formats ..] [--world-sizes ..] [--scenarios ..] [--exhaustive]`
 (qgather.cli.coverage) prints the matrix of the suite's selection as Markdown (exit 1 if a promised
@@ -18,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from qgather.model.case import CaseSpec
+from qgather.model.layers import SCENARIO as LAYERS
+from qgather.model.layers import layer_weights
 from qgather.suite import shape_space
 from qgather.suite.modules import suite_sweeps
 
@@ -49,9 +53,11 @@ def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAUL
         if spec.scenario == "model":  # its shape is a model's hidden x ffn, not a weight's
             continue
         config = config_name(spec)
-        for buffer, regime in shape_space.regimes(spec.fmt, tuple(spec.shape), spec.world_size):
+        shapes = [w.spec.shape for w in layer_weights(spec)] if spec.scenario == LAYERS else [spec.shape]
+        for buffer, regime in set().union(*(shape_space.regimes(spec.fmt, tuple(s), spec.world_size) for s in shapes)):
             cov.hits[(spec.fmt, buffer, regime, spec.scenario, config, spec.world_size)] += 1
-        seen.add((spec.fmt, spec.world_size, spec.scenario, config))
+        if spec.scenario != LAYERS:
+            seen.add((spec.fmt, spec.world_size, spec.scenario, config))
     for fmt, ws, scenario, config in seen:
         if config in primary:
             cov.promised |= {(fmt, b, r, scenario, config, ws) for b, r in shape_space.promised(fmt, ws)}
