@@ -76,4 +76,11 @@ ZOO: tuple[MutantSpec, ...] = (
     MutantSpec("no_reshard_stale_layout", 20, state.NoReshardStaleLayoutParam, V.SILENT_MISMATCH,
                ("fp8_tensor:128x64:bf16:ws2:steps:s0:raf-no",),
                doc="without reshard after forward, the out= re-gather keeps the first gather's layout and scales"),
+    MutantSpec("shared_scale_cache", 22, state.SharedScaleCacheParam, V.SILENT_MISMATCH,
+               ("fp8_tensor:17x64:bf16:ws2:layers:s0",),
+               formats=("fp8_tensor", "fp8_tensor_e5m2", "nvfp4_1d", "nvfp4_2d"),
+               doc="the per-tensor scale cached once per parameter class, not per weight"),
+    MutantSpec("kept_out_scale", 23, state.KeptOutScaleParam, V.SILENT_MISMATCH,
+               ("fp8_tensor:128x64:bf16:ws2:gather:s0:compile",), formats=("fp8_tensor", "fp8_tensor_e5m2"),
+               doc="the out= re-gather of a weight FSDP2 keeps after forward stores the scale as scale_inv"),
 )
