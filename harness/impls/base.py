@@ -59,9 +59,11 @@ class Implementation(abc.ABC):
          linear layer and shards with `fully_shard` through the subclass's ops.
       3. after an unshard, `read_buffers(param)`: the gathered buffers under the format's
          TransformerEngine names (see qgather.formats), compared bit for bit with the golden.
-      4. for the `steps` / `reshard` scenarios, `requantize_shard(local, master_rows, group)`:
+      4. for the `steps` / `reshard` / `layers` scenarios, `requantize_shard(local, master_rows, group)`:
          re-quantize the rank's shard from its updated high-precision master rows in place,
          as an optimizer step would.
+    The `layers` scenario builds a module of several weights through the same methods (2, one
+    call per weight), and calls `skip_reason` per weight too: a weight it skips is left out.
     """
 
     name: str = ""
