@@ -1,5 +1,6 @@
 """Adapters that break or refuse one weight of a several-weight module; loaded as
-`tests._layers_adapters:<Name>` by tests/test_layers.py (every rank imports them by that name)."""
+`tests._layers_adapters:<Name>` by tests/test_layers_scenario.py (every rank imports them by that
+name)."""
 
 from __future__ import annotations
 
