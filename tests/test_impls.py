@@ -134,7 +134,8 @@ def test_the_refusal_names_every_missing_method(incomplete_module):
             return True
 
     assert missing_methods(Half) == ["read_buffers", "make_param or make_sharded_module",
-                                     "requantize_shard (for steps, reshard)", "make_param (for hooks, virtual)"]
+                                     "requantize_shard (for steps, reshard, layers)",
+                                     "make_param (for hooks, virtual)"]
 
 
 def test_an_adapter_on_its_own_route_needs_no_make_param(incomplete_module):

@@ -30,6 +30,15 @@ class WireLog:
     hook_calls: int = 0
     hook_outputs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
+    def snapshot(self) -> WireLog:
+        """A copy of what was recorded so far (for `since`)."""
+        return WireLog(self.collective_bytes, self.collectives, self.hook_calls, list(self.hook_outputs))
+
+    def since(self, earlier: WireLog) -> WireLog:
+        """What was recorded after `earlier`, a snapshot of this log: one weight's gather of several."""
+        return WireLog(self.collective_bytes - earlier.collective_bytes, self.collectives - earlier.collectives,
+                       self.hook_calls - earlier.hook_calls, self.hook_outputs[len(earlier.hook_outputs):])
+
     def high_precision_elements(self) -> int:
         """Elements of >= 16-bit floating dtypes handed to the gather by the pre-hook."""
         total = 0
@@ -63,9 +72,10 @@ def record_wire(param_types: tuple[type, ...] = ()) -> Iterator[WireLog]:
 
 
 def summarize_wire(wire: WireLog, fmt: Format, weight: torch.Tensor, shards: ShardLayout | ColumnShardLayout,
-                   golden: Golden, impl: Implementation) -> WireSummary:
+                   golden: Golden, impl: Implementation, label: str = "") -> WireSummary:
     """What the case moved, beside what its packed shard needed and what the implementation may move
-    (`weight`: the full weight, or a tensor of its shape and dtype, e.g. on the meta device)."""
+    (`weight`: the full weight, or a tensor of its shape and dtype, e.g. on the meta device; `label`:
+    which weight, in a case of several)."""
     padded_rows = shards.chunk * shards.inner_rows
     # Shard(1) (qgather.model.case.ColumnShardLayout): every row, a 1/ws slice of the columns
     col_fraction = (shards.col_chunk, weight.shape[-1]) if isinstance(shards, ColumnShardLayout) else (1, 1)
@@ -79,7 +89,7 @@ def summarize_wire(wire: WireLog, fmt: Format, weight: torch.Tensor, shards: Sha
                        high_precision_elements=wire.high_precision_elements(),
                        shard_numel=padded_rows * weight.shape[-1] * col_fraction[0] // col_fraction[1],
                        param_itemsize=weight.element_size(), packed_bytes=packed_bytes,
-                       wire_mode=wire_mode, allowed_bytes=allowed_bytes)
+                       wire_mode=wire_mode, allowed_bytes=allowed_bytes, label=label)
 
 
 def packed_shard_bytes(fmt: Format, golden: Golden, shard_rows: int) -> int | None:

@@ -5,7 +5,8 @@ and how it is loaded: qgather.scenarios.checkpoint).
 The directory is named like the pools' temp dirs (`qgather-pool-<runner pid>-dcp-*`) so that a
 runner killed mid-case leaves nothing behind (see qgather.runtime.lifeline); it is removed when the
 case ends. A save that fails is the case's verdict (its errors classified as at world size A, the
-reason says so); a world size A the runtime cannot give (under torchrun/SLURM: any A but the
+reason says so), and so is a `-trained` save whose training forward received a wrong
+weight; a world size A the runtime cannot give (under torchrun/SLURM: any A but the
 launched world) is SKIPPED with the reason.
 """
 
@@ -18,7 +19,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Protocol
 
-from qgather.engine.classify import Classification, classify_errors
+from qgather.engine.classify import Classification, classify_errors, classify_results
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec, saved_spec
 from qgather.model.verdict import Verdict
@@ -63,7 +64,13 @@ def _save(spec: CaseSpec, options: PoolOptions, path: str) -> tuple[str | None, 
         kwargs["timeout"] = options.case_timeout
     outcome = pool.run(save_on_rank, spec, path, **kwargs)
     if outcome.status is OutcomeStatus.OK:
-        return path, None
+        if not any(result.stages for result in outcome.results):
+            return path, None
+        # the weight a `-trained` save's forward gathered at A, judged like any gathered weight
+        found = classify_results(outcome.results)
+        if found.verdict is Verdict.EXACT:
+            return path, None
+        return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
     if outcome.status is OutcomeStatus.ERROR:
         # the adapter's own refusal rule, as for the case itself (qgather.engine.run)
         found = classify_errors(outcome.errors, size, get_impl(spec.impl).refusal_problem)

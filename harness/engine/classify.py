@@ -94,26 +94,54 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def classify_results(results: Sequence[RankResult]) -> Classification:
-    """Every rank returned: compare them with each other and with the golden."""
+    """Every rank returned: compare them with each other and with the golden. A weight the
+    implementation refused (a layers case) makes the case REJECTED only when everything else it
+    gathered is EXACT: a refusal never hides a wrong gather of the other weights."""
     details: list[str] = []
+    refused: list[Stage] = []
     n_stages = max(len(r.stages) for r in results)
     for index in range(n_stages):
         stages = [r.stages[index] for r in results if index < len(r.stages)]
+        if any(s.refused for s in stages):
+            problem = _refusal_problem(stages, results)
+            if problem:
+                return Classification(Verdict.ERROR, f"{stages[0].label}: {problem}", tuple(details))
+            refused.append(stages[0])
+            continue
         verdict, reason = _classify_stage(stages, results, details)
         if verdict is not Verdict.EXACT:
             return Classification(verdict, f"{stages[0].label}: {reason}", tuple(details))
-    wire = _wire_verdict(results[0].wire)
-    if wire:
-        return Classification(Verdict.DEGRADED, wire, tuple(details))
+    for wire in (results[0].wire, *results[0].wires):
+        degraded = _wire_verdict(wire)
+        if degraded:
+            where = f"{wire.label}: " if wire.label else ""
+            return Classification(Verdict.DEGRADED, where + degraded, tuple(details))
     if results[0].quantizer:
         return Classification(Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference",
                               tuple(d.line() for d in results[0].quantizer))
-    details = _wire_details(results[0].wire) + [s.note for s in results[0].stages if s.note]
+    details = [line for wire in (results[0].wire, *results[0].wires) for line in _wire_details(wire)]
+    details += dict.fromkeys(s.note for s in results[0].stages if s.note)
+    if refused:
+        judged = sum(1 for s in results[0].stages if not s.refused)
+        return Classification(Verdict.REJECTED, "; ".join(f"{s.label}: {s.refused}" for s in refused),
+                              (f"the module was built without the refused weight; its other {judged} stages "
+                               "(every gather of the other weights, the outputs) are EXACT", *details))
     output = results[0].stages[0].output
     if output is not None and output.tolerance:
         details.append(f"layer output compared within {output.tolerance} (not bitwise: another GEMM kernel)")
     details.extend(_module_lines(results[0].stages[0].module))
     return Classification(Verdict.EXACT, "", tuple(details))
+
+
+def _refusal_problem(stages: list[Stage], results: Sequence[RankResult]) -> str:
+    """Why a refused weight fails the case ("" when the refusal is one the policy accepts)."""
+    ranks = [r.rank for r, s in zip(results, stages) if not s.refused]
+    if ranks:
+        return f"refused on some ranks only (not on ranks {_ranks(ranks)})"
+    if not stages[0].refusal_accepted:
+        return (f"refused ({stages[0].refused}) although every shard of it is aligned: the policy accepts "
+                "only EXACT for it")
+    return ""
 
 
 def _module_lines(check: ModuleCheck | None) -> list[str]:
@@ -281,7 +309,8 @@ def _wire_verdict(wire: WireSummary | None) -> str:
 def _wire_details(wire: WireSummary | None) -> list[str]:
     if wire is None or not wire.packed_bytes:
         return []
+    head = f"wire ({wire.label})" if wire.label else "wire"
     if wire.collectives == 0:
-        return ["wire: no collective ran (world size 1)"]
+        return [f"{head}: no collective ran (world size 1)"]
     ratio = wire.collective_bytes / wire.packed_bytes
-    return [f"wire: {wire.collective_bytes} bytes per rank ({ratio:.2f}x the packed shard size)"]
+    return [f"{head}: {wire.collective_bytes} bytes per rank ({ratio:.2f}x the packed shard size)"]

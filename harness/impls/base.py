@@ -34,6 +34,7 @@ SCENARIO_METHODS: dict[str, tuple[str, ...]] = {
     "hooks": ("make_param",),  # the hooks and virtual scenarios shard the parameter themselves
     "virtual": ("make_param",),
     "model": ("run_model",),
+    "layers": ("requantize_shard",),  # the layers scenario takes optimizer steps too
 }
 #: the two routes to a sharded module: the harness's own FSDP2 route, or the library's own
 ROUTES = ("make_param", "make_sharded_module")
@@ -59,9 +60,11 @@ class Implementation(abc.ABC):
          linear layer and shards with `fully_shard` through the subclass's ops.
       3. after an unshard, `read_buffers(param)`: the gathered buffers under the format's
          TransformerEngine names (see qgather.formats), compared bit for bit with the golden.
-      4. for the `steps` / `reshard` scenarios, `requantize_shard(local, master_rows, group)`:
+      4. for the `steps` / `reshard` / `layers` scenarios, `requantize_shard(local, master_rows, group)`:
          re-quantize the rank's shard from its updated high-precision master rows in place,
          as an optimizer step would.
+    The `layers` scenario builds a module of several weights through the same methods (2, one
+    call per weight), and calls `skip_reason` per weight too: a weight it skips is left out.
     """
 
     name: str = ""
@@ -263,7 +266,7 @@ def missing_methods(adapter: type[Implementation] | Implementation) -> list[str]
         >>> class Half(Implementation):
         ...     def is_quantized(self, param): return True
         >>> missing_methods(Half)
-        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard)', \
+        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard, layers)', \
 'make_param (for hooks, virtual)']
     """
     cls = adapter if isinstance(adapter, type) else type(adapter)

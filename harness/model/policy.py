@@ -3,6 +3,10 @@
 A shape whose every shard is aligned to the format's row (or column) block passes only as EXACT; a
 shape that violates alignment, or that the format cannot hold at all, passes as EXACT or REJECTED.
 Everything else fails, with a report that says why.
+
+A `layers` case holds several weights (qgather.model.layers): it is aligned only if every weight is,
+and a refusal is acceptable only of a weight that is not (`refusal_accepted`); the case is REJECTED
+only once the weights it kept were all judged EXACT (qgather.engine.classify).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from dataclasses import dataclass
 
 from qgather.formats import FORMATS, FormatError
 from qgather.model.case import CaseSpec, saved_spec
+from qgather.model.layers import SCENARIO as LAYERS
+from qgather.model.layers import layer_weights
 from qgather.model.layout import alignment_problem
 from qgather.model.verdict import Verdict
 
@@ -35,7 +41,24 @@ class Expectation:
 
 
 def expectation(spec: CaseSpec) -> Expectation:
-    """The policy's expectation of a case, from its format's rules and FSDP2's split at its world size."""
+    """The policy's expectation of a case, from its format's rules and FSDP2's split at its world size;
+    for a `layers` case, of every weight of its module (aligned only if every weight is)."""
+    if spec.scenario != LAYERS:
+        return _one_weight(spec)
+    reasons = []
+    for weight in layer_weights(spec):
+        wanted = _one_weight(weight.spec)
+        if not wanted.aligned:
+            reasons.append(f"{weight.title}: {wanted.reason}")
+    return Expectation(not reasons, "; ".join(reasons))
+
+
+def refusal_accepted(spec: CaseSpec) -> bool:
+    """Whether the policy accepts a refusal of the weight `spec` describes (it is not aligned)."""
+    return not _one_weight(spec).aligned
+
+
+def _one_weight(spec: CaseSpec) -> Expectation:
     fmt = FORMATS[spec.fmt]
     try:
         fmt.check(spec.shape, spec.torch_dtype)

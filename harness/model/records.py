@@ -90,11 +90,15 @@ class Stage:
     dtype_problem: str = ""  # the unsharded weight's dtype is not the one the mixed-precision policy asks for
     note: str = ""  # how the stage ran (e.g. the torch.compile backend), shown with an EXACT verdict
     piece: str = ""  # tensor parallelism: which TP piece this rank gathered; ranks agree only within a piece
+    #: a weight of a several-weight module that the implementation refused with its declared rejection
+    #: (one line), on every rank, before any of its data moved; the module was built without it
+    refused: str = ""
+    refusal_accepted: bool = False  # the policy accepts that refusal (the weight is not aligned)
 
 
 @dataclass(frozen=True)
 class WireSummary:
-    """What went over the wire in the case's first unshard, per rank (qgather.check.wire)."""
+    """What went over the wire in the case's first unshard (of one weight), per rank (qgather.check.wire)."""
 
     collective_bytes: int = 0
     collectives: int = 0
@@ -106,6 +110,7 @@ class WireSummary:
     packed_bytes: int | None = None
     wire_mode: str = ""
     allowed_bytes: int | None = None
+    label: str = ""  # which weight, in a case of several (empty: the case's one weight)
 
 
 @dataclass(frozen=True)
@@ -119,3 +124,5 @@ class RankResult:
     quantizer: tuple[BufferDiff, ...] | None = None
     #: (step, seconds) on this rank, in the order the steps ran (qgather.model.phases.PhaseTracker)
     seconds: tuple[tuple[str, float], ...] = ()
+    #: a case of several weights (the layers scenario): each weight's first gather, labelled
+    wires: tuple[WireSummary, ...] = ()

@@ -2,12 +2,19 @@
 training code compiles it (`torch.compile(module)`, FSDP2's unshard/reshard hooks staying eager:
 Dynamo skips FSDP2's hooks), its output bit for bit against the same module's eager forward.
 
+Each forward runs after a reshard, so FSDP2's own pre-forward unshard gathers the weight for it:
+once the module has been gathered, through the `out=` path of the post-all-gather hook (a root
+module then keeps the weight after its forward). Each of those gathered weights is judged against
+the golden where the forward receives it (qgather.scenarios.judging), bytes and values, like the
+first unshard: comparing the compiled output with the eager one alone would pass a weight that both
+forwards received equally wrong.
+
 The module is the implementation's own: qgather's linear layer over the quantized weight for the
 reference and the mutants, torchao's real `Float8Linear.forward` (float8 activation cast and
 `torch._scaled_mm`, which has a CPU kernel in torch 2.11+) for torchao, with its precomputed scales
-under `torchao:precompute`. Both runs go through FSDP2's unshard, so the compiled graph takes the
-gathered subclass as an input: Dynamo and AOTAutograd flatten it to its inner tensors and rebuild
-it with `__tensor_unflatten__`, the path eager never takes.
+under `torchao:precompute`. The compiled graph takes the gathered subclass as an input: Dynamo and
+AOTAutograd flatten it to its inner tensors and rebuild it with `__tensor_unflatten__`, the path
+eager never takes.
 
 Backend: `aot_eager` (QGATHER_COMPILE_BACKEND to choose another, e.g. `inductor`). AOTAutograd
 traces the subclass exactly as inductor's front end does; inductor adds codegen, which needs a C++
@@ -24,9 +31,11 @@ import os
 import torch
 
 from qgather.check.compare import compare_values, digest
+from qgather.check.golden import Golden
 from qgather.model.phases import Phase
 from qgather.model.records import Comparison, Stage
 from qgather.scenarios.context import RankCase
+from qgather.scenarios.judging import judged_in_forward
 
 BACKEND_ENV = "QGATHER_COMPILE_BACKEND"
 DEFAULT_BACKEND = "aot_eager"
@@ -37,12 +46,13 @@ def backend_name() -> str:
     return os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
 
 
-class _CountingBackend:
-    """The chosen backend, counting the graphs Dynamo hands it."""
+class CountingBackend:
+    """The chosen backend (`name`), counting the graphs Dynamo hands it."""
 
     def __init__(self, name: str) -> None:
         # torch._dynamo is one of torch's lazily loaded submodules: only a compile case pays its import
         # (about 0.5 s of CPU), not every runner process that imports the scenarios to send them.
+        self.name = name
         self.backend = torch._dynamo.lookup_backend(name)
         self.graphs = 0
 
@@ -51,33 +61,47 @@ class _CountingBackend:
         return self.backend(gm, example_inputs)
 
 
-def compiled_stage(case: RankCase, module: torch.nn.Module) -> Stage:
-    """The module's eager forward, then its compiled forward (each with FSDP2's own unshard and
-    reshard around it), on the case's input in the masters' dtype, compared bit for bit. Errors
-    are recorded on the stage, not raised."""
+def compiled_stages(case: RankCase, module: torch.nn.Module, golden: Golden, when: str = "") -> list[Stage]:
+    """The module's eager forward, then its compiled forward, each on the case's input in the masters'
+    dtype after a reshard (FSDP2's own unshard gathers the weight for it): each gathered weight judged
+    against `golden` where the forward receives it, then the compiled output compared bit for bit with
+    the eager one. `when` starts the stages' labels (e.g. "after step 1"). Errors of the compiled
+    forward are recorded on the last stage, not raised. The module is left unsharded (a root's
+    forward keeps its weight): the caller reshards."""
     impl, spec, group, phases = case.impl, case.spec, case.ctx.group, case.phases
     x = case.x.to(spec.torch_dtype)
     name = backend_name()
-    label = f"compiled forward (torch.compile, backend {name}) against the eager forward"
-    with phases.at(Phase.FORWARD), impl.gather_context(group), impl.forward_context(spec):
+    label = f"{when + ': ' if when else ''}compiled forward (torch.compile, backend {name}) against the eager forward"
+
+    def judge(what: str):
+        return lambda m: case.inspector.judge(m.weight, golden, f"{when + ', ' if when else ''}torch.compile: {what}",
+                                              case.setup.param_dtype)
+
+    stages: list[Stage] = []
+    module.reshard()
+    with phases.at(Phase.FORWARD), judged_in_forward([module], judge("the eager forward's unshard"), phases, stages), \
+            impl.gather_context(group), impl.forward_context(spec):
         eager = module(x)
+    module.reshard()
     # A warm rank runs many cases through the same forward code: without a reset, Dynamo's cache
     # limit would silently turn later cases' compiles into eager runs.
     torch._dynamo.reset()
-    counting = _CountingBackend(name)
+    counting = CountingBackend(name)
     try:
-        with phases.at(Phase.COMPILE), impl.gather_context(group), impl.forward_context(spec):
+        with phases.at(Phase.COMPILE), impl.gather_context(group), impl.forward_context(spec), \
+                judged_in_forward([module], judge("the compiled forward's unshard"), phases, stages, compiled=True):
             compiled = torch.compile(module, backend=counting)(x)
     except Exception as exc:  # noqa: BLE001 - the compiled forward's error is the evidence
-        return Stage(label, forward_error=f"{type(exc).__name__} under torch.compile: "
-                                          f"{(str(exc).strip().splitlines() or [''])[0][:300]}")
+        return [*stages, Stage(label, forward_error=f"{type(exc).__name__} under torch.compile: "
+                                                    f"{(str(exc).strip().splitlines() or [''])[0][:300]}")]
     finally:
         torch._dynamo.reset()
     if counting.graphs == 0:
-        return Stage(label, forward_error="torch.compile captured no graph (Dynamo ran the whole forward eagerly): "
-                                          "nothing compiled")
-    return Stage(label, output=_compare(compiled, eager), output_digest=digest({"output": compiled}, {}),
-                 note=f"compiled forward: torch.compile backend {name}, {counting.graphs} graph(s), FSDP2 hooks eager")
+        return [*stages, Stage(label, forward_error="torch.compile captured no graph (Dynamo ran the whole forward "
+                                                    "eagerly): nothing compiled")]
+    return [*stages, Stage(label, output=_compare(compiled, eager), output_digest=digest({"output": compiled}, {}),
+                           note=f"compiled forward: torch.compile backend {name}, {counting.graphs} graph(s), "
+                                "FSDP2 hooks eager")]
 
 
 def _compare(compiled: torch.Tensor, eager: torch.Tensor) -> Comparison:

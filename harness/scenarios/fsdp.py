@@ -5,8 +5,9 @@ the shards and inspect each re-gather (the `out=` path of the next unshard).
 
 Before the first gather: the one-device twin's forward (its full-size module is gone before the
 golden and the shards exist), a dcp-wsA case's checkpoint load (qgather.scenarios.checkpoint), and
-for steps a re-quantization of the unchanged shards. After it: a compile case's compiled forward
-(qgather.scenarios.compiled).
+for steps a re-quantization of the unchanged shards. After it, and after every optimizer step: a
+compile case's eager and compiled forwards (qgather.scenarios.compiled), the weight each one's
+unshard gathered judged against the golden like every other unshard.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from qgather.model.records import RankResult, Stage
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios import checkpoint as checkpoint_reshard
 from qgather.scenarios import fsdp_setup
-from qgather.scenarios.compiled import compiled_stage
+from qgather.scenarios.compiled import compiled_stages
 from qgather.scenarios.context import RankCase
 from qgather.scenarios.data import make_gradient, make_weight
 from qgather.scenarios.module import build_sharded_module, local_shard
@@ -67,7 +68,7 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
     stages = [first]
     module.reshard()
     if spec.config.compile:
-        stages.append(compiled_stage(case, module))
+        stages.extend(compiled_stages(case, module, golden))
         module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
     if spec.scenario in ("steps", "reshard"):
         stages.extend(_update_and_regather(case, module, master))
@@ -115,12 +116,14 @@ def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.
 
             with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
                 stages.extend(fsdp_setup.gather_through_forward(module, case.x.to(setup.param_dtype), judge))
-            continue
-        with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
-            module.unshard()
-        with phases.at(Phase.INSPECTION):
-            stage = inspector.judge(setup.unsharded(module.weight), golden, label, setup.param_dtype)
-            twin = inspector.twin_output(full_param.detach().to(spec.torch_dtype), setup.param_dtype)
-            stages.append(replace(stage, module=inspector.module_check(module, twin, setup.param_dtype)))
+        elif not spec.config.compile:  # under compile, the forwards below gather it
+            with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
+                module.unshard()
+            with phases.at(Phase.INSPECTION):
+                stage = inspector.judge(setup.unsharded(module.weight), golden, label, setup.param_dtype)
+                twin = inspector.twin_output(full_param.detach().to(spec.torch_dtype), setup.param_dtype)
+                stages.append(replace(stage, module=inspector.module_check(module, twin, setup.param_dtype)))
+        if spec.config.compile:
+            stages.extend(compiled_stages(case, module, golden, f"after step {step}"))
         module.reshard()
     return stages

@@ -41,11 +41,11 @@ from qgather.model.case import (
     ColumnShardLayout,
     ShardLayout,
     shard_layout,
-    shard_world_size,
     tensor_parallel_layout,
 )
 from qgather.model.config import FsdpConfig
 from qgather.model.fsdp_rules import fsdp_skip_reason
+from qgather.model.layers import SCENARIO as LAYERS
 from qgather.model.records import Stage
 from qgather.runtime.launch import detect_launch
 from qgather.runtime.rank import CaseContext
@@ -80,7 +80,7 @@ def skip_reason(spec: CaseSpec, impl: Implementation) -> str | None:
     if spec.scenario in UNCONFIGURABLE:
         return (f"the {spec.scenario} scenario calls the hooks without fully_shard: configuration "
                 f"{config.token} has nothing to apply to")
-    reason = _tensor_parallel_skip(spec) or _two_dimensional_skip(spec)
+    reason = _tensor_parallel_skip(spec) or _two_dimensional_skip(spec) or _layers_skip_reason(spec)
     if reason:
         return reason
     if not takes_setup(impl):
@@ -121,6 +121,19 @@ def _two_dimensional_skip(spec: CaseSpec) -> str | None:
         return None
     return (f"{spec.config.token}: its 2-D DeviceMesh spans the launched job's {launch.world_size} ranks; "
             f"the case has {spec.world_size}")
+
+
+def _layers_skip_reason(spec: CaseSpec) -> str | None:
+    """The configurations the layers scenario (qgather.scenarios.layers) does not run."""
+    if spec.scenario != LAYERS:
+        return None
+    if spec.config.shard_dim == 1:
+        return "dim1: the layers module holds a 3-D expert weight, and Shard(1) splits 2-D weights only"
+    if spec.config.tp is not None:
+        return f"{spec.config.token}: the layers module is not distributed on a tp mesh (the tp cases hold one weight)"
+    if spec.config.saved_at_world_size is not None:
+        return "dcp-wsA: the layers scenario loads no checkpoint (the gather scenario does)"
+    return None
 
 
 # ------------------------------------------------------------------ on a rank

@@ -41,18 +41,29 @@ def build_sharded_module(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker,
     impl = get_impl(spec.impl)
     master = make_weight(spec, ctx.device) if master is None else master
     setup = setup or fsdp_setup.prepare(ctx, spec)
-    if fsdp_setup.takes_setup(impl):
-        module = impl.make_sharded_module(ctx, spec, master, setup)
-    else:  # an adapter written before configurations: FSDP2's defaults only (fsdp_setup.skip_reason)
-        module = impl.make_sharded_module(ctx, spec, master)
+    module = own_sharded_module(impl, ctx, spec, master, setup)
     if module is None:
-        weight = master.to(spec.torch_dtype)
-        module = impl.make_module(spec.fmt, weight) or QuantizedLinear(impl, impl.make_param(spec.fmt, weight))
+        module = harness_module(impl, spec.fmt, master.to(spec.torch_dtype))
         with phases.at(Phase.SHARD):
             if setup.tp is not None:  # tensor parallel first, then FSDP2 on "dp" (as TP + FSDP2 users do)
                 tensor_parallel.distribute(impl, module, setup.tp)
             fully_shard(module, **setup.kwargs)
     return module
+
+
+def own_sharded_module(impl: Implementation, ctx: CaseContext, spec: CaseSpec, master: torch.Tensor,
+                       setup: fsdp_setup.Setup) -> torch.nn.Module | None:
+    """The module the library builds and shards itself (`make_sharded_module`), or None: the harness's route."""
+    if fsdp_setup.takes_setup(impl):
+        return impl.make_sharded_module(ctx, spec, master, setup)
+    # an adapter written before configurations: FSDP2's defaults only (fsdp_setup.skip_reason)
+    return impl.make_sharded_module(ctx, spec, master)
+
+
+def harness_module(impl: Implementation, fmt: str, weight: torch.Tensor) -> torch.nn.Module:
+    """The unsharded module the harness's route builds from the full `weight`: the library's own
+    module (`make_module`), else qgather's linear layer over `make_param`."""
+    return impl.make_module(fmt, weight) or QuantizedLinear(impl, impl.make_param(fmt, weight))
 
 
 def local_shard(module: torch.nn.Module) -> torch.Tensor:

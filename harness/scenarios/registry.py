@@ -20,6 +20,7 @@ from qgather.model.records import RankResult
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios.fsdp import run_fsdp
 from qgather.scenarios.hooks import run_hooks
+from qgather.scenarios.layers import run_layers
 from qgather.scenarios.virtual import run_virtual
 
 #: a scenario on one rank of the pool: (ctx, spec, phases, checkpoint directory or None) -> its result
@@ -38,6 +39,7 @@ ON_RANKS: dict[str, RankRunner] = {
     "reshard": run_fsdp,
     "hooks": run_hooks,
     "model": _run_model,
+    "layers": run_layers,
 }
 #: scenarios that emulate every rank in one process: spec -> one RankResult or exception per rank
 IN_ONE_PROCESS: dict[str, Callable[[CaseSpec], list[RankResult | BaseException]]] = {

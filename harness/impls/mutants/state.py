@@ -1,14 +1,16 @@
 """Zoo bugs in state that outlives one all-gather: an optimizer step that re-quantizes with the shard's
 own amax (or the amax of FSDP2's shard mesh only, under tensor parallelism) or leaves the columnwise
-copy stale, an `out=` re-gather that keeps old scales or layout, a checkpoint or a torch.compile
-rebuild that drops the per-tensor scale, a checkpoint load that never reaches the per-tensor scale
-of a rank without rows (each class's docstring says which real failure it models;
-qgather.impls.mutants.table says how each is caught).
+copy stale, an `out=` re-gather that keeps old scales or layout (or, for a weight FSDP2 keeps after
+forward, stores the wrong one), a checkpoint or a torch.compile rebuild that drops the per-tensor
+scale, a checkpoint load that never reaches the per-tensor scale of a rank without rows, a scale
+cache one weight leaves behind for the next (each class's docstring says which real failure it
+models; qgather.impls.mutants.table says how each is caught).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -178,3 +180,62 @@ class EmptyShardStaleScaleParam(QuantizedParam):
     def _per_tensor_values(self, outputs, metadata):
         # BUG: this rank's own per-tensor values, which a checkpoint load never wrote on an empty shard.
         return {n: t.clone() for n, t in metadata.glob.items()}
+
+
+class KeptOutScaleParam(QuantizedParam):
+    """Models hooks that branch on FSDP2's `_fsdp_param_group._reshard_after_forward`, as
+    TransformerEngine's Float8/MXFP8 hooks do, with an `out=` branch of their own for a weight FSDP2
+    keeps after forward, written after torchao's float8 post-hook: that branch is one line,
+    `out._scale = scale`, the multiplier from high precision to float8. Ported to a tensor that holds
+    TransformerEngine's inverse (`scale_inv`), the line stores the scale where its inverse belongs.
+
+    FSDP2 keeps a root module's weight after its forward (it sets the root's post-forward mesh to
+    None at its first forward, so the flag reads False from then on), and so re-gathers it through
+    `out=` in that branch: the eager and the compiled forward of a `compile` case both receive a
+    weight dequantized with scale instead of 1/scale. The first unshard (before any forward) and
+    every re-gather of a module no forward has run (the default steps and reshard scenarios) take
+    the right branch."""
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        inputs, meta = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        return inputs, _KeptWireMeta(meta.layout, meta.glob, not _reshards_after_forward(module))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if out is None or not metadata.unsharded_kept:
+            return super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        # BUG: the scale (high precision -> float8) is stored where the tensor holds its inverse.
+        scale = {name: t.reciprocal() if name == "scale_inv" else t for name, t in metadata.glob.items()}
+        return super().fsdp_post_all_gather(all_gather_outputs, _KeptWireMeta(metadata.layout, scale, True),
+                                            param_dtype, out=out)
+
+
+class SharedScaleCacheParam(QuantizedParam):
+    """Models a cache of the per-tensor scale keyed too coarsely: one slot per parameter class where
+    there must be one per weight (a scaling-state slot shared by every weight of a module, as an
+    fp8_meta index two weights share, or a quantizer object whose cached scale every weight of a
+    recipe reads). The post-hook fills the slot at the first all-gather after a quantization and
+    takes the per-tensor values (scale_inv, amax) from it thereafter; a quantization (a new weight,
+    an optimizer step's re-quantization, a checkpoint load) empties it, so a stale scale never
+    survives an update.
+
+    A module of one quantized weight never notices: the slot always holds that weight's own values,
+    in every scenario and configuration. In a module of several, every weight gathered after the
+    first in the same iteration is dequantized with the first one's per-tensor values."""
+
+    _scale_cache: ClassVar[dict[type, dict[str, torch.Tensor]]] = {}
+
+    @classmethod
+    def from_weight(cls, fmt, weight):
+        cls._scale_cache.pop(cls, None)
+        return super().from_weight(fmt, weight)
+
+    def _assign(self, rows, glob) -> None:
+        type(self)._scale_cache.pop(type(self), None)
+        super()._assign(rows, glob)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if metadata.glob:
+            # BUG: one slot per class, not per weight: the first weight gathered fills it for all.
+            cached = type(self)._scale_cache.setdefault(type(self), {n: t.clone() for n, t in metadata.glob.items()})
+            metadata = WireMeta(metadata.layout, {n: t.clone() for n, t in cached.items()})
+        return super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)

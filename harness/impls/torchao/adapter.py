@@ -35,14 +35,17 @@ distribute the converted weight on "tp" before fully_shard on "dp", as torchao's
 the "dp" one: each TP piece is cast with its own scale unless the scale is precomputed
 (`torchao:precompute`, whose all-reduce runs over the whole 2-D DTensor): docs/findings.md.
 
-Scenarios: `gather`, `steps`, `reshard`. `hooks` and `virtual` are skipped with the reasons in
-`skip_reason` (torchao's legacy one-argument hook signature; an amax all-reduce that one process
-cannot emulate). 3-D expert weights are skipped: torchao has no float8 all-gather for them.
+Scenarios: `gather`, `steps`, `reshard`, `layers` (a module of several Float8Linear layers, whose
+precomputed scales `precompute_float8_dynamic_scale_for_fsdp` computes in one all-reduce for all of
+them). `hooks` and `virtual` are skipped with the reasons in `skip_reason` (torchao's legacy
+one-argument hook signature; an amax all-reduce that one process cannot emulate). 3-D expert weights
+are skipped (a layers module leaves its expert weight out): torchao has no float8 all-gather for them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -112,7 +115,7 @@ class TorchaoFloat8(Implementation):
 
     name = "torchao"
     formats = (FORMAT,)
-    scenarios = ("gather", "steps", "reshard")
+    scenarios = ("gather", "steps", "reshard", "layers")
     #: whether precompute_float8_dynamic_scale_for_fsdp runs before each unshard (as a training
     #: loop calls it after each optimizer step)
     precompute = False
@@ -120,7 +123,8 @@ class TorchaoFloat8(Implementation):
     check_real_forward = True
 
     def __init__(self) -> None:
-        self._module: torch.nn.Module | None = None  # the current case's Float8Linear
+        self._module: torch.nn.Module | None = None  # the current case's (last built) Float8Linear
+        self._built: list[weakref.ref] = []  # every Float8Linear built and still alive (a case may build several)
         self._precompute_pending = False
 
     # ------------------------------------------------------------------ selection
@@ -157,6 +161,7 @@ class TorchaoFloat8(Implementation):
             raise TypeError(f"{self.name}: convert_to_float8_training did not wrap the weight for float8 "
                             f"all-gather (got {type(module.weight).__name__})")
         self._module = module
+        self._built = [ref for ref in self._built if ref() is not None] + [weakref.ref(module)]
         self._precompute_pending = self.precompute
         return module
 
@@ -216,11 +221,12 @@ class TorchaoFloat8(Implementation):
         bound allows twice that, the subnormal term and the rounding of the output dtype. A misused
         scale (a factor of 2 or more) is far outside it. Shapes torch._scaled_mm cannot multiply
         (dims not multiples of 16) raise torchao's own error."""
-        module = self._module
-        if module is not None and isinstance(module.weight, DTensor) and module.weight._local_tensor is param:
+        modules = [m for m in (ref() for ref in self._built) if m is not None]
+        if any(isinstance(m.weight, DTensor) and m.weight._local_tensor is param for m in modules):
             return  # tp-DxT: the layer's forward needs the TP style's DTensor input; x @ W_piece^T is compared
-        if module is None or module.weight is not param:
-            raise RuntimeError(f"{self.name}: the gathered weight is not the current Float8Linear's weight")
+        module = next((m for m in modules if m.weight is param), None)
+        if module is None:
+            raise RuntimeError(f"{self.name}: the gathered weight is no built Float8Linear's weight")
         y_real = _torchao()["Float8Linear"].forward(module, x).float()
         w_abs = weight.abs().float().transpose(-1, -2)
         bound = (2.0**-3 * (x.abs().float() @ w_abs) + 2.0**-6 * y.abs().float()
