@@ -43,7 +43,7 @@ from qgather.impls.te.environment import te_import_error
 from qgather.model.case import CaseSpec
 from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, get_pool, shutdown_pools
-from qgather.scenarios import fsdp, fsdp_setup
+from qgather.scenarios import context, fsdp, fsdp_setup
 from qgather.scenarios.data import make_weight
 from qgather.scenarios.registry import run_on_rank
 from qgather.tools import memory_waypoints
@@ -149,7 +149,7 @@ def _memory_steps(ctx, case_id: str) -> str:
     spec = CaseSpec.parse(case_id)
     impl_type, fmt_type = type(get_impl(spec.impl)), type(FORMATS[spec.fmt])
     # each step where the case looks it up (a module's global, or a method of the inspection)
-    targets = [(fsdp, n) for n in ("make_weight", "golden_for", "build_sharded_module")]
+    targets = [(fsdp, n) for n in ("make_weight", "build_sharded_module")] + [(context, "golden_for")]
     targets += [(inspection.Inspector, n) for n in ("twin_output", "judge", "module_check")]
     targets += [(inspection, n) for n in ("compare_buffers", "compare_values", "digest")]
     targets += [(golden, "compare_buffers")]
