@@ -109,7 +109,7 @@ def run_layers(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoin
             stages += iteration.run(point, goldens if point == 0 else [layer.golden(point) for layer in layers])
     finally:
         iteration.close()
-    return RankResult(ctx.rank, tuple(stages), None, _quantizer_diffs(layers, goldens), tuple(wires))
+    return RankResult(ctx.rank, tuple(stages), None, _quantizer_diffs(layers, goldens), wires=tuple(wires))
 
 
 def _noted(stage: Stage, note: str) -> Stage:
