@@ -335,7 +335,9 @@ class RankPool:
         if status is not OutcomeStatus.OK:
             left_behind = bool(replies.pending or replies.exit_codes)
             if left_behind:
-                notes = {r.rank: facts for r in self._ranks if (facts := _facts(r, self._where(r), replies))}
+                notes = {r.rank: facts for r in self._ranks
+                         if (facts := whereabouts.evidence(self._where(r), left_behind=r.rank in replies.pending
+                                                           and r.process.is_alive(), asked_for=WHERE_REPLY_S))}
             if left_behind or not self._healthy():
                 stacks = self._abort()
         return CaseOutcome(
@@ -384,16 +386,6 @@ class RankPool:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
-
-
-def _facts(r: _Rank, where: protocol.Whereabouts, replies: _Replies) -> dict[str, str]:
-    """What a rank noted, and for a live rank that never answered, where its main thread is: the
-    evidence of where it waits."""
-    facts = dict(where.notes)
-    if r.rank in replies.pending and r.process.is_alive():
-        facts["main thread at"] = where.frames[-1].replace("\\", "/").rsplit("/", 1)[-1] if where.frames else \
-            f"(no answer within {WHERE_REPLY_S:g} s: the rank holds the GIL)"
-    return facts
 
 
 def _signal_all(ranks: list[_Rank], signum: int) -> None:

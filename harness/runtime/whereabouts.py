@@ -105,3 +105,13 @@ def in_collective(frames: Sequence[str]) -> str | None:
 def _in_native_collective(frame: str) -> bool:
     location, _, function = frame.replace("\\", "/").rpartition(" ")
     return any(path in location and function in functions for path, functions in NATIVE_COLLECTIVES)
+
+
+def evidence(where: Whereabouts, left_behind: bool, asked_for: float) -> dict[str, str]:
+    """What a rank noted, and for a live rank left behind (it never replied), where its main thread
+    is: the evidence of where it waits (`asked_for`: the seconds it was given to answer)."""
+    facts = dict(where.notes)
+    if left_behind:
+        facts["main thread at"] = where.frames[-1].replace("\\", "/").rsplit("/", 1)[-1] if where.frames else \
+            f"(no answer within {asked_for:g} s: the rank holds the GIL)"
+    return facts

@@ -135,7 +135,17 @@ def _reshards_after_forward(module) -> bool:
     return True if group is None else bool(group._reshard_after_forward)
 
 
-class NoReshardStaleLayoutParam(QuantizedParam):
+class _KeptBranchParam(QuantizedParam):
+    """Hooks with a branch of their own for a weight FSDP2 keeps after forward: the pre-hook tells the
+    post-hook, in the metadata, whether this gather's weight is kept (the two mutants below break
+    that branch each in its own way)."""
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        inputs, meta = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        return inputs, _KeptWireMeta(meta.layout, meta.glob, not _reshards_after_forward(module))
+
+
+class NoReshardStaleLayoutParam(_KeptBranchParam):
     """Models hooks that branch on FSDP2's `_fsdp_param_group._reshard_after_forward`, as
     TransformerEngine's Float8/MXFP8 hooks do, and take the comment of TE's MXFP8 pre-hook at its
     word: "If weights are not resharded after forward pass, weights allgathered in forward are used
@@ -150,10 +160,6 @@ class NoReshardStaleLayoutParam(QuantizedParam):
     weight's layout and scale are those of the first iteration. With resharding after forward (the
     default of every non-root module, and of a root module that is never run forward) the branch
     is not taken and every re-gather is right."""
-
-    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        inputs, meta = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
-        return inputs, _KeptWireMeta(meta.layout, meta.glob, not _reshards_after_forward(module))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if out is None or not metadata.unsharded_kept:
@@ -182,7 +188,7 @@ class EmptyShardStaleScaleParam(QuantizedParam):
         return {n: t.clone() for n, t in metadata.glob.items()}
 
 
-class KeptOutScaleParam(QuantizedParam):
+class KeptOutScaleParam(_KeptBranchParam):
     """Models hooks that branch on FSDP2's `_fsdp_param_group._reshard_after_forward`, as
     TransformerEngine's Float8/MXFP8 hooks do, with an `out=` branch of their own for a weight FSDP2
     keeps after forward, written after torchao's float8 post-hook: that branch is one line,
@@ -195,10 +201,6 @@ class KeptOutScaleParam(QuantizedParam):
     weight dequantized with scale instead of 1/scale. The first unshard (before any forward) and
     every re-gather of a module no forward has run (the default steps and reshard scenarios) take
     the right branch."""
-
-    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        inputs, meta = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
-        return inputs, _KeptWireMeta(meta.layout, meta.glob, not _reshards_after_forward(module))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if out is None or not metadata.unsharded_kept:
