@@ -51,12 +51,14 @@ def test_configurations_are_a_dimension_and_only_the_first_is_promised():
     assert any("MISSING" in line for line in lines)
 
 
+def _suite(*args: str) -> subprocess.CompletedProcess:
+    """pytest over a selection of the case suite on the CPU, in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "-q", "--device", "cpu"],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+
+
 def test_the_suite_summary_prints_the_coverage():
-    env = {**os.environ, "PYTHONPATH": REPO}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "cases/test_alignment.py", "-p", "no:cacheprovider", "-q",
-         "--formats", "nvfp4_2d", "--world-sizes", "2", "--device", "cpu"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    result = _suite("cases/test_alignment.py", "--formats", "nvfp4_2d", "--world-sizes", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     out = result.stdout
     # one line when no promise is broken; the matrix goes to the report directory (none here)
@@ -68,11 +70,7 @@ def test_the_suite_summary_prints_the_coverage():
 
 def test_a_configuration_run_prints_its_pair_promise():
     """A run of one format's whole FSDP2-configuration design ends with its pairs promised and hit."""
-    env = {**os.environ, "PYTHONPATH": REPO}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "cases/test_fsdp_configs.py", "-p", "no:cacheprovider", "-q",
-         "--formats", "fp8_tensor_e5m2", "--impl", "reference", "--device", "cpu"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    result = _suite("cases/test_fsdp_configs.py", "--formats", "fp8_tensor_e5m2", "--impl", "reference")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     line = next(line for line in result.stdout.splitlines() if "configuration pairs" in line)
     hit, promised = line.split()[1].split("/")

@@ -4,7 +4,7 @@ import itertools
 
 from qgather.engine.run import POOL_START, step_seconds
 from qgather.model.case_record import CaseRecord
-from qgather.model.phases import Phase, PhaseTracker
+from qgather.model.phases import Phase, PhaseTracker, Step
 from qgather.model.records import RankResult
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin.timings import render
@@ -16,7 +16,7 @@ def test_clock_charges_each_phase_and_label(monkeypatch):
     monkeypatch.setattr("qgather.model.phases.time.perf_counter", lambda: float(next(ticks)))
     synced = []
     phases = PhaseTracker(sync=lambda: synced.append(1))  # t=0
-    with phases.labelled("golden"):  # lap at 1 (build), 2 (golden), the label spans a phase change
+    with phases.labelled(Step.GOLDEN):  # lap at 1 (build), 2 (golden), the label spans a phase change
         phases.current = Phase.SHARD  # 2 -> golden 1 s so far
     with phases.at(Phase.COLLECTIVE):  # lap at 4: 1 s of shard
         pass
@@ -28,7 +28,7 @@ def test_clock_charges_each_phase_and_label(monkeypatch):
 def test_labelled_block_keeps_the_error_phase():
     phases = PhaseTracker()
     try:
-        with phases.tagging(), phases.labelled("golden"):
+        with phases.tagging(), phases.labelled(Step.GOLDEN):
             phases.current = Phase.INSPECTION
             raise ValueError("x")
     except ValueError as exc:

@@ -73,6 +73,7 @@ class Inspector:
                          accepted_unholdable=golden.error or "the format cannot hold this shape")
         m, k = flat_dims(golden.q.shape)
         if not quantized:
+            golden.unpark(golden.value_buffers())
             values = param.detach().float().reshape(golden.q.shape)
             return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
                          values=_against_golden(values.reshape(m, k), golden))

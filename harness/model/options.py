@@ -57,11 +57,7 @@ def parse_formats(text: str) -> tuple[str, ...]:
     """--formats: format names the registry knows (entry-point formats included)."""
     from qgather.formats import FORMATS  # deferred: the formats import torch
 
-    names = split_names(text)
-    for name in names:
-        if name not in FORMATS:
-            raise OptionError(f"--formats: unknown format {name!r}; known: {', '.join(FORMATS)}")
-    return names
+    return _known_names("--formats", "format", text, FORMATS)
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:
@@ -79,10 +75,14 @@ def parse_scenarios(text: str) -> tuple[str, ...]:
     """--scenarios: scenario names."""
     from qgather.model.case import SCENARIOS  # deferred: the case model imports torch
 
+    return _known_names("--scenarios", "scenario", text, SCENARIOS)
+
+
+def _known_names(option: str, what: str, text: str, known) -> tuple[str, ...]:
     names = split_names(text)
     for name in names:
-        if name not in SCENARIOS:
-            raise OptionError(f"--scenarios: unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+        if name not in known:
+            raise OptionError(f"{option}: unknown {what} {name!r}; known: {', '.join(known)}")
     return names
 
 

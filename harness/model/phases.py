@@ -30,6 +30,16 @@ class Phase(str, enum.Enum):
     COMPILE = "compiled forward"
 
 
+class Step(str, enum.Enum):
+    """A labelled step of a case's build and inspection (PhaseTracker.labelled): what its seconds
+    are charged to, in timings.md and `qgather bench gpu`."""
+
+    TWIN = "one-device twin"
+    GOLDEN = "golden"
+    SHARDED_MODULE = "sharded module"
+    LIBRARY_FORWARD = "library forward"
+
+
 #: phases in which no byte of the weight has moved between ranks yet
 BEFORE_DATA_MOVED = frozenset({Phase.BUILD.value, Phase.SHARD.value, Phase.PRE_HOOK.value})
 
@@ -66,11 +76,11 @@ class PhaseTracker:
         yield
 
     @contextlib.contextmanager
-    def labelled(self, label: str) -> Iterator[None]:
+    def labelled(self, label: Step) -> Iterator[None]:
         """The block's time is charged to `label`, whatever phases it passes through (the phase an error
         is tagged with is unchanged)."""
         self._lap()
-        outer, self._label = self._label, label
+        outer, self._label = self._label, label.value
         try:
             yield
         finally:

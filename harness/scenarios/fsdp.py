@@ -19,7 +19,7 @@ import torch
 from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import record_wire, summarize_wire
 from qgather.model.case import CaseSpec
-from qgather.model.phases import Phase, PhaseTracker
+from qgather.model.phases import Phase, PhaseTracker, Step
 from qgather.model.records import RankResult, Stage
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios import checkpoint as checkpoint_reshard
@@ -43,12 +43,12 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
     else:  # nothing steps the masters: a float32 copy would only hold memory
         master = weight = make_weight(spec, ctx.device, spec.torch_dtype)
     # The one-device twin first: its full-size module is gone before the golden and the shards exist.
-    with phases.labelled("one-device twin"):
+    with phases.labelled(Step.TWIN):
         twin = inspector.twin_output(weight, setup.param_dtype)
-    with phases.labelled("golden"):
+    with phases.labelled(Step.GOLDEN):
         golden = case.golden(weight)
         golden.park()  # a large golden waits on the host while the case shards and gathers
-    with phases.labelled("sharded module"):
+    with phases.labelled(Step.SHARDED_MODULE):
         module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
     weight_shape = setup.piece(weight).to("meta")  # what the wire summary reads of the gathered weight
     if spec.scenario == "gather":
@@ -62,7 +62,7 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
             module.unshard()
     with phases.at(Phase.INSPECTION):
         first = inspector.judge(setup.unsharded(module.weight), golden, "unshard 1", setup.param_dtype)
-        with phases.labelled("library forward"):
+        with phases.labelled(Step.LIBRARY_FORWARD):
             checked = inspector.module_check(module, twin, setup.param_dtype)
         first = replace(first, module=checked, note=loaded)
     stages = [first]

@@ -91,11 +91,8 @@ def _bare_work(ctx, spec: CaseSpec, weight: torch.Tensor, nbytes: int, reps: int
     shard = fsdp_setup.prepare(ctx, spec).master_slice(weight).contiguous()
     impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
     own = impl.own_quantization(fmt.name, shard) is not None
-
-    def quantize_shard() -> None:
-        if impl.own_quantization(fmt.name, shard) is None:  # the harness's formats are the library's
-            fmt.quantize(shard)
-
+    # without a quantizer of its own, the harness's formats are the library's
+    quantize_shard = (lambda: impl.own_quantization(fmt.name, shard)) if own else (lambda: fmt.quantize(shard))
     src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
     out = src.new_empty(nbytes * ctx.world_size)
     return (_median_of(quantize_shard, reps, cuda),

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qgather.model.phases import Phase, Step
+
 #: NVLink4 all-gather bus bandwidth on H100/H200, as nccl-tests reports it (bytes/s)
 BUS_BANDWIDTH = 370e9
 BUS_BANDWIDTH_SOURCE = "NVLink4 all-gather bus bandwidth of H100/H200, nccl-tests' busbw (assumed)"
@@ -87,5 +89,5 @@ def step_floor_bytes(weight_bytes: int, quantized_bytes: int, world_size: int,
     """
     w, q, n = weight_bytes, quantized_bytes, max(world_size, 1)
     golden = w + q + (w + 3 * q if own_quantizer else 0)
-    return {"one-device twin": w + q + q // 2, "golden": golden, "sharded module": (w + q) // n,
-            "collective": 2 * q // n + 2 * q, "inspection": 3 * q + 2 * q + 6 * w + 2 * q}
+    return {Step.TWIN.value: w + q + q // 2, Step.GOLDEN.value: golden, Step.SHARDED_MODULE.value: (w + q) // n,
+            Phase.COLLECTIVE.value: 2 * q // n + 2 * q, Phase.INSPECTION.value: 3 * q + 2 * q + 6 * w + 2 * q}
