@@ -65,6 +65,25 @@ def test_a_wrong_class_verdict_fails_even_when_every_mutant_is_killed(monkeypatc
     assert lines[-1] == "mutants killed: 1/1, wrong-class verdicts: 1" and status == 1
 
 
+def test_a_wrong_class_crash_shows_its_evidence():
+    mutant = FACTORIES["mutant:per_rank_amax"]
+    first = selftest.suite_sample(mutant)[0]
+    details = tuple(f"rank 1 stack line {i}" for i in range(20))
+
+    def run(case_id):
+        if case_id == first:
+            spec = CaseSpec.parse(case_id)
+            return CaseReport(spec, Verdict.CRASH, "rank 1 exited with code -9", details, expectation(spec))
+        return _report(case_id, Verdict.RANK_DIVERGENCE if case_id.startswith("mutant:") else Verdict.EXACT)
+
+    [result] = selftest.run_suite([mutant], runner=run)
+    line = result.line()
+    assert f"wrong-class CRASH on {first}" in line
+    assert "\n        rank 1 exited with code -9\n        rank 1 stack line 0\n" in line
+    assert "rank 1 stack line 10\n" in line and "rank 1 stack line 11" not in line
+    assert line.endswith(f"... 9 more lines: qgather case {first}")
+
+
 def test_a_case_the_reference_fails_counts_neither_as_kill_nor_wrong_class():
     mutant = FACTORIES["mutant:nibble_swap"]
     [result] = selftest.run_suite([mutant], runner=_fake(Verdict.ERROR, Verdict.SILENT_MISMATCH))

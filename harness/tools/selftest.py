@@ -207,7 +207,21 @@ class SuiteResult:
         for report in self.wrong_class:
             line += f"\n    wrong-class {report.verdict.value} on {report.spec.id} " \
                     f"(expected one of {', '.join(sorted(v.value for v in self.mutant.verdicts))})"
+            line += "".join(f"\n        {evidence}" for evidence in wrong_class_evidence(report))
         return line
+
+
+EVIDENCE_LINES = 12
+
+
+def wrong_class_evidence(report: CaseReport) -> list[str]:
+    """Why the case ended where it did: its reason and first evidence lines (a CRASH's exit codes and
+    stacks), so a wrong-class verdict seen once in CI can be diagnosed from the log alone."""
+    lines = [report.reason, *report.details] if report.reason else list(report.details)
+    shown = lines[:EVIDENCE_LINES]
+    if len(lines) > EVIDENCE_LINES:
+        shown.append(f"... {len(lines) - EVIDENCE_LINES} more lines: {report.repro}")
+    return shown
 
 
 def run_suite(mutants: Sequence[type[Mutant]], runner: Callable[[str], CaseReport] | None = None,
