@@ -46,7 +46,7 @@ from qgather.runtime import PoolSpec, get_pool, shutdown_pools
 from qgather.scenarios import context, fsdp, fsdp_setup
 from qgather.scenarios.data import make_weight
 from qgather.scenarios.registry import run_on_rank
-from qgather.tools import memory_waypoints
+from qgather.tools import memory_waypoints, peak_anatomy
 from qgather.tools.nccl_projection import (
     BUS_BANDWIDTH,
     BUS_BANDWIDTH_SOURCE,
@@ -151,13 +151,15 @@ def _memory_steps(ctx, case_id: str) -> str:
     targets += [(inspection, n) for n in ("compare_buffers", "compare_values", "digest")]
     targets += [(golden, "compare_buffers")]
     targets += [(fmt_type, n) for n in ("quantize", "dequantize", "dequantize_rows")] + [(FSDPModule, "unshard")]
-    targets += [(impl_type, n) for n in ("own_quantization", "own_dequantize", "forward", "read_buffers",
+    targets += [(impl_type, n) for n in ("own_quantization", "own_quantization_parts", "own_dequantize",
+                                         "own_dequantize_blocks", "forward", "forward_rows", "read_buffers",
                                          "single_device_output", "module_output", "make_sharded_module")
                 if hasattr(impl_type, n)]
     baseline = _settle(ctx.device)
-    with memory_waypoints.recording(ctx.device, targets, baseline) as points:
+    with peak_anatomy.recorded(ctx.device) as found, memory_waypoints.recording(ctx.device, targets, baseline) as points:
         run_on_rank(ctx, spec)
-    return points.table(math.prod(spec.shape) * 2, "bf16 weights")
+    unit = math.prod(spec.shape) * 2
+    return points.table(unit, "bf16 weights") + "\n" + found[0].table(unit, "bf16 weights")
 
 
 def _settle(device: torch.device) -> int:
