@@ -12,7 +12,9 @@ GPU_IMPLS ?= reference,torchao,te,te:delayed
 GPU_CASE_TIMEOUT ?= 30
 # pytest-xdist workers of the GPU job: each keeps its own warm pools on the same GPUs (a case is small
 # next to a GPU; the job's time is the host's: TE's Python, pool starts, a failed rank's wait).
-GPU_WORKERS ?= 4
+# Half the host's cores (a worker's 2-rank pool keeps two busy), at most 8: on one H100 with 16
+# cores the te gate took 160 s with 4 workers and 136 s with 8 (docs/gpu-results.md).
+GPU_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); n=$$((n / 2)); [ $$n -gt 8 ] && n=8; [ $$n -lt 1 ] && n=1; echo $$n)
 
 ifeq ($(PY),$(VENV)/bin/python)
 SETUP := $(STAMP)

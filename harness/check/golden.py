@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qgather.check import host
 from qgather.check.compare import compare_buffers
 from qgather.errors import HarnessFault
 from qgather.formats import Format, FormatError, QuantizedTensor
@@ -23,10 +24,6 @@ from qgather.impls.base import Implementation
 from qgather.model.case import TensorParallelLayout
 from qgather.model.layout import column_block
 from qgather.model.records import BufferDiff, DiffProblem
-
-#: a golden of at least this many bytes may wait on the host while the case gathers (Golden.park)
-PARK_BYTES = 1 << 26
-
 
 @dataclass
 class Golden:
@@ -49,16 +46,21 @@ class Golden:
         """A large golden on a GPU waits in (pinned) host memory while the case shards and gathers, so
         that the device does not hold a second full quantization next to FSDP2's all-gather buffers;
         `unpark` brings back what a check reads. Whether it was parked."""
-        if self.q is None or self.q.device.type != "cuda" or self.nbytes < PARK_BYTES:
-            return False
+        if self.q is None or self.parked or not host.worth_parking(self.nbytes, self.q.device):
+            return self.parked
         self._device = self.q.device
         for name, tensor in self.q.buffers.items():
-            self.q.buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+            self.q.buffers[name] = host.pinned_copy(tensor)
         return True
 
     @property
     def parked(self) -> bool:
         return self._device is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the golden's values are computed and compared: its GPU, also while it is parked."""
+        return self._device if self._device is not None else self.q.device
 
     def unpark(self, names: Iterable[str] | None = None) -> None:
         """Back onto the device: the buffers `names` (None: every buffer). The golden stays parked
@@ -79,30 +81,38 @@ class Golden:
     def dequantized_blocks(self) -> Iterator[tuple[slice, torch.Tensor]]:
         """The golden's float32 values as (rows, block) over the flattened (M, K) weight: one block
         (computed once, kept) up to the format's block size, else row blocks computed as they are
-        asked for, so that a large golden is never held dequantized whole."""
+        asked for, so that a large golden is never held dequantized whole.
+        A parked golden stays on the host: each block's buffers come over as the block is asked for.
+        """
         m, _ = flat_dims(self.q.shape)
         blocks = self.fmt.row_blocks(self.q.shape)
         if len(blocks) == 1:
             if self._whole is None:
+                self.unpark(self.value_buffers())
                 self._whole = self.fmt.dequantize(self.q).reshape(m, -1)
             yield slice(0, m), self._whole
             return
         for start, stop in blocks:
-            yield slice(start, stop), self.fmt.dequantize_rows(self.q, start, stop)
+            yield slice(start, stop), self.fmt.dequantize_rows(self.q, start, stop, device=self._device)
 
     def dequantized_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The golden's values rounded to `dtype`, in the weight's shape."""
         m, k = flat_dims(self.q.shape)
-        out = torch.empty((m, k), dtype=dtype, device=self.q.device)
+        out = torch.empty((m, k), dtype=dtype, device=self.device)
         for rows, values in self.dequantized_blocks():
             out[rows] = values
         return out.reshape(self.q.shape)
 
 
-def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = None) -> Golden:
+def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = None,
+               parked: bool = False) -> Golden:
     """The golden of `weight` in `fmt`: the reference formats' quantization (the implementation's
     `reference_quantize`), or the implementation's own quantization where it has one in the
-    format's layout. A shape the format cannot hold gives a golden with only its `error`."""
+    format's layout. A shape the format cannot hold gives a golden with only its `error`.
+
+    parked: a large golden is left waiting on the host (Golden.park), from before the
+    implementation's own quantization is cross-checked against it, so that the device never holds
+    the two quantizations (nor the reference's next to the weight and one of its own parts)."""
     try:
         ref = impl.reference_quantize(fmt, weight) if impl is not None else fmt.quantize(weight)
     except FormatError as exc:
@@ -112,15 +122,19 @@ def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = 
     if ref is None:
         own = impl.own_quantization(fmt.name, weight) if impl is not None else None
         return _own_golden_only(fmt, weight, impl, own)
+    golden = Golden(ref, None, fmt)
+    if parked:
+        golden.park()
     parts = impl.own_quantization_parts(fmt.name, weight) if impl is not None else None
     if parts is None:
-        return Golden(ref, None, fmt)
-    diffs, replacements = _cross_check(ref, parts)
-    if any(d.problem.breaks_layout for d in diffs):
-        # Its own quantization does not even have the format's layout: judge against the reference.
-        return Golden(ref, None, fmt, quantizer_diffs=diffs)
-    ref.buffers.update(replacements)  # the golden is its own quantization (sharding invariance)
-    return Golden(ref, None, fmt, f"{impl.name}'s own quantizer", diffs)
+        return golden
+    diffs, replacements = _cross_check(golden.q, parts)
+    golden.quantizer_diffs = diffs
+    if not any(d.problem.breaks_layout for d in diffs):
+        golden.q.buffers.update(replacements)  # the golden is its own quantization (sharding invariance)
+        golden.source = f"{impl.name}'s own quantizer"
+    # else its own quantization does not even have the format's layout: judge against the reference
+    return golden
 
 
 def _cross_check(ref: QuantizedTensor, parts: Iterable[dict[str, torch.Tensor]]
@@ -140,6 +154,7 @@ def _cross_check(ref: QuantizedTensor, parts: Iterable[dict[str, torch.Tensor]]
         found = compare_buffers(part, QuantizedTensor(ref.format, ref.shape, {n: ref.buffers[n] for n in part},
                                                       ref.valid))
         diffs += found
+        # kept where the reference's buffers are (on the host while a large golden is parked)
         differing.update({d.name: part[d.name].to(ref.device) for d in found if d.problem is DiffProblem.BITS})
     rest = QuantizedTensor(ref.format, ref.shape, {n: t for n, t in ref.buffers.items() if n not in seen}, ref.valid)
     return tuple(diffs + compare_buffers({}, rest)), differing

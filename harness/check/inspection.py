@@ -73,23 +73,10 @@ class Inspector:
                          accepted_unholdable=golden.error or "the format cannot hold this shape")
         m, k = flat_dims(golden.q.shape)
         if not quantized:
-            golden.unpark(golden.value_buffers())
             values = param.detach().float().reshape(golden.q.shape)
             return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
                          values=_against_golden(values.reshape(m, k), golden))
-        got = impl.read_buffers(param)
-        diffs = tuple(compare_buffers(got, golden.q))
-        buffers_digest = digest(got, golden.q.valid)
-        golden.unpark(None if diffs else golden.value_buffers())  # what the checks below read
-        dequantized, where = None, ()
-        if not diffs:
-            # The harness's own dequantization reads only the valid regions it just found bit-identical.
-            dequantized = Comparison(True, detail=IDENTICAL_BUFFERS)
-        elif not any(d.problem.breaks_layout for d in diffs):
-            gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
-            dequantized = compare_value_blocks((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
-                                               for rows, want in golden.dequantized_blocks())
-            where = tuple(locate(fmt, gathered, golden.q, self.shards))
+        buffers_digest, diffs, dequantized, where = self._buffers(param, golden)
         blocks = fmt.row_blocks(golden.q.shape)
         own = impl.own_dequantize_blocks(param, fmt, blocks)
         own_dequantized = None if own is None else \
@@ -98,6 +85,25 @@ class Inspector:
         return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
                      forward_error=forward_error, where=where, dtype_problem=dtype_problem)
+
+    def _buffers(self, param: torch.Tensor, golden: Golden) -> tuple[str, tuple, Comparison | None, tuple]:
+        """(digest, differences, dequantized values, where they differ) of the gathered buffers. What
+        the implementation derived to show them (e.g. TE's columnwise copy) is let go on return: the
+        checks after this one read the weight through the library, not these buffers."""
+        fmt = self.fmt
+        got = self.impl.read_buffers(param)
+        diffs = tuple(compare_buffers(got, golden.q))
+        buffers_digest = digest(got, golden.q.valid)
+        if not diffs:
+            # The harness's own dequantization reads only the valid regions it just found bit-identical.
+            return buffers_digest, diffs, Comparison(True, detail=IDENTICAL_BUFFERS), ()
+        if any(d.problem.breaks_layout for d in diffs):
+            return buffers_digest, diffs, None, ()
+        golden.unpark()  # `locate` reads every buffer of both
+        gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
+        dequantized = compare_value_blocks((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
+                                           for rows, want in golden.dequantized_blocks())
+        return buffers_digest, diffs, dequantized, tuple(locate(fmt, gathered, golden.q, self.shards))
 
     def _forward(self, param: torch.Tensor, golden: Golden) -> tuple[Comparison | None, str, str]:
         """(the layer output against the golden layer's, its digest, the forward's error)."""
@@ -120,8 +126,14 @@ class Inspector:
                 return torch.cat([first, *rest], dim=-1), True
         return self.impl.forward(param, x), False
 
+    @property
+    def builds_twin(self) -> bool:
+        """Whether `twin_output` builds the library's own module on one device (a full-size copy)."""
+        return not self.piece and type(self.impl).single_device_output is not Implementation.single_device_output
+
     def twin_output(self, weight: torch.Tensor, compute_dtype: torch.dtype) -> TwinOutput | None:
-        """The one-device twin's forward of `x` in the dtype the layer computes in (the mixed-precision
+        """The one-device twin's forward of `x` (on the rank's device; `weight` there too, or a large
+        one waiting in host memory: qgather.check.host) in the dtype the layer computes in (the mixed-precision
         policy's param_dtype: FSDP2 casts a root's inputs to it); None when the library has no module
         of its own. A shape the twin cannot run either is a note, not the gather's fault. Under tensor
         parallelism a TP rank's layer computes a part of the output (rowwise: a partial sum that the
@@ -131,7 +143,7 @@ class Inspector:
                 return None
             return TwinOutput(note="under tensor parallelism each TP rank computes a part of the layer output; the "
                                    "gathered piece and x @ W_piece^T are compared, the library's forward is not")
-        x = self.x.to(device=weight.device, dtype=compute_dtype)
+        x = self.x.to(dtype=compute_dtype)  # on the rank's device, where a large weight may not be
         try:
             expected = self.impl.single_device_output(self.spec, weight, x)
         except NoSingleDeviceTwin as exc:

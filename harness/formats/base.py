@@ -201,18 +201,22 @@ class Format:
         per_entry = [*self.rows_per_entry.values(), *(r for _, r in self.rowwise_rows.values())]
         return math.lcm(SCALE_ROW_PADDING, self.row_block, self.m_multiple, *per_entry)
 
-    def dequantize_rows(self, q: QuantizedTensor, start: int, stop: int) -> torch.Tensor:
+    def dequantize_rows(self, q: QuantizedTensor, start: int, stop: int,
+                        device: torch.device | None = None) -> torch.Tensor:
         """float32 rows [start, stop) of the flattened (M, K) dequantized tensor, reading only those
-        rows' buffers (start: a multiple of row_block_multiple)."""
+        rows' buffers (start: a multiple of row_block_multiple). `device`: where to dequantize, the
+        rows' buffers copied there first (a golden waiting in host memory); None: q's device."""
         m, k = self._check_q(q)
         if (start, stop) == (0, m) or not self.rowwise_rows:
-            return self._dequantize(q).reshape(m, k)[start:stop]
+            return self._dequantize(q if device is None else q.to(device)).reshape(m, k)[start:stop]
         if start % self.row_block_multiple or not 0 <= start < stop <= m:
             raise FormatError(f"{self.name}: rows [{start}, {stop}) are not a row block of a {m}-row tensor")
         buffers = {name: q.buffers[name] for name in self.glob_keys}
         for name, (axis, per_entry) in self.rowwise_rows.items():
             first, last = start // per_entry, -(-stop // per_entry)
             buffers[name] = q.buffers[name].narrow(axis, first, last - first)
+        if device is not None:
+            buffers = {name: t.to(device, non_blocking=True) for name, t in buffers.items()}
         rows = QuantizedTensor(self.name, (stop - start, k), buffers, self.valid_regions((stop - start, k)))
         return self._dequantize(rows).reshape(stop - start, k)
 

@@ -235,7 +235,9 @@ class Implementation(abc.ABC):
 
     def single_device_output(self, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """The same module and recipe on this rank's device alone, holding the full `weight`
-        (spec.torch_dtype): its forward on `x`."""
+        (spec.torch_dtype): its forward on `x`. `x` is on the rank's device; `weight` too, except a
+        large one (qgather.check.host.PARK_BYTES), which waits in pinned host memory while the
+        module holds its own copy: copy from it into the module rather than moving it whole."""
         return None
 
     def gather_context(self, group) -> contextlib.AbstractContextManager:

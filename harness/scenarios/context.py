@@ -47,12 +47,17 @@ class RankCase:
             x = setup.tp.input_piece(x).contiguous()
         return cls(ctx, spec, impl, fmt, phases, setup, x.to(ctx.device), checkpoint)
 
-    def golden(self, weight: torch.Tensor) -> Golden:
+    def golden(self, weight: torch.Tensor, parked: bool = False) -> Golden:
         """What this rank's gathered weight must equal for the full `weight`: its golden, cut to
-        this rank's TP piece under tensor parallelism."""
-        golden = golden_for(self.fmt, weight, self.impl)
+        this rank's TP piece under tensor parallelism. parked: a large golden waits on the host
+        (Golden.park) until a check reads it."""
         tp = self.setup.tp
-        return golden if tp is None else tensor_parallel_piece(golden, tp.layout, tp.rank)
+        if tp is None:
+            return golden_for(self.fmt, weight, self.impl, parked)
+        piece = tensor_parallel_piece(golden_for(self.fmt, weight, self.impl), tp.layout, tp.rank)
+        if parked:
+            piece.park()
+        return piece
 
     @property
     def shards(self) -> ShardLayout | ColumnShardLayout:

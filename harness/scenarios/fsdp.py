@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from qgather.check import host
 from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import record_wire, summarize_wire
 from qgather.model.case import CaseSpec
@@ -37,17 +38,22 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
     """One gather, steps or reshard case on this rank, end to end."""
     case = RankCase.prepare(ctx, spec, phases, checkpoint)
     impl, fmt, setup, inspector = case.impl, case.fmt, case.setup, case.inspector
+    # The one-device twin first: its full-size module is gone before the golden and the shards exist.
     if spec.scenario in ("steps", "reshard"):
         master = make_weight(spec, ctx.device)
         weight = master.to(spec.torch_dtype)
+        with phases.labelled(Step.TWIN):
+            twin = inspector.twin_output(weight, setup.param_dtype)
     else:  # nothing steps the masters: a float32 copy would only hold memory
-        master = weight = make_weight(spec, ctx.device, spec.torch_dtype)
-    # The one-device twin first: its full-size module is gone before the golden and the shards exist.
-    with phases.labelled(Step.TWIN):
-        twin = inspector.twin_output(weight, setup.param_dtype)
+        waiting = make_weight(spec, ctx.device, spec.torch_dtype)
+        if inspector.builds_twin:  # a large weight waits on the host while the twin holds its own copy
+            waiting = host.park_tensor(waiting)
+        with phases.labelled(Step.TWIN):
+            twin = inspector.twin_output(waiting, setup.param_dtype)
+        master = weight = waiting.to(ctx.device)
+        del waiting
     with phases.labelled(Step.GOLDEN):
-        golden = case.golden(weight)
-        golden.park()  # a large golden waits on the host while the case shards and gathers
+        golden = case.golden(weight, parked=True)  # a large golden waits on the host while the case gathers
     with phases.labelled(Step.SHARDED_MODULE):
         module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
     weight_shape = setup.piece(weight).to("meta")  # what the wire summary reads of the gathered weight
@@ -105,8 +111,7 @@ def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.
         with torch.no_grad(), phases.at(Phase.STEP):
             impl.requantize_shard(local_shard(module), shard_master.detach().to(spec.torch_dtype), group)
             impl.after_step(module, group)
-            golden = case.golden(full_param.detach().to(spec.torch_dtype))
-            golden.park()
+            golden = case.golden(full_param.detach().to(spec.torch_dtype), parked=True)
         param_types = (type(local_shard(module)),)
         label = f"unshard {step + 1} (after step {step})"
         if setup.forward_gathers:

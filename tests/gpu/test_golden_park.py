@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qgather.check import compare
+from qgather.check import compare, host
 from qgather.check import golden as golden_module
 from qgather.check.compare import compare_buffers
 from qgather.formats import FORMATS
@@ -27,7 +27,7 @@ def cuda():
 
 @pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4_1d", "fp8_tensor"))
 def test_a_parked_golden_compares_as_on_the_gpu(fmt, cuda, monkeypatch):
-    monkeypatch.setattr(golden_module, "PARK_BYTES", 1)
+    monkeypatch.setattr(host, "PARK_BYTES", 1)
     monkeypatch.setattr(compare, "_DEVICE_CHUNK", 4096)  # several blocks per buffer come over from the host
     weight = torch.randn(512, 256, generator=torch.Generator(device="cuda").manual_seed(1), device=cuda)
     golden = golden_module.golden_for(FORMATS[fmt], weight.to(torch.bfloat16))
@@ -43,3 +43,35 @@ def test_a_parked_golden_compares_as_on_the_gpu(fmt, cuda, monkeypatch):
     assert golden.parked == (set(golden.value_buffers()) != set(golden.q.buffers))
     golden.unpark()
     assert not golden.parked and all(t.device.type == "cuda" for t in golden.q.buffers.values())
+
+
+@pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4_2d"))
+def test_a_parked_golden_dequantizes_block_by_block_as_on_the_gpu(fmt, cuda, monkeypatch):
+    from qgather.formats import base as format_base
+
+    monkeypatch.setattr(host, "PARK_BYTES", 1)
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 256 * 256)
+    weight = torch.randn(1024, 256, generator=torch.Generator(device="cuda").manual_seed(2), device=cuda)
+    kept = golden_module.golden_for(FORMATS[fmt], weight.to(torch.bfloat16))
+    parked = golden_module.golden_for(FORMATS[fmt], weight.to(torch.bfloat16), parked=True)
+    assert parked.parked and all(t.device.type == "cpu" for t in parked.q.buffers.values())
+    for (rows, want), (same_rows, got) in zip(kept.dequantized_blocks(), parked.dequantized_blocks(), strict=True):
+        assert rows == same_rows and got.device.type == "cuda"
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert parked.parked  # the blocks came over one by one; the golden stayed on the host
+
+
+def test_te_twin_from_a_weight_on_the_host_is_the_twin_from_the_gpu(cuda):
+    from qgather.impls import get_impl
+    from qgather.impls.te.environment import te_import_error
+    from qgather.model.case import CaseSpec
+
+    if te_import_error():
+        pytest.skip(te_import_error())
+    spec = CaseSpec.parse("te:fp8_block:256x128:bf16:ws2:gather:s0")
+    weight = torch.randn(256, 128, generator=torch.Generator(device="cuda").manual_seed(4), device=cuda).bfloat16()
+    x = torch.randn(8, 128, generator=torch.Generator(device="cuda").manual_seed(5), device=cuda).bfloat16()
+    impl = get_impl(spec.impl)
+    on_gpu = impl.single_device_output(spec, weight, x)
+    on_host = impl.single_device_output(spec, weight.cpu().pin_memory(), x)
+    assert on_host.device.type == "cuda" and torch.equal(on_host.view(torch.int32), on_gpu.view(torch.int32))

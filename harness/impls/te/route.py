@@ -110,7 +110,8 @@ class TransformerEngineRoute(TEAdapter):
                     f"the sharded layer quantized {dtype} masters and computes in {x.dtype}; a one-device te.Linear "
                     f"computes in its params_dtype, and these masters are not exactly representable in {x.dtype}")
             weight, dtype = lifted, x.dtype  # the same values, so TE quantizes them to the same bits
-        module = self._linear_on_meta(spec, weight.to(device=x.device, dtype=dtype), dtype)
+        # the rows stay where they are (a large weight on the host): TE's init_method copies them in
+        module = self._linear_on_meta(spec, weight.to(dtype=dtype), dtype)
         with torch.enable_grad():
             module.reset_parameters()
         return self.module_output(spec, module, x)

@@ -18,14 +18,17 @@ def read_te_buffers(param: torch.Tensor) -> dict[str, torch.Tensor]:
     comparison with the golden reports it."""
     if hasattr(param, "_data") and not hasattr(param, "_rowwise_data"):
         return _float8_buffers(param)
-    if getattr(param, "_columnwise_data", None) is None and hasattr(param, "_create_columnwise"):
-        # TE derives columnwise only when the backward asks; ask for it as the backward would.
+    derive = getattr(param, "_columnwise_data", None) is None and hasattr(param, "_create_columnwise")
+    if derive:  # TE derives columnwise only when the backward asks; ask for it as the backward would
+        held_scales = getattr(param, "_columnwise_scale_inv", None)
         param._create_columnwise()
     out = {}
     for name in ROWWISE_COLUMNWISE:
         value = getattr(param, "_" + name, None)
         if value is not None:
             out[name] = value if value.dtype in (torch.uint8, torch.float32) else value.view(torch.uint8)
+    if derive:  # the weight as the gather left it: the derived copy lives only as long as the caller's
+        param._columnwise_data, param._columnwise_scale_inv = None, held_scales
     return out
 
 
