@@ -26,10 +26,17 @@ def test_the_allocations_alive_at_the_highest_total_are_listed():
         ("run/bench.py:3 main", 120, 1), ("check/inspection.py:90 _judge <- torch/_tensor.py:12 float", 50, 1)]
 
 
-def test_a_free_of_a_block_from_before_the_trace_lowers_the_total():
+def test_a_block_from_before_the_trace_counts_neither_alive_nor_freed():
     trace = [_free(9, 500), _alloc(1, 300, OWN), _alloc(2, 300, OWN)]
     found = anatomy(trace)
-    assert found.peak == 100 and [(h.nbytes, h.count) for h in found.holders] == [(600, 2)]
+    assert found.peak == 600 and [(h.nbytes, h.count) for h in found.holders] == [(600, 2)]
+
+
+def test_the_bench_instrumentation_is_never_where_a_tensor_was_made():
+    wrapper = {"filename": "/site/qgather/tools/memory_waypoints.py", "line": 70, "name": "call"}
+    te = {"filename": "/te/storage/float8_blockwise_tensor_storage.py", "line": 89, "name": "forward"}
+    assert where_allocated([te, wrapper, OWN]) == "check/inspection.py:90 _judge <- storage/float8_blockwise_tensor_storage.py:89 forward"
+    assert where_allocated([te, wrapper]) == "storage/float8_blockwise_tensor_storage.py:89 forward"
 
 
 def test_where_allocated_names_the_own_frame_first():

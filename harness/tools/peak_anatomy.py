@@ -17,6 +17,8 @@ import torch
 
 MAX_ENTRIES = 2_000_000
 PACKAGE_MARKERS = ("/qgather/", "/harness/")  # installed package, or the checkout's folder
+# the bench's own instrumentation wraps the steps it times: never where a tensor was made
+INSTRUMENTATION = ("tools/memory_waypoints.py", "tools/peak_anatomy.py", "tools/case_bench.py")
 UNKNOWN = "(no Python frame)"
 
 
@@ -53,11 +55,15 @@ def _frame_label(frame: Mapping) -> str:
     return f"{path}:{frame.get('line', '?')} {frame.get('name', '?')}"
 
 
+def _is_own(filename: str) -> bool:
+    return any(m in filename for m in PACKAGE_MARKERS) and not filename.endswith(INSTRUMENTATION)
+
+
 def where_allocated(frames: Sequence[Mapping]) -> str:
     """'own-code frame <- innermost frame' for one allocation's stack (innermost first)."""
     if not frames:
         return UNKNOWN
-    own = next((f for f in frames if any(m in f.get("filename", "") for m in PACKAGE_MARKERS)), None)
+    own = next((f for f in frames if _is_own(str(f.get("filename", "")))), None)
     inner = _frame_label(frames[0])
     if own is None or own is frames[0]:
         return inner if own is None else _frame_label(own)
@@ -65,8 +71,9 @@ def where_allocated(frames: Sequence[Mapping]) -> str:
 
 
 def anatomy(trace: Sequence[Mapping], before: int = 0) -> PeakAnatomy:
-    """Replay one device's trace (allocations and frees, in order) to the moment the allocated
-    total is highest; frees of blocks allocated before the trace began lower the total too."""
+    """Replay one device's trace (allocations and frees, in order) to the moment the bytes it
+    allocated and had not yet freed are most; a block allocated before the trace began is not
+    counted, nor its free (it is part of `before`, which the peak is reported above)."""
     live: dict[int, Mapping] = {}
     total = peak = 0
     at_peak: dict[int, Mapping] = {}
@@ -77,9 +84,8 @@ def anatomy(trace: Sequence[Mapping], before: int = 0) -> PeakAnatomy:
             total += event["size"]
             if total > peak:
                 peak, at_peak = total, dict(live)
-        elif action == "free_completed":
-            total -= event["size"]
-            live.pop(addr, None)
+        elif action == "free_completed" and addr in live:
+            total -= live.pop(addr)["size"]
     groups: dict[str, list[int]] = {}
     for event in at_peak.values():
         groups.setdefault(where_allocated(event.get("frames") or ()), []).append(event["size"])
