@@ -8,7 +8,7 @@ from qgather.model.phases import Phase, PhaseTracker, Step
 from qgather.model.records import RankResult
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin.timings import render
-from qgather.runtime.outcome import CaseOutcome, OutcomeStatus
+from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
 
 
 def test_clock_charges_each_phase_and_label(monkeypatch):
@@ -33,6 +33,37 @@ def test_labelled_block_keeps_the_error_phase():
             raise ValueError("x")
     except ValueError as exc:
         assert exc.qgather_phase == Phase.INSPECTION.value
+
+
+def test_an_error_carries_the_steps_until_it_without_waiting_for_the_device(monkeypatch):
+    ticks = itertools.count()
+    monkeypatch.setattr("qgather.model.phases.time.perf_counter", lambda: float(next(ticks)))
+    synced = []
+    phases = PhaseTracker(sync=lambda: synced.append(1))  # t=0
+    try:
+        with phases.tagging(), phases.labelled(Step.GOLDEN):  # lap at 1 (build)
+            raise RuntimeError("CUDA error: an illegal memory access")  # lap at 2 (golden), 3 (build again)
+    except RuntimeError as exc:
+        error = RankError.from_exception(1, exc)
+    assert synced == [1]  # only the lap before the block: none once the error was raised
+    assert dict(error.seconds) == {Phase.BUILD.value: 2.0, "golden": 1.0}
+
+
+def test_a_rank_that_raised_counts_in_the_step_seconds():
+    results = [RankResult(0, (), seconds=(("golden", 1.0),)), None]
+    error = RankError(1, "ValueError", "x", seconds=(("golden", 2.0), ("post-all-gather hook", 0.5)))
+    outcome = CaseOutcome(OutcomeStatus.ERROR, results, errors={1: error})
+    assert step_seconds(outcome) == (("golden", 2.0), ("post-all-gather hook", 0.5))
+
+
+def test_a_failing_case_reports_its_steps():
+    """A case refused in its post-all-gather hook still says where its seconds went."""
+    from qgather.engine.run import RunOptions, run_case
+    from qgather.model.case import CaseSpec
+
+    report = run_case(CaseSpec.parse("reference:nvfp4_2d:18x64:bf16:ws2:gather:s0"), RunOptions(backend="gloo", device="cpu"))
+    assert report.verdict is Verdict.REJECTED, report.render()
+    assert {"golden", "sharded module"} <= dict(report.seconds).keys(), report.seconds
 
 
 def test_step_seconds_takes_the_slowest_rank_and_the_pool_start():

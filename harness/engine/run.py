@@ -137,9 +137,10 @@ POOL_START = "pool start"
 
 def step_seconds(outcome: CaseOutcome) -> Seconds:
     """Where the case's seconds went: the pool's start (when it was cold), then each step as long as
-    its slowest rank took (the ranks wait for each other in every collective)."""
+    its slowest rank took (the ranks wait for each other in every collective); a rank that raised
+    counts with the steps it ran until then."""
     slowest: dict[str, float] = {}
-    for result in outcome.results:
+    for result in (*outcome.results, *outcome.errors.values()):
         for step, seconds in getattr(result, "seconds", ()):
             slowest[step] = max(slowest.get(step, 0.0), seconds)
     head = ((POOL_START, outcome.startup_s),) if outcome.startup_s else ()

@@ -83,17 +83,22 @@ class PhaseTracker:
         outer, self._label = self._label, label.value
         try:
             yield
-        finally:
+        except BaseException:
+            self._lap(sync=False)  # a failed device may not synchronize: the error is what matters
+            raise
+        else:
             self._lap()
+        finally:
             self._label = outer
 
-    def seconds(self) -> tuple[tuple[str, float], ...]:
-        """(step, seconds) so far, in the order the steps first ran."""
-        self._lap()
+    def seconds(self, sync: bool = True) -> tuple[tuple[str, float], ...]:
+        """(step, seconds) so far, in the order the steps first ran (sync=False: without waiting for
+        the device, e.g. after an error)."""
+        self._lap(sync)
         return tuple(self._seconds.items())
 
-    def _lap(self) -> None:
-        if self._sync is not None:
+    def _lap(self, sync: bool = True) -> None:
+        if sync and self._sync is not None:
             self._sync()
         now = time.perf_counter()
         key = self._label or self._current.value
@@ -102,13 +107,15 @@ class PhaseTracker:
 
     @contextlib.contextmanager
     def tagging(self) -> Iterator[None]:
-        """Tag any exception leaving the block with the phase it was raised in."""
+        """Tag any exception leaving the block with the phase it was raised in and the seconds each
+        step took until then (a failing case's time is read step by step too)."""
         try:
             yield
         except BaseException as exc:
             if getattr(exc, "qgather_phase", None) is None:
                 with contextlib.suppress(AttributeError):  # some built-in exceptions take no attributes
                     exc.qgather_phase = self.current.value
+                    exc.qgather_seconds = self.seconds(sync=False)
             raise
 
 

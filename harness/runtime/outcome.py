@@ -41,6 +41,7 @@ class RankError:
     # The same classes as "module.qualname" (e.g. "qgather.errors.Refusal"), innermost first: what
     # `instance_of` matches, so a class is told from another of the same bare name.
     type_qualnames: tuple[str, ...] = ()
+    seconds: tuple[tuple[str, float], ...] = ()  # the case's steps until the error (PhaseTracker.tagging)
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> RankError:
@@ -48,7 +49,8 @@ class RankError:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         mro = type(exc).__mro__
         return cls(rank, type(exc).__name__, str(exc), text, getattr(exc, "qgather_phase", None) or "",
-                   tuple(c.__name__ for c in mro), tuple(qualified_name(c) for c in mro))
+                   tuple(c.__name__ for c in mro), tuple(qualified_name(c) for c in mro),
+                   tuple(getattr(exc, "qgather_seconds", None) or ()))
 
     def instance_of(self, cls: type) -> bool:
         """Whether the exception was an instance of `cls` (by the classes' module and qualified name)."""
