@@ -37,8 +37,10 @@ run: $(SETUP)
 # --dist loadgroup: tests spread one at a time as with the default, except that an xdist_group (a module
 # whose module-scoped fixture or memo is expensive: the wheel build, the selftest's cases) runs on one
 # worker, and groups are handed out first, so no long unit starts at the end.
-# The runner-kill tests run alone afterwards: next to another xdist worker, a SIGKILLed runner's
-# pool and pymp dirs were left behind (a harness race, not yet understood).
+# The runner-kill tests run alone afterwards: they bound how long a killed runner's processes and
+# temp dirs survive it (5 s), which a loaded neighbour stretches. (Under xdist they once left dirs
+# behind: pytest's deeper tmp_path made the forkserver's socket path too long, and the runner fell
+# back to spawn without a word; runtime.helpers.fit_socket_path fixed that.)
 test: $(SETUP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not gpu and not slow and not isolated" -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc; \

@@ -158,15 +158,19 @@ def test_the_usage_error_docstring_states_the_code():
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_exits_2_and_says_what_ran(tmp_path, signum):
-    out, progress = tmp_path / "reports", tmp_path / "progress.json"
-    proc = subprocess.Popen([sys.executable, "-m", "qgather", "run", "--formats", "fp8_tensor,nvfp4_2d",
-                             "--scenarios", "gather,steps", "--report-dir", str(out), "--qgather-json", str(progress)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=ENV)
+    """The run is interrupted while a case is certainly running: after the reference's cases, an
+    adapter's first case hangs until the signal (a run of quick cases alone once ended before it)."""
+    out, marks = tmp_path / "reports", tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "qgather", "run", "--formats", "fp8_tensor", "--scenarios", "gather",
+                             "--world-sizes", "2", "--impl", "reference,tests._hang_adapters:HangsInAdapter",
+                             "--case-timeout", "600", "--report-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                            env={**ENV, "QGATHER_TEST_MARKER_DIR": str(marks), "QGATHER_HANG_DETAIL": "0"})
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if progress.exists() and len(json.loads(progress.read_text() or "[]")) >= 3:
-            break
-        time.sleep(0.2)
+    while time.monotonic() < deadline and proc.poll() is None and len(os.listdir(marks)) < 2:
+        time.sleep(0.2)  # polling for the hang's markers with a deadline, not synchronizing by sleeping
+    assert proc.poll() is None, proc.communicate()
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 2, (proc.returncode, stdout[-2000:], stderr[-2000:])

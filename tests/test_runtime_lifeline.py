@@ -8,6 +8,7 @@ kills the runner, and polls (bounded) until every recorded process and temp dir 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,6 +78,31 @@ def _describe(pids: list[int]) -> list[str]:
     return out
 
 
+def _socket_dirs(pid: int) -> set[str]:
+    """The pymp-* dirs of the Unix sockets `pid` has bound (the forkserver's listener): wherever
+    multiprocessing put them, in TMPDIR or, below a deep TMPDIR, in a short dir of its own."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    with open("/proc/net/unix") as f:
+        paths = [fields[7] for fields in (line.split() for line in f.readlines()[1:])
+                 if len(fields) > 7 and fields[6] in inodes]
+    return {os.path.dirname(path) for path in paths if os.path.basename(os.path.dirname(path)).startswith("pymp-")}
+
+
+def _forkserver(runner: int) -> int | None:
+    """The runner's forkserver: its child running multiprocessing.forkserver (the ranks forked from it
+    show the same command line, one level further down)."""
+    for pid in _children().get(runner, []):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
+            if b"multiprocessing.forkserver" in fh.read():
+                return pid
+    return None
+
+
 def _ours(tmp) -> list[str]:
     """The runner's temp dirs: its pools', and multiprocessing's (the forkserver socket's)."""
     return [name for name in os.listdir(tmp) if name.startswith(("qgather-pool-", "pymp-"))]
@@ -104,12 +130,18 @@ def test_nothing_outlives_a_killed_runner(tmp_path, signum):
         assert len(tree) >= 3, tree
         pids = {pid: start_time(pid) for pid in tree}
         assert any(name.startswith("qgather-pool-") for name in _ours(tmp))
+        # ranks forked by a forkserver, not spawned (a deep TMPDIR once made it fall back silently)
+        server = _forkserver(runner.pid)
+        assert server is not None, _describe(sorted(tree))
+        socket_dirs = _socket_dirs(server)
+        assert socket_dirs, "the forkserver's socket was not found"
 
         runner.send_signal(signum)
         runner.wait(timeout=RUNNER_EXIT_S)
         assert runner.returncode != 0
         assert _poll(lambda: not _alive(pids), SURVIVAL_S), f"still alive: {_describe(_alive(pids))}"
         assert _poll(lambda: not _ours(tmp), SURVIVAL_S), f"left behind: {_ours(tmp)}"
+        assert _poll(lambda: not any(map(os.path.exists, socket_dirs)), SURVIVAL_S), f"left behind: {socket_dirs}"
     finally:
         if runner.poll() is None:
             runner.kill()

@@ -12,15 +12,23 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import forkserver, resource_tracker, util
 from typing import Any
 
 from qgather.runtime import lifeline
 
 HELPER_STOP_S = 5.0
+# A Unix socket's path holds at most 107 bytes (Linux); the forkserver binds its socket at
+# <multiprocessing's temp dir: TMPDIR/pymp-XXXXXXXX>/listener-XXXXXXXX, 32 bytes below TMPDIR.
+SOCKET_PATH_MAX = 107
+SOCKET_PATH_BELOW_TMPDIR = len("/pymp-12345678/listener-12345678")
+SHORT_TEMP_BASES = ("/tmp", "/var/tmp", "/usr/tmp")  # tempfile's own fallbacks, in its order
 # Preloaded by the forkserver, so a (re)spawned rank starts without paying the torch import.
 FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch._dynamo",
@@ -53,13 +61,36 @@ def _forkserver_context() -> Any:
     if started:
         context.set_forkserver_preload(FORKSERVER_PRELOAD)
     try:
+        if started:
+            fit_socket_path()
         with _nvml_cuda_checks():
             server.ensure_running()
-    except Exception:
+    except Exception as exc:  # noqa: BLE001 - whatever stops the forkserver, spawn still works
+        warnings.warn(f"qgather: the forkserver did not start ({type(exc).__name__}: {exc}); ranks start "
+                      "with spawn: slower, and a runner killed by SIGKILL leaves its pool dir to the next "
+                      "run's sweep", RuntimeWarning, stacklevel=2)
         return None
     if started:
         _owned_helpers["forkserver"] = _helper_pid("forkserver")
     return context
+
+
+def fit_socket_path() -> str | None:
+    """Below a deep TMPDIR (pytest's tmp_path under xdist is one) the forkserver's socket path is too
+    long to bind, and a runner fell back to spawn without a word. Give multiprocessing its temp dir
+    under the first of tempfile's fallback dirs where the socket fits, removed at exit as its own
+    would be. Returns that dir (None: TMPDIR fits, or multiprocessing already has its temp dir)."""
+    config = mp.current_process()._config
+    if config.get("tempdir") is not None or len(tempfile.gettempdir()) + SOCKET_PATH_BELOW_TMPDIR <= SOCKET_PATH_MAX:
+        return None
+    for base in SHORT_TEMP_BASES:
+        if len(base) + SOCKET_PATH_BELOW_TMPDIR <= SOCKET_PATH_MAX and os.access(base, os.W_OK | os.X_OK):
+            tempdir = tempfile.mkdtemp(prefix="pymp-", dir=base)
+            # what multiprocessing.util.get_temp_dir registers for the dir it makes itself
+            util.Finalize(None, util._remove_temp_dir, args=(shutil.rmtree, tempdir), exitpriority=-100)
+            config["tempdir"] = tempdir
+            return tempdir
+    return None
 
 
 @contextlib.contextmanager

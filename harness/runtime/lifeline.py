@@ -17,6 +17,9 @@ way, SIGKILL included, so nothing here relies on it cleaning up:
 * Pool temp dirs are named `qgather-pool-<runner pid>-*`. Removal is by the ranks' watchdog and
   the forkserver hook on the runner's death; as a last resort a new runner sweeps, on its first
   pool, the pool dirs whose owner pid is gone.
+* Under spawn (QGATHER_START_METHOD=spawn, or a forkserver that could not start, which the runner
+  warns about) no forkserver hook runs and the ranks' PR_SET_PDEATHSIG fires with the runner: a
+  runner killed by SIGKILL leaves its pool dir to that sweep.
 """
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""The forkserver's socket below a deep TMPDIR (qgather.runtime.helpers.fit_socket_path): a Unix
+socket's path holds at most 107 bytes, and a runner under pytest-xdist's tmp_path fell back to
+spawn without a word (slower ranks, and a SIGKILLed runner's pool dir left behind). The end to end
+check is tests/test_runtime_lifeline.py, which asserts the forkserver runs and its socket dir goes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import warnings
+
+import pytest
+
+from qgather.runtime import helpers
+
+
+@pytest.fixture
+def mp_config(monkeypatch):
+    """multiprocessing without a temp dir of its own, restored afterwards (a dir made meanwhile is
+    removed at exit by the finalizer fit_socket_path registers, as multiprocessing's own is)."""
+    config = mp.current_process()._config
+    monkeypatch.setitem(config, "tempdir", None)
+    return config
+
+
+def test_a_deep_tmpdir_gets_a_short_socket_dir(mp_config, monkeypatch, tmp_path):
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    made = helpers.fit_socket_path()
+    assert made is not None and mp_config["tempdir"] == made and os.path.isdir(made)
+    assert os.path.dirname(made) in helpers.SHORT_TEMP_BASES
+    assert len(made) + len("/listener-12345678") <= helpers.SOCKET_PATH_MAX
+
+
+def test_a_short_tmpdir_and_an_existing_temp_dir_are_left_alone(mp_config, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    assert helpers.fit_socket_path() is None and mp_config["tempdir"] is None
+    mp_config["tempdir"] = "/somewhere/already"
+    monkeypatch.setattr(tempfile, "tempdir", "/" + "x" * 100)
+    assert helpers.fit_socket_path() is None and mp_config["tempdir"] == "/somewhere/already"
+
+
+def test_a_forkserver_that_cannot_start_is_said(monkeypatch):
+    def refuse():
+        raise OSError("AF_UNIX path too long")
+
+    monkeypatch.setattr(helpers, "_helper_pid", lambda name: None)
+    monkeypatch.setattr(helpers.forkserver._forkserver, "ensure_running", refuse)
+    monkeypatch.setattr(helpers, "fit_socket_path", lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert helpers._forkserver_context() is None
+    assert [str(w.message) for w in caught] == [
+        "qgather: the forkserver did not start (OSError: AF_UNIX path too long); ranks start with spawn: slower, "
+        "and a runner killed by SIGKILL leaves its pool dir to the next run's sweep"]
