@@ -225,6 +225,37 @@ def test_interrupted_run_does_not_leave_a_half_done_pool(pool, monkeypatch):
     assert_recovers(pool)
 
 
+def hang_after_marking(ctx, marks: str):
+    with open(os.path.join(marks, f"rank{ctx.rank}"), "w"):
+        pass
+    threading.Event().wait()
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
+def test_ctrl_c_taken_by_another_thread_still_interrupts_a_hung_case(pool, tmp_path):
+    """The kernel may hand a process's SIGINT to any of its threads; Python runs the handler in the main
+    thread only, once it runs Python again. A wait for a hung case's replies must not put that off
+    until the case timeout (a `qgather run` under pytest-xdist once ignored Ctrl-C for 240 s)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def ctrl_c_to_this_thread_once_the_ranks_hang():
+        deadline = time.monotonic() + CASE_TIMEOUT_S
+        while len(os.listdir(marks)) < WORLD_SIZE and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the ranks' markers with a deadline, not synchronizing by sleeping
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    other = threading.Thread(target=ctrl_c_to_this_thread_once_the_ranks_hang, daemon=True)
+    started = time.monotonic()
+    other.start()
+    with pytest.raises(KeyboardInterrupt):
+        pool.run(hang_after_marking, str(marks), timeout=CASE_TIMEOUT_S)
+    other.join(timeout=CASE_TIMEOUT_S)
+    assert len(os.listdir(marks)) == WORLD_SIZE and time.monotonic() - started < WALL_S
+    assert not pool.started
+    assert_recovers(pool)
+
+
 # -- teardown -------------------------------------------------------------------------------------
 
 

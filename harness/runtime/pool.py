@@ -37,6 +37,11 @@ from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, t
 # WAIT_EVIDENCE_S (a loaded machine can keep a rank a moment in a collective it is leaving).
 WHERE_POLL_S = 0.1
 WAIT_EVIDENCE_S = 1.0
+# The longest the runner's main thread waits at once for replies. Python runs signal handlers in the
+# main thread only, and the kernel may hand Ctrl-C or SIGTERM to another thread of the runner: the
+# main thread then acts on it when it next runs Python, which one wait for a hung case's replies
+# put off until the case timeout.
+SIGNAL_CHECK_S = 0.5
 WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
 KILL_WAIT_S = 5.0
@@ -78,10 +83,10 @@ class _Replies:
             self.first_failure_at = time.monotonic()
 
     def wait_until(self, deadline: float) -> float:
-        """Before any failure: the deadline. After one: the next look at where the others are."""
-        if self.first_failure_at is None:
-            return deadline
-        return min(deadline, time.monotonic() + WHERE_POLL_S)
+        """The end of the next wait: before any failure, the deadline (at most SIGNAL_CHECK_S away);
+        after one, the next look at where the others are."""
+        step = SIGNAL_CHECK_S if self.first_failure_at is None else WHERE_POLL_S
+        return min(deadline, time.monotonic() + step)
 
     @property
     def status(self) -> OutcomeStatus:
