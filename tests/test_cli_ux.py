@@ -156,6 +156,12 @@ def test_the_usage_error_docstring_states_the_code():
     assert "Exit\n    code 4" in UsageError.__doc__
 
 
+def _ctrl_c_as_a_terminal_gives_it() -> None:
+    """A test suite started in the background by a non-interactive shell inherits SIGINT ignored,
+    and Python keeps it so: the run under test gets SIGINT's default back, as a terminal's would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_exits_2_and_says_what_ran(tmp_path, signum):
     """The run is interrupted while a case is certainly running: after the reference's cases, an
@@ -166,7 +172,8 @@ def test_an_interrupted_run_exits_2_and_says_what_ran(tmp_path, signum):
                              "--world-sizes", "2", "--impl", "reference,tests._hang_adapters:HangsInAdapter",
                              "--case-timeout", "600", "--report-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
-                            env={**ENV, "QGATHER_TEST_MARKER_DIR": str(marks), "QGATHER_HANG_DETAIL": "0"})
+                            env={**ENV, "QGATHER_TEST_MARKER_DIR": str(marks), "QGATHER_HANG_DETAIL": "0"},
+                            preexec_fn=_ctrl_c_as_a_terminal_gives_it)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None and len(os.listdir(marks)) < 2:
         time.sleep(0.2)  # polling for the hang's markers with a deadline, not synchronizing by sleeping
