@@ -7,6 +7,7 @@ tolerances. Line numbers are torchao 0.18.0 and torch 2.13.
 """
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -66,11 +67,12 @@ def test_uneven_shards_crash_the_gather(case_id):
     # (fsdp_utils.py:251). FSDP2 checks "all-gather inputs have the padded sharded size" only for
     # the five-argument signature (torch/distributed/fsdp/_fully_shard/_fsdp_param.py:856-891), so
     # the short rank hands the collective fewer bytes than the others: gloo aborts that rank
-    # ("Received data size doesn't match expected size", SIGABRT). On NCCL (H200) the same case is
-    # an ERROR on the short rank (its output is too small for the unsharded weight), or a HANG.
+    # ("Received data size doesn't match expected size", SIGABRT; once in CI a rank died of SIGSEGV
+    # first, the mismatched bytes having overrun a buffer). On NCCL (H200) the same case is an ERROR
+    # on the short rank (its output is too small for the unsharded weight), or a HANG.
     report = _run(case_id)
     assert report.verdict is Verdict.CRASH, report.render()
-    assert "SIGABRT" in report.reason, report.render()
+    assert re.search(r"killed by SIG(ABRT|SEGV)", report.reason), report.render()
 
 
 def test_uneven_shards_hang_with_a_scale_precomputed_before_the_first_unshard():
