@@ -13,7 +13,7 @@ import torch
 from qgather.errors import HarnessFault
 from qgather.runtime import OutcomeStatus, ProtocolError, RankError, same_error_on_every_rank
 from qgather.runtime.external import _merge
-from qgather.runtime.pool import RankPool, _Rank, _Replies
+from qgather.runtime.pool import RankPool, _Rank
 from qgather.runtime.protocol import (
     JOB_REPORTS,
     RANK_REPLYING,
@@ -38,6 +38,7 @@ from qgather.runtime.protocol import (
     encode_case,
 )
 from qgather.runtime.rank import _serve
+from qgather.runtime.replies import Replies as _Replies
 from qgather.runtime.spec import PoolSpec
 
 ERROR = RankError(1, "ValueError", "bad shape", "Traceback ...")

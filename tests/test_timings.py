@@ -61,7 +61,8 @@ def test_a_failing_case_reports_its_steps():
     from qgather.engine.run import RunOptions, run_case
     from qgather.model.case import CaseSpec
 
-    report = run_case(CaseSpec.parse("reference:nvfp4_2d:18x64:bf16:ws2:gather:s0"), RunOptions(backend="gloo", device="cpu"))
+    spec = CaseSpec.parse("reference:nvfp4_2d:18x64:bf16:ws2:gather:s0")
+    report = run_case(spec, RunOptions(backend="gloo", device="cpu"))
     assert report.verdict is Verdict.REJECTED, report.render()
     assert {"golden", "sharded module"} <= dict(report.seconds).keys(), report.seconds
 

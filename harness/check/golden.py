@@ -25,6 +25,7 @@ from qgather.model.case import TensorParallelLayout
 from qgather.model.layout import column_block
 from qgather.model.records import BufferDiff, DiffProblem
 
+
 @dataclass
 class Golden:
     """What the gathered weight must equal (`q`), or why the format cannot hold it (`error`).

@@ -129,7 +129,11 @@ class Inspector:
     @property
     def builds_twin(self) -> bool:
         """Whether `twin_output` builds the library's own module on one device (a full-size copy)."""
-        return not self.piece and type(self.impl).single_device_output is not Implementation.single_device_output
+        return not self.piece and self._library_has_twin
+
+    @property
+    def _library_has_twin(self) -> bool:
+        return type(self.impl).single_device_output is not Implementation.single_device_output
 
     def twin_output(self, weight: torch.Tensor, compute_dtype: torch.dtype) -> TwinOutput | None:
         """The one-device twin's forward of `x` (on the rank's device; `weight` there too, or a large
@@ -139,7 +143,7 @@ class Inspector:
         parallelism a TP rank's layer computes a part of the output (rowwise: a partial sum that the
         library all-reduces over "tp"), which no one-device module computes bit for bit: a note."""
         if self.piece:
-            if type(self.impl).single_device_output is Implementation.single_device_output:
+            if not self._library_has_twin:
                 return None
             return TwinOutput(note="under tensor parallelism each TP rank computes a part of the layer output; the "
                                    "gathered piece and x @ W_piece^T are compared, the library's forward is not")

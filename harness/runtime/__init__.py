@@ -16,10 +16,11 @@ error that left some rank behind. Under torchrun/SLURM, get_pool returns an Exte
 to the launcher's world instead, with the same `run`. The runtime knows nothing of cases: runner
 and ranks speak the closed protocol of runtime/protocol.py.
 
-Modules: spec (what a pool is), pool (the runner side), rank (the rank side), protocol (their
-messages), outcome (what a case run returns), whereabouts (where a running case is), helpers (the
-forkserver and resource tracker), lifeline (nothing outlives the runner), registry (one pool per
-spec), launch/job/external (ranks a launcher started), probes and bench (the runtime's benchmark).
+Modules: spec (what a pool is), pool (the runner side), replies (what one exchange got back, and
+when the pool looks again), rank (the rank side), protocol (their messages), outcome (what a case
+run returns), whereabouts (where a running case is), helpers (the forkserver and resource
+tracker), lifeline (nothing outlives the runner), registry (one pool per spec),
+launch/job/external (ranks a launcher started), probes and bench (the runtime's benchmark).
 
 Environment knobs: QGATHER_START_METHOD=spawn (instead of a forkserver with torch preloaded),
 QGATHER_GPU_SPLIT=0 (no GPU sharing-out between xdist workers), QGATHER_PIN_CPUS=0 (no CPU pinning

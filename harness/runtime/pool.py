@@ -21,7 +21,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -30,18 +30,9 @@ from qgather.runtime.helpers import mp_context, signal_pid
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
 from qgather.runtime.protocol import decode, encode, send
 from qgather.runtime.rank import RankConfig, rank_main
+from qgather.runtime.replies import WAIT_EVIDENCE_S, Replies
 from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank
 
-# After a first failure, how often the parent asks the other ranks where they are; a rank counts
-# as waiting for the failed one only when seen inside a collective of its case on every look for
-# WAIT_EVIDENCE_S (a loaded machine can keep a rank a moment in a collective it is leaving).
-WHERE_POLL_S = 0.1
-WAIT_EVIDENCE_S = 1.0
-# The longest the runner's main thread waits at once for replies. Python runs signal handlers in the
-# main thread only, and the kernel may hand Ctrl-C or SIGTERM to another thread of the runner: the
-# main thread then acts on it when it next runs Python, which one wait for a hung case's replies
-# put off until the case timeout.
-SIGNAL_CHECK_S = 0.5
 WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
 KILL_WAIT_S = 5.0
@@ -58,44 +49,6 @@ class _Rank:
     process: Any  # multiprocessing.process.BaseProcess
     conn: Connection
     where: Connection | None = None  # asks where the rank's case is (qgather.runtime.whereabouts)
-
-
-@dataclass
-class _Replies:
-    """What the ranks said (or did) in answer to one message; `accepts`: the replies it may get."""
-
-    world_size: int
-    accepts: tuple[type, ...] = protocol.RANK_REPLYING
-    results: list[Any] = field(default_factory=list)
-    errors: dict[int, RankError] = field(default_factory=dict)
-    exit_codes: dict[int, int] = field(default_factory=dict)
-    pending: set[int] = field(default_factory=set)
-    first_failure_at: float | None = None
-    waiting: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (collective frame, since)
-
-    def __post_init__(self) -> None:
-        self.results = [None] * self.world_size
-        self.pending = set(range(self.world_size))
-
-    def failed(self) -> None:
-        """A rank raised or died: from now on, look where the others are."""
-        if self.first_failure_at is None:
-            self.first_failure_at = time.monotonic()
-
-    def wait_until(self, deadline: float) -> float:
-        """The end of the next wait: before any failure, the deadline (at most SIGNAL_CHECK_S away);
-        after one, the next look at where the others are."""
-        step = SIGNAL_CHECK_S if self.first_failure_at is None else WHERE_POLL_S
-        return min(deadline, time.monotonic() + step)
-
-    @property
-    def status(self) -> OutcomeStatus:
-        """A death wins over an error, an error over ranks that never answered."""
-        if self.exit_codes:
-            return OutcomeStatus.CRASH
-        if self.errors:
-            return OutcomeStatus.ERROR
-        return OutcomeStatus.HANG if self.pending else OutcomeStatus.OK
 
 
 class RankPool:
@@ -168,7 +121,7 @@ class RankPool:
         start = time.monotonic()
         try:
             self._spawn()
-            replies = self._collect(_Replies(self.spec.world_size, protocol.RANK_STARTING),
+            replies = self._collect(Replies(self.spec.world_size, protocol.RANK_STARTING),
                                     start + self.spec.startup_timeout_s)
             if replies.status is OutcomeStatus.OK:
                 return None
@@ -227,15 +180,15 @@ class RankPool:
 
     # -- talking to the ranks -------------------------------------------------------------
 
-    def _exchange(self, message: bytes, timeout: float) -> _Replies:
-        replies = _Replies(self.spec.world_size, protocol.RANK_REPLYING)
+    def _exchange(self, message: bytes, timeout: float) -> Replies:
+        replies = Replies(self.spec.world_size, protocol.RANK_REPLYING)
         deadline = time.monotonic() + timeout
         for r in self._ranks:
             if not send(r.conn, message):
                 self._bury(r, replies)
         return self._collect(replies, deadline)
 
-    def _collect(self, replies: _Replies, deadline: float) -> _Replies:
+    def _collect(self, replies: Replies, deadline: float) -> Replies:
         owners: dict[Any, _Rank] = {}
         for r in self._ranks:
             owners[r.conn] = r
@@ -258,7 +211,7 @@ class RankPool:
                     self._bury(r, replies)
         return replies
 
-    def _all_pending_wait_in_collectives(self, replies: _Replies) -> bool:
+    def _all_pending_wait_in_collectives(self, replies: Replies) -> bool:
         """Evidence, not a timer: every rank that has not answered has been inside a collective of
         its case for WAIT_EVIDENCE_S without a break, so it waits for a rank that already failed
         and will never return (a rank merely slow to leave a collective is seen outside it)."""
@@ -280,7 +233,7 @@ class RankPool:
             return protocol.Whereabouts()
         return whereabouts.ask(r.where, WHERE_REPLY_S)
 
-    def _receive(self, r: _Rank, replies: _Replies) -> None:
+    def _receive(self, r: _Rank, replies: Replies) -> None:
         try:
             data = r.conn.recv_bytes()
         except (EOFError, OSError):
@@ -288,7 +241,7 @@ class RankPool:
             return
         self._record(r, data, replies)
 
-    def _record(self, r: _Rank, data: bytes, replies: _Replies) -> None:
+    def _record(self, r: _Rank, data: bytes, replies: Replies) -> None:
         """File one rank's reply; a message this exchange cannot get raises ProtocolError."""
         replies.pending.discard(r.rank)
         try:
@@ -308,7 +261,7 @@ class RankPool:
             case other:
                 raise protocol.ProtocolError(f"rank {r.rank} sent {type(other).__qualname__}: the pool cannot file it")
 
-    def _bury(self, r: _Rank, replies: _Replies) -> None:
+    def _bury(self, r: _Rank, replies: Replies) -> None:
         """The rank's process is gone (or its pipe broke): a crash, unless it replied first."""
         if self._last_reply(r, replies):
             return
@@ -318,7 +271,7 @@ class RankPool:
         replies.pending.discard(r.rank)
         replies.failed()
 
-    def _last_reply(self, r: _Rank, replies: _Replies) -> bool:
+    def _last_reply(self, r: _Rank, replies: Replies) -> bool:
         """A rank that replied and then exited (e.g. its startup error) is not a crash."""
         try:
             if not r.conn.poll(0):
@@ -331,7 +284,7 @@ class RankPool:
 
     # -- deciding -------------------------------------------------------------------------
 
-    def _conclude(self, replies: _Replies, duration: float, case_id: str, note: str = "") -> CaseOutcome:
+    def _conclude(self, replies: Replies, duration: float, case_id: str, note: str = "") -> CaseOutcome:
         """The outcome, once: a failure that left a rank behind (or the group out of step) aborts the
         ranks first, and their stacks go into it, for a CRASH as for a HANG."""
         status = replies.status

@@ -156,7 +156,8 @@ def _memory_steps(ctx, case_id: str) -> str:
                                          "single_device_output", "module_output", "make_sharded_module")
                 if hasattr(impl_type, n)]
     baseline = _settle(ctx.device)
-    with peak_anatomy.recorded(ctx.device) as found, memory_waypoints.recording(ctx.device, targets, baseline) as points:
+    with peak_anatomy.recorded(ctx.device) as found, \
+            memory_waypoints.recording(ctx.device, targets, baseline) as points:
         run_on_rank(ctx, spec)
     unit = math.prod(spec.shape) * 2
     return points.table(unit, "bf16 weights") + "\n" + found[0].table(unit, "bf16 weights")
