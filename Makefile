@@ -66,11 +66,11 @@ test-torch:
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
 # With an interpreter that does not have qgather installed (a GPU host without a package registry,
 # PY=python3), .qgather-path/ makes the checkout importable as an install is: a link qgather ->
-# harness/ and a dist-info whose pytest11 entry point loads the plugin.
+# harness/qgather/ and a dist-info whose pytest11 entry point loads the plugin.
 QGATHER_LINK := .qgather-path
 test-multigpu: $(SETUP)
 	@$(PY) -c 'import qgather' 2>/dev/null || { mkdir -p $(QGATHER_LINK)/qgather-0.dist-info \
-	  && ln -sfn ../harness $(QGATHER_LINK)/qgather \
+	  && ln -sfn ../harness/qgather $(QGATHER_LINK)/qgather \
 	  && printf 'Metadata-Version: 2.1\nName: qgather\nVersion: 0\n' > $(QGATHER_LINK)/qgather-0.dist-info/METADATA \
 	  && printf '[pytest11]\nqgather = qgather.pytest_plugin\n' > $(QGATHER_LINK)/qgather-0.dist-info/entry_points.txt; }
 	@if $(PY) -c 'import qgather' 2>/dev/null; then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \

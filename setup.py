@@ -1,9 +1,9 @@
-"""Build step only (the metadata is in pyproject.toml): the folder harness/ installs as the import
-package `qgather`, and the top-level golden/ corpus ships inside it as qgather/golden_data/, so that
-an installed qgather can run `qgather golden --check`.
+"""Build step only (the metadata is in pyproject.toml): harness/ is the source root and
+harness/qgather/ the import package, and the top-level golden/ corpus ships inside the package as
+qgather/golden_data/, so that an installed qgather can run `qgather golden --check`.
 
-golden/ stays the single source of truth; setuptools' package-dir cannot map a directory outside
-the package into it without listing every package by hand, hence the copy.
+golden/ stays the single source of truth (the checkout's design keeps it at the top level), hence
+the copy at build time rather than a second tree.
 """
 
 import os
@@ -13,8 +13,8 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_ROOT = "harness"
 IMPORT_NAME = "qgather"
-SOURCE_DIR = "harness"
 PACKAGED_GOLDEN = "golden_data"  # qgather.paths.PACKAGED_GOLDEN
 
 
@@ -29,7 +29,7 @@ class BuildPyWithGolden(build_py):
 
 
 setup(
-    packages=[IMPORT_NAME, *(f"{IMPORT_NAME}.{p}" for p in find_packages(os.path.join(HERE, SOURCE_DIR)))],
-    package_dir={IMPORT_NAME: SOURCE_DIR},
+    packages=find_packages(os.path.join(HERE, SOURCE_ROOT), include=[IMPORT_NAME, f"{IMPORT_NAME}.*"]),
+    package_dir={"": SOURCE_ROOT},
     cmdclass={"build_py": BuildPyWithGolden},
 )

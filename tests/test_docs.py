@@ -1,7 +1,7 @@
 """docs/ keeps up with the code: every bug class of the zoo and every reference format is documented.
 
-A mutant added to the zoo's table (harness/impls/mutants/table.py), or a format added to
-harness/formats, fails here until docs/bug-classes.md or docs/formats.md has its section."""
+A mutant added to the zoo's table (harness/qgather/impls/mutants/table.py), or a format added to
+harness/qgather/formats, fails here until docs/bug-classes.md or docs/formats.md has its section."""
 
 from __future__ import annotations
 

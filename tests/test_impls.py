@@ -262,7 +262,7 @@ def test_the_adapters_errors_are_in_qgathers_hierarchy():
     assert issubclass(TEUnavailable, errors.HarnessFault) and issubclass(TEUnavailable, RuntimeError)
 
 
-TE_MODULES = Path(__file__).resolve().parents[1] / "harness" / "impls" / "te"
+TE_MODULES = Path(__file__).resolve().parents[1] / "harness" / "qgather" / "impls" / "te"
 
 
 @pytest.mark.parametrize("path", sorted(TE_MODULES.glob("*.py")), ids=lambda p: p.name)

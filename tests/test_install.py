@@ -1,5 +1,5 @@
 """`pip install .` (not editable) gives a qgather that runs the whole suite and checks the golden
-corpus from any directory: the wheel carries the source folder harness/ as the import package
+corpus from any directory: the wheel carries the package harness/qgather/ as the import package
 qgather (its suite/cases/, and golden/ as qgather/golden_data/), installs no top-level `harness`, and
 an installed copy finds them there, with the same case ids as cases/."""
 
@@ -58,8 +58,9 @@ def _manifest_files() -> list[str]:
 
 def test_wheel_carries_every_module_the_suite_and_the_golden_corpus(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {"qgather/" + p.relative_to(REPO / "harness").as_posix() for p in (REPO / "harness").rglob("*.py")}
-    assert sources - names == set(), "modules of harness/ missing from the wheel's qgather/"
+    package = REPO / "harness" / "qgather"
+    sources = {"qgather/" + p.relative_to(package).as_posix() for p in package.rglob("*.py")}
+    assert sources - names == set(), "modules of harness/qgather/ missing from the wheel's qgather/"
     assert not any(n.startswith("harness/") for n in names), "the wheel installs a top-level harness"
     suite = {p.name for p in (REPO / "cases").glob("test_*.py")}
     assert suite and {f"qgather/suite/cases/{n}" for n in suite} <= names, "the packaged suite lacks a case module"

@@ -259,8 +259,8 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "/x/torch/distributed/distributed_c10d.py", line 4100 in barrier
   File "/x/torch/distributed/c10d_logger.py", line 81 in wrapper
   File "/work/main/tests/test_x.py", line 12 in skip_one
-  File "/work/main/harness/runtime/rank.py", line 170 in run_case_on_rank
-  File "/work/main/harness/runtime/rank.py", line 150 in _serve
+  File "/work/main/harness/qgather/runtime/rank.py", line 170 in run_case_on_rank
+  File "/work/main/harness/qgather/runtime/rank.py", line 150 in _serve
 """
 
 
@@ -329,8 +329,8 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "/x/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", line 300 in unshard
   File "/x/torch/nn/modules/module.py", line 1700 in _call_impl
   File "/x/lib/python3.11/site-packages/my_adapter/param.py", line 90 in forward_step
-  File "/work/main/harness/runtime/rank.py", line 170 in run_case_on_rank
-  File "/work/main/harness/runtime/rank.py", line 150 in _serve
+  File "/work/main/harness/qgather/runtime/rank.py", line 170 in run_case_on_rank
+  File "/work/main/harness/qgather/runtime/rank.py", line 150 in _serve
   File "/x/lib/python3.11/multiprocessing/process.py", line 108 in run
 """
 

@@ -1,4 +1,4 @@
-"""The torchao adapter (harness/impls/torchao/adapter.py) on gloo/CPU: what torchao 0.18's float8
+"""The torchao adapter (harness/qgather/impls/torchao/adapter.py) on gloo/CPU: what torchao 0.18's float8
 all-gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True)) does under FSDP2.
 
 Each expected verdict below is what torchao does, established by running it and reading its code;

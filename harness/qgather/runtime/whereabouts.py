@@ -85,7 +85,7 @@ def frames_of(thread_id: int | None) -> list[str]:
 
 
 # The rank's own barrier before each case: a rank still in it is late, not waiting for a failed one.
-OWN_BARRIER = "runtime/rank.py"  # harness/runtime/ in a checkout, qgather/runtime/ in an install
+OWN_BARRIER = "runtime/rank.py"
 OWN_BARRIERS = (OWN_BARRIER, "runtime/external.py")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_ENTRIES = 2_000_000
-PACKAGE_MARKERS = ("/qgather/", "/harness/")  # installed package, or the checkout's folder
+PACKAGE_MARKERS = ("/qgather/",)  # the package, installed or in the checkout's harness/
 # the bench's own instrumentation wraps the steps it times: never where a tensor was made
 INSTRUMENTATION = ("tools/memory_waypoints.py", "tools/peak_anatomy.py", "tools/case_bench.py")
 UNKNOWN = "(no Python frame)"

@@ -170,7 +170,7 @@ def describe_exit(code: int) -> str:
 
 
 Frame = tuple[str, int, str]  # (file, line, function)
-# This package's own frames: harness/runtime/ in a checkout, qgather/runtime/ in an install.
+# This package's own frames: qgather/runtime/ in a checkout and in an install alike.
 RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/"
 _LIBRARY_PARTS = ("/torch/", "/multiprocessing/", RUNTIME_DIR, "/threading.py", "/selectors.py",
                   "/queue.py", "/concurrent/", "/asyncio/", "/subprocess.py", "/socket.py", "<frozen ")

@@ -2,7 +2,7 @@
 
 A source checkout keeps them at its top level: cases/ (thin modules over qgather.suite.cases) and
 golden/. An installed qgather (`pip install .`) has neither: it runs the packaged modules of
-harness/suite/cases/ and reads the corpus that the build copies into harness/golden_data/.
+qgather/suite/cases/ and reads the corpus that the build copies into qgather/golden_data/.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PACKAGED_GOLDEN = "golden_data"  # setup.py copies golden/ here; the name is rep
 
 def checkout_root() -> str | None:
     """The qgather source checkout this package is imported from, or None for an installed copy."""
-    parent = os.path.dirname(PACKAGE_DIR)
+    parent = os.path.dirname(os.path.dirname(PACKAGE_DIR))  # harness/qgather/ -> the checkout
     try:
         with open(os.path.join(parent, "pyproject.toml")) as fh:
             text = fh.read()
