@@ -6,12 +6,12 @@ C10D = "/x/torch/distributed/distributed_c10d.py:4000 all_reduce"
 
 
 def test_a_collective_of_the_case_is_waiting():
-    frames = ["/x/harness/qgather/runtime/rank.py:200 run_case_on_rank", "/x/harness/qgather/scenarios/core.py:150 _run_on_rank", C10D]
+    frames = ["/x/qgather/runtime/rank.py:200 run_case_on_rank", "/x/qgather/scenarios/core.py:150 _run_on_rank", C10D]
     assert in_collective(frames) == "distributed_c10d.py:4000 all_reduce"
 
 
 def test_the_ranks_own_barrier_before_the_case_is_not():
-    frames = ["/x/harness/qgather/runtime/rank.py:195 run_case_on_rank", "/x/harness/qgather/runtime/rank.py:88 barrier", C10D]
+    frames = ["/x/qgather/runtime/rank.py:195 run_case_on_rank", "/x/qgather/runtime/rank.py:88 barrier", C10D]
     assert in_collective(frames) is None
 
 
