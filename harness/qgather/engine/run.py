@@ -16,7 +16,7 @@ from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
-from qgather.model.report import CaseReport
+from qgather.model.report import UNPLACED, CaseReport
 from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
 from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, PoolSpecError, RankError, get_pool
@@ -83,15 +83,15 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     found, placement, seconds = _run(spec, options)
     return CaseReport(spec, found.verdict, found.reason, found.details, expectation(spec),
                       time.monotonic() - started, placement,
-                      repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds)
+                      repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds,
+                      _ran_on(spec, options, found))
 
 
 Seconds = tuple[tuple[str, float], ...]
 
 
 def _run(spec: CaseSpec, options: RunOptions) -> tuple[Classification, str, Seconds]:
-    impl = get_impl(spec.impl)
-    reason = impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl)
+    reason = _skip_reason(spec, options)
     if reason:
         return Classification(Verdict.SKIPPED, reason), "", ()
     if spec.scenario == "virtual":
@@ -100,6 +100,37 @@ def _run(spec: CaseSpec, options: RunOptions) -> tuple[Classification, str, Seco
         return _run_on_pool(spec, options)
     with saved_checkpoint(spec, options) as (checkpoint, failure):
         return (failure, "", ()) if failure else _run_on_pool(spec, options, checkpoint)
+
+
+def _skip_reason(spec: CaseSpec, options: RunOptions) -> str:
+    """Why the implementation or FSDP2 cannot run the case on this device ("" if they can)."""
+    impl = get_impl(spec.impl)
+    return impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl) or ""
+
+
+def _ran_on(spec: CaseSpec, options: RunOptions, found: Classification) -> str:
+    """Where the case's ranks ran (CaseReport.ran_on)."""
+    if found.verdict is Verdict.SKIPPED and found.reason == _skip_reason(spec, options):
+        return ""
+    if spec.scenario == "virtual":
+        return "virtual"
+    pool = _pool_spec(spec, options)
+    if found.verdict is Verdict.SKIPPED and pool.shape_problem() == "" and _unplaceable(pool):
+        return UNPLACED
+    return f"{pool.backend}/{pool.device}"
+
+
+def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:
+    return PoolSpec(backend=options.backend_for(spec.world_size), world_size=spec.world_size,
+                    device=options.device_type())
+
+
+def _unplaceable(pool: PoolSpec) -> bool:
+    try:
+        pool.validate()
+    except PoolSpecError:
+        return True
+    return False
 
 
 def _run_virtual(spec: CaseSpec) -> Classification:
@@ -114,8 +145,7 @@ def _run_virtual(spec: CaseSpec) -> Classification:
 
 
 def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> tuple[Classification, str, Seconds]:
-    pool_spec = PoolSpec(backend=options.backend_for(spec.world_size), world_size=spec.world_size,
-                         device=options.device_type())
+    pool_spec = _pool_spec(spec, options)
     try:
         pool = get_pool(pool_spec.validate())
     except PoolSpecError as exc:  # also under torchrun/SLURM: a world size the launched job does not have

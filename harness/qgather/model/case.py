@@ -59,6 +59,14 @@ class CaseSpec:
         return f"{self.impl}:{self.fmt}:{shape}:{self.dtype}:ws{self.world_size}:{self.scenario}:s{self.seed}{config}"
 
     @property
+    def pool_sizes(self) -> tuple[int, ...]:
+        """The world sizes of the rank pools the case runs on (a checkpoint case's saving world too;
+        none for the virtual scenario, which runs in the runner's own process)."""
+        if self.scenario == "virtual":
+            return ()
+        return tuple(sorted({self.world_size, self.config.saved_at_world_size or self.world_size}))
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
