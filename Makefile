@@ -63,7 +63,9 @@ test-torch:
 	$(MAKE) test PY=$(TORCH_VENV)/bin/python
 
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
-# more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
+# more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks). Every NCCL pool
+# leases its GPUs (qgather.runtime.gpu_lease), so the xdist workers share the host's GPUs without
+# sharing one; with TE among GPU_IMPLS, the ranks' forkserver preloads TE where that is fork-safe.
 # With an interpreter that does not have qgather installed (a GPU host without a package registry,
 # PY=python3), .qgather-path/ makes the checkout importable as an install is: a link qgather ->
 # harness/qgather/ and a dist-info whose pytest11 entry point loads the plugin.
@@ -76,8 +78,11 @@ test-multigpu: $(SETUP)
 	@if $(PY) -c 'import qgather' 2>/dev/null; then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \
 	  export PYTHONPATH="$${path:+$$path:}$$PYTHONPATH"; set -e; \
 	  $(PY) -m qgather gpu-check; \
+	  case ",$(GPU_IMPLS)," in *,te*) [ -n "$${QGATHER_FORKSERVER_PRELOAD+set}" ] || export QGATHER_FORKSERVER_PRELOAD=$$( \
+	    $(PY) -c 'from qgather.runtime.helpers import fork_safe; print(",".join(fork_safe(["transformer_engine.pytorch"])))' \
+	    2>/dev/null); echo "forkserver preloads: $${QGATHER_FORKSERVER_PRELOAD:-torch only}";; esac; \
 	  $(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) -n $(GPU_WORKERS) \
-	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
+	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -p no:benchmark -q -rs --qgather-summary $(PYTEST_ARGS)
 
 selftest: $(SETUP)
 	$(PY) -m qgather selftest

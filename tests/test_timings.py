@@ -2,7 +2,7 @@
 
 import itertools
 
-from qgather.engine.run import POOL_START, step_seconds
+from qgather.engine.run import LEASE_WAIT, POOL_START, step_seconds
 from qgather.model.case_record import CaseRecord
 from qgather.model.phases import Phase, PhaseTracker, Step
 from qgather.model.records import RankResult
@@ -73,6 +73,8 @@ def test_step_seconds_takes_the_slowest_rank_and_the_pool_start():
     outcome = CaseOutcome(OutcomeStatus.OK, results, startup_s=3.0)
     assert step_seconds(outcome) == ((POOL_START, 3.0), ("golden", 1.0), ("collective", 2.0))
     assert step_seconds(CaseOutcome(OutcomeStatus.OK, results[:1])) == (("golden", 1.0), ("collective", 0.5))
+    leased = CaseOutcome(OutcomeStatus.OK, results[:1], startup_s=3.0, lease_wait_s=2.5)  # an NCCL pool's GPUs
+    assert step_seconds(leased) == ((LEASE_WAIT, 2.5), (POOL_START, 0.5), ("golden", 1.0), ("collective", 0.5))
 
 
 def _record(case: str, seconds: float, steps: dict[str, float]) -> CaseRecord:

@@ -163,6 +163,7 @@ def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> tuple[Class
 
 
 POOL_START = "pool start"
+LEASE_WAIT = "GPU lease wait"
 
 
 def step_seconds(outcome: CaseOutcome) -> Seconds:
@@ -173,7 +174,9 @@ def step_seconds(outcome: CaseOutcome) -> Seconds:
     for result in (*outcome.results, *outcome.errors.values()):
         for step, seconds in getattr(result, "seconds", ()):
             slowest[step] = max(slowest.get(step, 0.0), seconds)
-    head = ((POOL_START, outcome.startup_s),) if outcome.startup_s else ()
+    head = ((LEASE_WAIT, outcome.lease_wait_s),) if outcome.lease_wait_s else ()
+    if outcome.startup_s:
+        head += ((POOL_START, outcome.startup_s - outcome.lease_wait_s),)
     return head + tuple(slowest.items())
 
 

@@ -6,9 +6,9 @@ and the pools warm:
 
 * Cases are handed to workers in units of up to CHUNK cases that need the same number of GPUs
   (their largest pool); a worker is given a unit of the size it ran last while there is one (its
-  pool stays warm), else one that fits in the GPUs the other workers are not using, else a unit
-  that needs no GPU of its own (gloo, the virtual scenario, other tests), else the next unit (it
-  waits for its lease; the lease is fair and bounded).
+  pool stays warm), else the largest that fits in the GPUs the other workers are not using, else a
+  unit that needs no GPU of its own (gloo, the virtual scenario, other tests), else the smallest
+  (it waits for its lease, which is fair and bounded).
 * After each test a worker stops the NCCL pools that the next test it runs will not use, so a
   worker never sits on GPUs it no longer needs.
 * Before a pool waits for GPUs, its process stops its own other NCCL pools (the registry), so no

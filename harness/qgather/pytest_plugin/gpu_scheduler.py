@@ -12,8 +12,7 @@ from qgather.pytest_plugin.gpu_schedule import FREE, unit_needs
 
 
 class GpuScheduling(LoadScopeScheduling):
-    """Units of up to CHUNK cases of one GPU need; a worker gets the unit that keeps its pool warm,
-    else one that fits in the GPUs other workers are not using, else one that needs none."""
+    """Units of up to CHUNK cases of one GPU need, each handed to the worker it suits (`_pick`)."""
 
     def __init__(self, config: pytest.Config, log: Any, gpus: int) -> None:
         super().__init__(config, log)
@@ -37,14 +36,19 @@ class GpuScheduling(LoadScopeScheduling):
         super()._assign_work_unit(node)
 
     def _pick(self, node: Any) -> str:
-        """The unit `node` runs next (see the class docstring)."""
+        """The unit `node` runs next: one of the size it ran last (its pool stays warm); else the
+        largest that fits in the GPUs the other workers are not using (the widest pools run while
+        the GPUs are free, the one-GPU cases fill the end); else one that needs no GPU; else the
+        smallest (the worker waits for its lease, which frees soonest)."""
         needs = [(unit, self._need_of_unit.get(unit, FREE)) for unit in self.workqueue]
+        gpu_units = [(unit, need) for unit, need in needs if need != FREE]
         last = self._last_need.get(node)
         free_gpus = self.gpus - self._in_use(node)
-        choice = next((u for u, n in needs if n != FREE and n == last), None) \
-            or next((u for u, n in needs if n != FREE and n <= free_gpus), None) \
-            or next((u for u, n in needs if n == FREE), None) \
-            or needs[0][0]
+        fitting = [(unit, need) for unit, need in gpu_units if need <= free_gpus]
+        choice = next((unit for unit, need in gpu_units if need == last), None) \
+            or (max(fitting, key=lambda u: u[1])[0] if fitting else None) \
+            or next((unit for unit, need in needs if need == FREE), None) \
+            or min(gpu_units, key=lambda u: u[1])[0]
         need = self._need_of_unit.get(choice, FREE)
         if need != FREE:
             self._last_need[node] = need

@@ -102,17 +102,19 @@ class RankPool:
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if self._ranks and self._idle_rank_gone():
             self._teardown()  # a rank died while idle (OOM killer, a stray signal): not this case's doing
-        startup = 0.0
+        startup = lease_wait = 0.0
         if not self._ranks:
             began = time.monotonic()
             failure = self.start(case_id)
             if failure is not None:
                 return failure
             startup = time.monotonic() - began
+            lease_wait = self._lease.waited_s if self._lease is not None else 0.0
         start = time.monotonic()
         try:
             replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit)
-            return replace(self._conclude(replies, time.monotonic() - start, case_id), startup_s=startup)
+            return replace(self._conclude(replies, time.monotonic() - start, case_id), startup_s=startup,
+                           lease_wait_s=lease_wait)
         except BaseException:
             # Interrupted mid-case (Ctrl-C, a bug here): the ranks' late replies would be read as
             # the next case's, so this pool's ranks cannot be trusted any more.
