@@ -192,10 +192,13 @@ class Update:
     stale: tuple[tuple[str, str], ...]  # (pattern, title): it matched only passing cases, so it was removed
     too_broad: tuple[tuple[str, str], ...]  # (pattern, a passing case it matches): kept, to narrow by hand
 
+    #: (case id, the title of the finding it went under): a new world size of a known failure
+    filed: tuple[tuple[str, str], ...] = ()
+
     @property
     def changed(self) -> bool:
         """Whether the file changes."""
-        return bool(self.added or self.stale)
+        return bool(self.added or self.stale or self.filed)
 
 
 def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
@@ -219,10 +222,15 @@ def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
             patterns.append(pattern)
         if patterns:
             kept.append(replace(finding, cases=tuple(patterns)))
-    added, covered = [], 0
+    added, filed, covered = [], [], 0
     for case in failing:
         if any(f.pattern_for(case.case) for f in kept):
             covered += 1
+            continue
+        home = _finding_at_another_world_size(kept, case, failing)
+        if home is not None:
+            kept[home] = replace(kept[home], cases=(*kept[home].cases, escape(case.case)))
+            filed.append((case.case, kept[home].title))
             continue
         title = f"{UNTRIAGED}: {case.verdict.value}: {clean_reason(case.reason)}"
         at = next((n for n, f in enumerate(kept) if f.title == title), None)
@@ -231,7 +239,26 @@ def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
         else:
             kept[at] = replace(kept[at], cases=(*kept[at].cases, escape(case.case)))
         added.append((case.case, title))
-    return Update(tuple(kept), tuple(added), covered, tuple(stale), tuple(too_broad))
+    return Update(tuple(kept), tuple(added), covered, tuple(stale), tuple(too_broad), tuple(filed))
+
+
+_WORLD_SIZE = re.compile(r":ws[^:]*:")
+
+
+def _finding_at_another_world_size(findings: Sequence[Finding], case: CaseRecord,
+                                   failing: Sequence[CaseRecord]) -> int | None:
+    """The finding a new failure belongs to when only its world size is new: one of the finding's
+    patterns matches the case with that pattern's world size widened to any, and a case the pattern
+    covers failed in this run with the same verdict (the same failure, seen at another world size)."""
+    for at, finding in enumerate(findings):
+        for pattern in finding.cases:
+            wide = _WORLD_SIZE.sub(":ws*:", pattern)
+            if wide == pattern or not KnownIssue(wide, "").matches(case.case):
+                continue
+            issue = KnownIssue(pattern, "")
+            if any(issue.matches(other.case) and other.verdict is case.verdict for other in failing):
+                return at
+    return None
 
 
 # What changes from one run of a case to the next: it must not enter a checked-in reason.
