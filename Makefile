@@ -22,7 +22,7 @@ else
 SETUP :=
 endif
 
-.PHONY: run test test-torch test-multigpu selftest bench golden golden-check lint clean
+.PHONY: run test gate-cpu test-torch test-multigpu selftest bench golden golden-check lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -46,6 +46,11 @@ test: $(SETUP)
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc; \
 	  $(PY) -m pytest -m "isolated and not gpu" -p no:cacheprovider -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: no isolated tests collected" >&2; exit 1; fi; exit $$rc
+
+# The documented CPU gate on torchao (CI runs it after `make test`): every torchao case on gloo, gated
+# on the checked-in baseline, so that a new scenario or world size cannot turn it red unnoticed.
+gate-cpu: $(SETUP)
+	$(PY) -m qgather run --impl torchao --baseline known-issues.toml -n $(PYTEST_WORKERS) --report-dir reports/gate-cpu
 
 # The CPU suite against another torch release, in a venv of its own (not part of CI): e.g.
 # `make test-torch TORCH=2.15.0`. A release past this machine's local pip cap (a constraints file in
