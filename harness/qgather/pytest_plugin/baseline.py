@@ -229,8 +229,9 @@ def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
             continue
         home = _finding_at_another_world_size(kept, case, failing)
         if home is not None:
-            kept[home] = replace(kept[home], cases=(*kept[home].cases, escape(case.case)))
-            filed.append((case.case, kept[home].title))
+            at, pattern = home
+            kept[at] = replace(kept[at], cases=_with_world_size(kept[at].cases, pattern, case, passing))
+            filed.append((case.case, kept[at].title))
             continue
         title = f"{UNTRIAGED}: {case.verdict.value}: {clean_reason(case.reason)}"
         at = next((n for n, f in enumerate(kept) if f.title == title), None)
@@ -243,10 +244,25 @@ def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
 
 
 _WORLD_SIZE = re.compile(r":ws[^:]*:")
+_ONE_DIGIT_SIZES = re.compile(r":ws(\d|\[\d+\]):")
+
+
+def _with_world_size(patterns: tuple[str, ...], pattern: str, case: CaseRecord,
+                     passing: Sequence[str]) -> tuple[str, ...]:
+    """The finding's patterns covering `case` too: `pattern` with the case's world size added to its
+    set (ws2 -> ws[23]) where that matches no passing case of the run, else the case's exact id."""
+    sizes = _ONE_DIGIT_SIZES.search(pattern)
+    size = _ONE_DIGIT_SIZES.search(case.case)  # the id's own: an old verdicts.json has no world_size field
+    if sizes and size and size.group(1).isdigit():
+        digits = "".join(sorted(set(sizes.group(1).strip("[]")) | {size.group(1)}))
+        wider = pattern[:sizes.start()] + f":ws[{digits}]:" + pattern[sizes.end():]
+        if not any(KnownIssue(wider, "").matches(other) for other in passing):
+            return tuple(wider if p == pattern else p for p in patterns)
+    return (*patterns, escape(case.case))
 
 
 def _finding_at_another_world_size(findings: Sequence[Finding], case: CaseRecord,
-                                   failing: Sequence[CaseRecord]) -> int | None:
+                                   failing: Sequence[CaseRecord]) -> tuple[int, str] | None:
     """The finding a new failure belongs to when only its world size is new: one of the finding's
     patterns matches the case with that pattern's world size widened to any, and a case the pattern
     covers failed in this run with the same verdict (the same failure, seen at another world size)."""
@@ -257,7 +273,7 @@ def _finding_at_another_world_size(findings: Sequence[Finding], case: CaseRecord
                 continue
             issue = KnownIssue(pattern, "")
             if any(issue.matches(other.case) and other.verdict is case.verdict for other in failing):
-                return at
+                return at, pattern
     return None
 
 
