@@ -1,0 +1,138 @@
+"""A case as a standalone script: `render(case_id)` is the text `qgather repro ID --standalone`
+writes, made of the functions in qgather.tools.standalone.pieces (copied with inspect.getsource,
+so the script runs exactly the code the tests check) and the case's constants.
+
+Templates exist per library route and format: torchao's float8 all-gather (fp8_tensor; FSDP2
+alone or with torchao's colwise tensor parallelism) and TransformerEngine's FSDP2 route
+(fp8_tensor with Float8CurrentScaling, fp8_block with Float8BlockScaling), the gather scenario at
+FSDP2's default configuration. Any other case id is refused in one line (`UnsupportedCase`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+
+from qgather.errors import UsageError
+from qgather.model.case import CaseSpec
+from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor, launch, routes
+
+__all__ = ["UnsupportedCase", "render"]
+
+_DTYPES = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}
+_TE_RECIPES = {"fp8_tensor": "Float8CurrentScaling", "fp8_block": "Float8BlockScaling"}
+_LAUNCH = (launch.main, launch.run_rank, launch.spawn, launch._rank_process, launch._verdict, launch.report)
+_EVIDENCE = (evidence.compare, evidence.row_ranges, evidence.digest, evidence.judge)
+_STDLIB = ("hashlib", "multiprocessing", "os", "signal", "socket", "sys", "time")
+
+
+class UnsupportedCase(UsageError):
+    """A case id no standalone template covers (the message says what is covered)."""
+
+
+@dataclass(frozen=True)
+class Template:
+    """What a script is made of: the library, its route function and the format's golden."""
+
+    library: str  # the import name the script needs besides torch
+    route: object  # a function of pieces.routes, emitted as `gathered`
+    golden: ModuleType  # pieces.fp8_tensor or pieces.fp8_block
+    constants: tuple[tuple[str, str, str], ...]  # (name, value source, comment) of the route's own constants
+    needs_cuda: bool
+    helpers: tuple = ()  # more functions the route calls
+
+
+def template_for(spec: CaseSpec) -> Template:
+    """The template of `spec`, or UnsupportedCase naming why there is none."""
+    covered = ("covered: torchao[:precompute]:fp8_tensor (gather; FSDP2 defaults or tp-DxT), "
+               "te:fp8_tensor / te:fp8_block (gather; FSDP2 defaults)")
+    if spec.scenario != "gather":
+        raise UnsupportedCase(f"{spec.id}: no standalone template for the {spec.scenario} scenario ({covered})")
+    if spec.impl in ("torchao", "torchao:precompute") and spec.fmt == "fp8_tensor" and len(spec.shape) == 2:
+        config = spec.config
+        if config.is_default or (config.tp is not None and config.tp_style == "col"
+                                 and _without_tp(config).is_default):
+            tp = config.tp[1] if config.tp else 1
+            return Template("torchao", routes.gathered_torchao, fp8_tensor, (
+                ("TP", str(tp), "tensor-parallel size: a (WORLD_SIZE // TP, TP) (\"dp\", \"tp\") mesh"),
+                ("PRECOMPUTE", str(spec.impl == "torchao:precompute"),
+                 "precompute_float8_dynamic_scale_for_fsdp before the all-gather")),
+                needs_cuda=False, helpers=(routes.float8_as_bytes_on_gloo,))
+    if spec.impl == "te" and spec.fmt in _TE_RECIPES and spec.config.is_default and len(spec.shape) == 2:
+        golden = fp8_tensor if spec.fmt == "fp8_tensor" else fp8_block
+        return Template("transformer_engine", routes.gathered_te, golden,
+                        (("RECIPE", repr(_TE_RECIPES[spec.fmt]), "transformer_engine.common.recipe"),),
+                        needs_cuda=True)
+    raise UnsupportedCase(f"{spec.id}: no standalone template for {spec.impl}:{spec.fmt}"
+                          f"{' under ' + spec.config.token if not spec.config.is_default else ''} ({covered})")
+
+
+def _without_tp(config):
+    from dataclasses import replace
+
+    return replace(config, tp=None, tp_style="col")
+
+
+def render(case_id: str, title: str = "", note: str = "") -> str:
+    """The standalone script of `case_id` (imports: torch, the library, the standard library).
+
+    Args:
+        case_id: a qgather case id a template covers (`template_for`).
+        title: what the script shows (a finding's title), its docstring's first line.
+        note: more of the docstring (the finding in a sentence or two).
+
+    Example:
+        >>> text = render("torchao:fp8_tensor:5x64:bf16:ws2:gather:s0")
+        >>> "import qgather" in text
+        False
+    """
+    spec = CaseSpec.parse(case_id)
+    template = template_for(spec)
+    parts = [_header(spec, template, title, note), _imports(template), _constants(spec, template)]
+    functions = (data.make_weight, data.shard_rows, template.golden.quantize, template.golden.dequantize,
+                 template.route, *template.helpers, *_EVIDENCE, *_LAUNCH)
+    parts += [_source(f, template) for f in functions]
+    parts.append('if __name__ == "__main__":\n    sys.exit(main())\n')
+    return "\n\n".join(p.rstrip("\n") for p in parts[:3]) + "\n\n\n" + "\n\n\n".join(
+        p.rstrip("\n") for p in parts[3:]) + "\n"
+
+
+def _header(spec: CaseSpec, template: Template, title: str, note: str) -> str:
+    where = ("on the CPU: python FILE forks the ranks (gloo)" if not template.needs_cuda
+             else f"on {spec.world_size} GPUs")
+    lines = [title or f"qgather case {spec.id}, standalone", ""]
+    if note:
+        lines += [note, ""]
+    lines += [f"qgather case {spec.id} without qgather: {template.library} and torch only.",
+              f"Run: torchrun --nproc-per-node {spec.world_size} FILE (NCCL on GPUs)",
+              f"  or python FILE ({where}).",
+              "It prints the verdict and evidence as qgather's report does and exits 1 while the defect",
+              "is there, 0 once every rank gathers the single-device quantization bit for bit.",
+              "Generated by `qgather repro ID --standalone`; the golden is qgather's reference quantizer."]
+    return '"""' + "\n".join(lines) + '\n"""'
+
+
+def _imports(template: Template) -> str:
+    modules = sorted(_STDLIB + (("contextlib",) if template.helpers else ()))
+    return "\n".join([*(f"import {m}" for m in modules), "from multiprocessing.connection import wait", "",
+                      "import torch", "import torch.distributed as dist"])
+
+
+def _constants(spec: CaseSpec, template: Template) -> str:
+    rows = [("CASE", repr(spec.id), "the qgather case this reproduces"),
+            ("SHAPE", repr(tuple(spec.shape)), "the weight (out_features, in_features)"),
+            ("SEED", str(spec.seed), "the weight is drawn from it exactly as qgather does"),
+            ("DTYPE", _DTYPES[spec.dtype], "the weight's dtype"),
+            ("WORLD_SIZE", str(spec.world_size), "ranks"),
+            *template.constants,
+            ("LIBRARY_NEEDS_CUDA", str(template.needs_cuda), "python FILE then runs one rank per GPU"),
+            ("TIMEOUT_S", "120", "python FILE: every rank's deadline (a rank still waiting then: HANG)")]
+    return "\n".join(f"{name} = {value}  # {comment}" for name, value, comment in rows)
+
+
+def _source(function, template: Template) -> str:
+    text = inspect.getsource(function)
+    if function is template.route:
+        text = text.replace(f"def {function.__name__}(", "def gathered(", 1)
+    return text
