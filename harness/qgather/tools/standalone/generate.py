@@ -24,7 +24,7 @@ _DTYPES = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}
 _TE_RECIPES = {"fp8_tensor": "Float8CurrentScaling", "fp8_block": "Float8BlockScaling"}
 _LAUNCH = (launch.main, launch.run_rank, launch.spawn, launch._rank_process, launch._verdict, launch.report)
 _EVIDENCE = (evidence.compare, evidence.row_ranges, evidence.digest, evidence.judge)
-_STDLIB = ("hashlib", "multiprocessing", "os", "signal", "socket", "sys", "time")
+_STDLIB = ("datetime", "hashlib", "multiprocessing", "os", "signal", "socket", "sys", "time")
 
 
 class UnsupportedCase(UsageError):

@@ -6,6 +6,7 @@ raises, dies or hangs is reported as qgather reports it (ERROR, CRASH, HANG) ins
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import signal
@@ -41,7 +42,8 @@ def run_rank(rank: int, device, backend: str, port) -> dict:
                           WORLD_SIZE=str(WORLD_SIZE))
     if device is not None:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=WORLD_SIZE)
+    # a collective waits TIMEOUT_S at most (NCCL's watchdog then aborts the rank), under torchrun too
+    dist.init_process_group(backend, rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     label, row0, got, want = gathered(rank, device or torch.device("cpu"))
     lines = compare(got, want, dequantize(got), dequantize(want), row0)
     return {"rank": rank, "label": label, "lines": lines, "digest": digest(got)}

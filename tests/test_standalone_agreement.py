@@ -1,0 +1,53 @@
+"""The CPU standalone scripts tell what `qgather case` tells: for each id, `python FILE` (gloo ranks
+forked by the script) prints the same verdict as qgather's report and exits 1 on a failing verdict,
+0 on EXACT. One script also runs with qgather made unimportable (`sys.modules['qgather'] = None`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from qgather.tools.standalone import render
+
+pytestmark = pytest.mark.xdist_group("standalone")  # one qgather run for every id: one worker
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: a silent mismatch (docs/findings.md#torchao-tp-amax), a crash (#torchao-uneven-shards), a pass
+IDS = ("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2", "torchao:fp8_tensor:5x64:bf16:ws2:gather:s0",
+       "torchao:fp8_tensor:128x64:bf16:ws2:gather:s0")
+NO_QGATHER = "import sys; sys.modules['qgather'] = None; exec(open(sys.argv[1]).read())"
+
+
+def _verdicts(stdout: str) -> dict[str, str]:
+    """case id -> verdict, from report lines `ID: VERDICT[ - evidence]`."""
+    out = {}
+    for line in stdout.splitlines():
+        head, sep, rest = line.partition(": ")
+        if sep and head in IDS and head not in out:
+            out[head] = rest.split(" - ")[0].strip()
+    return out
+
+
+@pytest.fixture(scope="module")
+def qgather_verdicts() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "harness")}
+    result = subprocess.run([sys.executable, "-m", "qgather", "case", *IDS, "--case-timeout", "60"],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=400)
+    verdicts = _verdicts(result.stdout)
+    assert sorted(verdicts) == sorted(IDS), result.stdout + result.stderr
+    return verdicts
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_script_gives_qgathers_verdict(case_id, qgather_verdicts, tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text(render(case_id))
+    exact = qgather_verdicts[case_id] == "EXACT"
+    command = [sys.executable, "-c", NO_QGATHER, str(path)] if exact else [sys.executable, str(path)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert _verdicts(result.stdout) == {case_id: qgather_verdicts[case_id]}, result.stdout + result.stderr[-3000:]
+    assert result.returncode == (0 if exact else 1), result.stdout
