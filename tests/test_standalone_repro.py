@@ -19,11 +19,12 @@ from qgather.formats import FORMATS
 from qgather.model.case import CaseSpec
 from qgather.scenarios.data import make_weight
 from qgather.tools.standalone import UnsupportedCase, render
+from qgather.tools.standalone.findings import FINDINGS
 from qgather.tools.standalone.pieces import data, fp8_block, fp8_tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IDS = ("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2", "torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1",
-       "te:fp8_block:200x256:bf16:ws2:gather:s0", "te:fp8_tensor:31x128:bf16:ws2:gather:s0")
+IDS = ("torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1", "te:fp8_tensor:128x64:fp32:ws4:gather:s2",
+       *(finding.case_id for finding in FINDINGS))
 STDLIB = set(sys.stdlib_module_names)
 SHAPES = ("1x16", "5x64", "128x64", "200x256", "255x130", "3x384")
 

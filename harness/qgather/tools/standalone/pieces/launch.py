@@ -27,7 +27,11 @@ def main() -> int:
             print(f"this case runs at {WORLD_SIZE} ranks: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}")
             return 2
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
-        result = run_rank(rank, device, "nccl" if device is not None else "gloo", None)
+        try:
+            result = run_rank(rank, device, "nccl" if device is not None else "gloo", None)
+        except Exception as exc:
+            print(f"{CASE}: ERROR - rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+            raise  # torchrun stops the other ranks
         results = [None] * world_size
         dist.all_gather_object(results, result)
         dist.destroy_process_group()
