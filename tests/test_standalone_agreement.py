@@ -15,9 +15,11 @@ from qgather.tools.standalone import render
 pytestmark = pytest.mark.xdist_group("standalone")  # one qgather run for every id: one worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: a silent mismatch (docs/findings.md#torchao-tp-amax), a crash (#torchao-uneven-shards), a pass
+#: torchao: a silent mismatch (docs/findings.md#torchao-tp-amax), a crash (#torchao-uneven-shards); the zoo on
+#: gloo, its subclass carried in the script: a silent mismatch, and a pass (issue 31's id: EXACT in gather)
 IDS = ("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2", "torchao:fp8_tensor:5x64:bf16:ws2:gather:s0",
-       "torchao:fp8_tensor:128x64:bf16:ws2:gather:s0")
+       "mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0",
+       "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:gather:s0")
 NO_QGATHER = "import sys; sys.modules['qgather'] = None; exec(open(sys.argv[1]).read())"
 
 
@@ -45,7 +47,7 @@ def qgather_verdicts() -> dict[str, str]:
 def test_script_gives_qgathers_verdict(case_id, qgather_verdicts, tmp_path):
     path = tmp_path / "r.py"
     path.write_text(render(case_id))
-    exact = qgather_verdicts[case_id] == "EXACT"
+    exact = qgather_verdicts[case_id] == "EXACT"  # a pass runs with qgather unimportable
     command = [sys.executable, "-c", NO_QGATHER, str(path)] if exact else [sys.executable, str(path)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)

@@ -24,6 +24,8 @@ from qgather.tools.standalone.pieces import data, fp8_block, fp8_tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ("torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1", "te:fp8_tensor:128x64:fp32:ws4:gather:s2",
+       "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:gather:s0", "reference:mxfp8:64x64:fp32:ws4:gather:s1",
+       "mutant:trim_to_fit:nvfp4_1d:136x64:bf16:ws8:gather:s0",
        *(finding.case_id for finding in FINDINGS))
 STDLIB = set(sys.stdlib_module_names)
 SHAPES = ("1x16", "5x64", "128x64", "200x256", "255x130", "3x384")
@@ -69,8 +71,10 @@ def test_script_imports_only_torch_its_library_and_the_stdlib(case_id, tmp_path)
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    library = "torchao" if case_id.startswith("torchao") else "transformer_engine"
-    assert imported - STDLIB == {"torch", library}
+    library = {"torchao": {"torchao"}, "te": {"transformer_engine"}}.get(case_id.split(":")[0], {"qref"})
+    assert imported - STDLIB == {"torch", *library}
+    if library == {"qref"}:  # the reference's or a mutant's subclass: qgather's modules carried as source
+        assert "'qref.impls.reference.param': r" in text and "install(SOURCES)" in text
     path = tmp_path / "r.py"
     path.write_text(text)
     subprocess.run([sys.executable, "-m", "py_compile", str(path)], check=True, timeout=60)
@@ -87,13 +91,13 @@ def test_script_carries_the_case():
 
 
 @pytest.mark.parametrize("case_id", (
-    "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:gather:s0",  # no template for the reference's subclass yet
+    "mutant:per_rank_amax:nvfp4_2d:128x64:bf16:ws2:gather:s0",  # the bug is in the adapter's step
     "torchao:fp8_tensor:128x64:bf16:ws2:steps:s0",
     "te:nvfp4_2d:128x64:bf16:ws2:gather:s0",
     "torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2-row",
 ))
 def test_uncovered_cases_are_refused_naming_what_is_covered(case_id):
-    with pytest.raises(UnsupportedCase, match="no standalone template.*covered: "):
+    with pytest.raises(UnsupportedCase, match="no standalone template.*covered: |lives in the adapter"):
         render(case_id)
 
 

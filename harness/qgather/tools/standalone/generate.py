@@ -16,7 +16,8 @@ from types import ModuleType
 
 from qgather.errors import UsageError
 from qgather.model.case import CaseSpec
-from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor, launch, routes
+from qgather.tools.standalone import bundle
+from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor, launch, reference, routes
 
 __all__ = ["UnsupportedCase", "render"]
 
@@ -35,18 +36,19 @@ class UnsupportedCase(UsageError):
 class Template:
     """What a script is made of: the library, its route function and the format's golden."""
 
-    library: str  # the import name the script needs besides torch
+    library: str  # the import name the script needs besides torch ("" : none)
     route: object  # a function of pieces.routes, emitted as `gathered`
     golden: ModuleType  # pieces.fp8_tensor or pieces.fp8_block
     constants: tuple[tuple[str, str, str], ...]  # (name, value source, comment) of the route's own constants
     needs_cuda: bool
     helpers: tuple = ()  # more functions the route calls
+    sources: dict[str, str] | None = None  # reference/mutant: qgather's modules the script carries (bundle)
 
 
 def template_for(spec: CaseSpec) -> Template:
     """The template of `spec`, or UnsupportedCase naming why there is none."""
     covered = ("covered: torchao[:precompute]:fp8_tensor (gather; FSDP2 defaults or tp-DxT), "
-               "te:fp8_tensor / te:fp8_block (gather; FSDP2 defaults)")
+               "te:fp8_tensor / te:fp8_block, reference and mutant:<bug> (gather; FSDP2 defaults)")
     if spec.scenario != "gather":
         raise UnsupportedCase(f"{spec.id}: no standalone template for the {spec.scenario} scenario ({covered})")
     if spec.impl in ("torchao", "torchao:precompute") and spec.fmt == "fp8_tensor" and len(spec.shape) == 2:
@@ -59,6 +61,12 @@ def template_for(spec: CaseSpec) -> Template:
                 ("PRECOMPUTE", str(spec.impl == "torchao:precompute"),
                  "precompute_float8_dynamic_scale_for_fsdp before the all-gather")),
                 needs_cuda=False, helpers=(routes.float8_as_bytes_on_gloo,))
+    if (spec.impl == "reference" or spec.impl.startswith("mutant:")) and spec.config.is_default:
+        param_class = _param_class(spec)
+        return Template("", reference.gathered_reference, reference, (
+            ("FORMAT", repr(spec.fmt), "qgather's format name"),
+            ("PARAM_CLASS", repr(bundle.class_path(param_class)), "the tensor subclass under test, from SOURCES")),
+            needs_cuda=False, helpers=(reference.install,), sources=bundle.sources(param_class))
     if spec.impl == "te" and spec.fmt in _TE_RECIPES and spec.config.is_default and len(spec.shape) == 2:
         golden = fp8_tensor if spec.fmt == "fp8_tensor" else fp8_block
         return Template("transformer_engine", routes.gathered_te, golden,
@@ -66,6 +74,24 @@ def template_for(spec: CaseSpec) -> Template:
                         needs_cuda=True)
     raise UnsupportedCase(f"{spec.id}: no standalone template for {spec.impl}:{spec.fmt}"
                           f"{' under ' + spec.config.token if not spec.config.is_default else ''} ({covered})")
+
+
+def _param_class(spec: CaseSpec) -> type:
+    """The reference's or the mutant's parameter class; UnsupportedCase for a bug in the adapter."""
+    from qgather.impls import get_impl
+    from qgather.impls.reference import ReferenceImplementation
+
+    impl = get_impl(spec.impl)
+    if spec.fmt not in impl.formats or spec.fmt not in bundle.reference_formats():
+        raise UnsupportedCase(f"{spec.id}: {spec.impl} does not implement {spec.fmt}")
+    adapter = type(impl)
+    own = sorted({name for cls in adapter.__mro__[:adapter.__mro__.index(ReferenceImplementation)]
+                  for name, value in vars(cls).items()
+                  if inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))})
+    if own:
+        raise UnsupportedCase(f"{spec.id}: the bug lives in the adapter ({', '.join(own)}), "
+                              "which the script does not carry")
+    return adapter.param_class
 
 
 def _without_tp(config):
@@ -93,7 +119,11 @@ def render(case_id: str, title: str = "", note: str = "") -> str:
     functions = (data.make_weight, data.shard_rows, template.golden.quantize, template.golden.dequantize,
                  template.route, *template.helpers, *_EVIDENCE, *_LAUNCH)
     parts += [_source(f, template) for f in functions]
-    parts.append('if __name__ == "__main__":\n    sys.exit(main())\n')
+    main = 'if __name__ == "__main__":\n    sys.exit(main())\n'
+    if template.sources is not None:
+        parts.append(_sources_block(template.sources))
+        main = main.replace("    sys.exit", "    install(SOURCES)\n    sys.exit")
+    parts.append(main)
     return "\n\n".join(p.rstrip("\n") for p in parts[:3]) + "\n\n\n" + "\n\n\n".join(
         p.rstrip("\n") for p in parts[3:]) + "\n"
 
@@ -104,7 +134,9 @@ def _header(spec: CaseSpec, template: Template, title: str, note: str) -> str:
     lines = [title or f"qgather case {spec.id}, standalone", ""]
     if note:
         lines += [note, ""]
-    lines += [f"qgather case {spec.id} without qgather: {template.library} and torch only.",
+    what = f"{template.library} and torch only" if template.library else (
+        "torch only; the subclass under test is carried as source (SOURCES, at the end)")
+    lines += [f"qgather case {spec.id} without qgather: {what}.",
               f"Run: torchrun --nproc-per-node {spec.world_size} FILE (NCCL on GPUs) or python FILE ({where}).",
               "It prints the verdict and evidence as qgather's report does and exits 1 while the defect",
               "is there, 0 once every rank gathers the single-device quantization bit for bit.",
@@ -112,8 +144,18 @@ def _header(spec: CaseSpec, template: Template, title: str, note: str) -> str:
     return '"""' + "\n".join(lines) + '\n"""'
 
 
+def _sources_block(sources: dict[str, str]) -> str:
+    """SOURCES, last in the script: the readable part comes first."""
+    lines = [f"# qgather's reference subclass and formats, copied, with `qgather.` renamed `{bundle.PACKAGE}.` "
+             "(the script imports no qgather)", "SOURCES = {"]
+    for name, text in sources.items():
+        lines.append(f"    {name!r}: r'''{text}''',")
+    return "\n".join([*lines, "}"])
+
+
 def _imports(template: Template) -> str:
-    modules = sorted(_STDLIB + (("contextlib",) if template.helpers else ()))
+    extra = {routes.float8_as_bytes_on_gloo: ("contextlib",), reference.install: ("importlib", "types")}
+    modules = sorted(_STDLIB + tuple(m for helper in template.helpers for m in extra.get(helper, ())))
     return "\n".join([*(f"import {m}" for m in modules), "from multiprocessing.connection import wait", "",
                       "import torch", "import torch.distributed as dist"])
 
