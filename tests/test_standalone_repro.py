@@ -20,7 +20,7 @@ from qgather.model.case import CaseSpec
 from qgather.scenarios.data import make_weight
 from qgather.tools.standalone import UnsupportedCase, render
 from qgather.tools.standalone.findings import FINDINGS
-from qgather.tools.standalone.pieces import data, fp8_block, fp8_tensor
+from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ("torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1", "te:fp8_tensor:128x64:fp32:ws4:gather:s2",
@@ -120,3 +120,28 @@ def test_cli_writes_the_script_and_refuses_in_one_line(tmp_path):
         refused = qgather("repro", *args, cwd=str(tmp_path))
         assert refused.returncode == 4 and refused.stdout == "", args
         assert len(refused.stderr.strip().splitlines()) == 1 and refused.stderr.startswith("qgather repro: "), args
+
+
+def _result(rank: int, label: str = "all rows", lines: tuple[str, ...] = (), digest: str = "d") -> dict:
+    return {"rank": rank, "label": label, "lines": list(lines), "digest": digest}
+
+
+def test_judge_names_the_verdict_and_groups_ranks_that_agree():
+    assert evidence.judge([_result(0), _result(1)]) == ("EXACT", [])
+    verdict, lines = evidence.judge([_result(0, lines=("data: 3 of 8 valid elements differ",)),
+                                     _result(1, lines=("data: 3 of 8 valid elements differ",))])
+    assert (verdict, lines) == ("SILENT_MISMATCH", ["ranks 0, 1: all rows: data: 3 of 8 valid elements differ"])
+    assert evidence.judge([_result(0), _result(1, digest="e")])[0] == "RANK_DIVERGENCE"
+    # different TP pieces hold different bytes: not a divergence
+    assert evidence.judge([_result(0, "tp rank 0 of 2"), _result(1, "tp rank 1 of 2", digest="e")])[0] == "EXACT"
+
+
+def test_compare_counts_valid_elements_and_names_the_rows():
+    weight = data.make_weight((200, 256), 0, torch.bfloat16)
+    want = fp8_block.quantize(weight)
+    got = fp8_block.quantize(weight.clone().index_fill_(0, torch.tensor([3, 4, 150]), 0.0))
+    lines = evidence.compare(got, want, fp8_block.dequantize(got), fp8_block.dequantize(want), row0=0)
+    assert lines[0].startswith("rowwise_data: ") and lines[0].endswith(" of 51200 valid elements differ")
+    assert lines[-1].endswith("rows 3-4, 150")
+    assert evidence.compare(want, want, fp8_block.dequantize(want), fp8_block.dequantize(want), row0=0) == []
+    assert evidence.row_ranges([0, 1, 2, 7, 9, 10]) == "0-2, 7, 9-10"

@@ -261,7 +261,8 @@ def _rank_process(rank: int, port: int, writer) -> None:
     try:
         writer.send(("ok", run_rank(rank, device, "nccl" if device is not None else "gloo", port)))
     except Exception as exc:  # noqa: BLE001 -- the script reports every rank's error
-        writer.send(("error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"))
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        writer.send(("error", f"{type(exc).__name__}: {first_line}"))
 
 
 def _verdict(ranks: list, results: dict, errors: dict) -> tuple[str, list[str]]:
