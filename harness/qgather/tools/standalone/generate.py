@@ -11,7 +11,7 @@ FSDP2's default configuration. Any other case id is refused in one line (`Unsupp
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 from qgather.errors import UsageError
@@ -45,35 +45,53 @@ class Template:
     sources: dict[str, str] | None = None  # reference/mutant: qgather's modules the script carries (bundle)
 
 
+_COVERED = ("covered: torchao[:precompute]:fp8_tensor (FSDP2 defaults or tp-DxT), te:fp8_tensor / te:fp8_block, "
+            "reference and mutant:<bug> (FSDP2 defaults); the gather scenario")
+
+
 def template_for(spec: CaseSpec) -> Template:
     """The template of `spec`, or UnsupportedCase naming why there is none."""
-    covered = ("covered: torchao[:precompute]:fp8_tensor (gather; FSDP2 defaults or tp-DxT), "
-               "te:fp8_tensor / te:fp8_block, reference and mutant:<bug> (gather; FSDP2 defaults)")
     if spec.scenario != "gather":
-        raise UnsupportedCase(f"{spec.id}: no standalone template for the {spec.scenario} scenario ({covered})")
-    if spec.impl in ("torchao", "torchao:precompute") and spec.fmt == "fp8_tensor" and len(spec.shape) == 2:
-        config = spec.config
-        if config.is_default or (config.tp is not None and config.tp_style == "col"
-                                 and _without_tp(config).is_default):
-            tp = config.tp[1] if config.tp else 1
-            return Template("torchao", routes.gathered_torchao, fp8_tensor, (
-                ("TP", str(tp), "tensor-parallel size: a (WORLD_SIZE // TP, TP) (\"dp\", \"tp\") mesh"),
-                ("PRECOMPUTE", str(spec.impl == "torchao:precompute"),
-                 "precompute_float8_dynamic_scale_for_fsdp before the all-gather")),
-                needs_cuda=False, helpers=(routes.float8_as_bytes_on_gloo,))
-    if (spec.impl == "reference" or spec.impl.startswith("mutant:")) and spec.config.is_default:
-        param_class = _param_class(spec)
-        return Template("", reference.gathered_reference, reference, (
-            ("FORMAT", repr(spec.fmt), "qgather's format name"),
-            ("PARAM_CLASS", repr(bundle.class_path(param_class)), "the tensor subclass under test, from SOURCES")),
-            needs_cuda=False, helpers=(reference.install,), sources=bundle.sources(param_class))
-    if spec.impl == "te" and spec.fmt in _TE_RECIPES and spec.config.is_default and len(spec.shape) == 2:
-        golden = fp8_tensor if spec.fmt == "fp8_tensor" else fp8_block
-        return Template("transformer_engine", routes.gathered_te, golden,
-                        (("RECIPE", repr(_TE_RECIPES[spec.fmt]), "transformer_engine.common.recipe"),),
-                        needs_cuda=True)
-    raise UnsupportedCase(f"{spec.id}: no standalone template for {spec.impl}:{spec.fmt}"
-                          f"{' under ' + spec.config.token if not spec.config.is_default else ''} ({covered})")
+        raise UnsupportedCase(f"{spec.id}: no standalone template for the {spec.scenario} scenario ({_COVERED})")
+    for template in (_torchao_template, _reference_template, _te_template):
+        found = template(spec)
+        if found is not None:
+            return found
+    config = f" under {spec.config.token}" if not spec.config.is_default else ""
+    raise UnsupportedCase(f"{spec.id}: no standalone template for {spec.impl}:{spec.fmt}{config} ({_COVERED})")
+
+
+def _torchao_template(spec: CaseSpec) -> Template | None:
+    config = spec.config
+    colwise_tp_only = config.tp is not None and config.tp_style == "col" and replace(
+        config, tp=None).is_default
+    if spec.impl not in ("torchao", "torchao:precompute") or spec.fmt != "fp8_tensor" or len(spec.shape) != 2 or not (
+            config.is_default or colwise_tp_only):
+        return None
+    return Template("torchao", routes.gathered_torchao, fp8_tensor, (
+        ("TP", str(config.tp[1] if config.tp else 1),
+         'tensor-parallel size: a (WORLD_SIZE // TP, TP) ("dp", "tp") mesh'),
+        ("PRECOMPUTE", str(spec.impl == "torchao:precompute"),
+         "precompute_float8_dynamic_scale_for_fsdp before the all-gather")),
+        needs_cuda=False, helpers=(routes.float8_as_bytes_on_gloo,))
+
+
+def _reference_template(spec: CaseSpec) -> Template | None:
+    if not (spec.impl == "reference" or spec.impl.startswith("mutant:")) or not spec.config.is_default:
+        return None
+    param_class = _param_class(spec)
+    return Template("", reference.gathered_reference, reference, (
+        ("FORMAT", repr(spec.fmt), "qgather's format name"),
+        ("PARAM_CLASS", repr(bundle.class_path(param_class)), "the tensor subclass under test, from SOURCES")),
+        needs_cuda=False, helpers=(reference.install,), sources=bundle.sources(param_class))
+
+
+def _te_template(spec: CaseSpec) -> Template | None:
+    if spec.impl != "te" or spec.fmt not in _TE_RECIPES or not spec.config.is_default or len(spec.shape) != 2:
+        return None
+    return Template("transformer_engine", routes.gathered_te, fp8_tensor if spec.fmt == "fp8_tensor" else fp8_block,
+                    (("RECIPE", repr(_TE_RECIPES[spec.fmt]), "transformer_engine.common.recipe"),),
+                    needs_cuda=True)
 
 
 def _param_class(spec: CaseSpec) -> type:
@@ -92,12 +110,6 @@ def _param_class(spec: CaseSpec) -> type:
         raise UnsupportedCase(f"{spec.id}: the bug lives in the adapter ({', '.join(own)}), "
                               "which the script does not carry")
     return adapter.param_class
-
-
-def _without_tp(config):
-    from dataclasses import replace
-
-    return replace(config, tp=None, tp_style="col")
 
 
 def render(case_id: str, title: str = "", note: str = "") -> str:
