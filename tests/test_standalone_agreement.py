@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
-from qgather.tools.standalone import render
+from qgather.impls.mutants.table import ZOO
+from qgather.model.case import CaseSpec
+from qgather.tools.standalone import UnsupportedCase, render
+from qgather.tools.standalone.generate import template_for
 
 pytestmark = pytest.mark.xdist_group("standalone")  # one qgather run for every id: one worker
 
@@ -53,3 +56,30 @@ def test_script_gives_qgathers_verdict(case_id, qgather_verdicts, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert _verdicts(result.stdout) == {case_id: qgather_verdicts[case_id]}, result.stdout + result.stderr[-3000:]
     assert result.returncode == (0 if exact else 1), result.stdout
+
+
+def _zoo_cases() -> list[tuple[str, frozenset]]:
+    """Every zoo catching case a template covers, with the verdicts the zoo's table allows it."""
+    cases = []
+    for mutant in ZOO:
+        for case_id in mutant.catching_cases:
+            try:
+                template_for(CaseSpec.parse(case_id))
+            except UnsupportedCase:
+                continue
+            cases.append((case_id, frozenset(v.name for v in mutant.verdicts)))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case_id", "verdicts"), _zoo_cases(), ids=[c for c, _ in _zoo_cases()])
+def test_every_coverable_zoo_script_catches_its_bug(case_id, verdicts, tmp_path):
+    """The zoo on gloo, as scripts (`-m slow`: about 10 s a case): each fails with a verdict its
+    table row allows (qgather's selftest proves qgather gives one of them)."""
+    path = tmp_path / "r.py"
+    path.write_text(render(case_id))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
+                            cwd=str(tmp_path), timeout=300)
+    verdict = result.stdout.partition(f"{case_id}: ")[2].split(" - ")[0].strip()
+    assert verdict in verdicts and result.returncode == 1, result.stdout + result.stderr[-2000:]

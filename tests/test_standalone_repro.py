@@ -54,6 +54,12 @@ def test_golden_catches_a_changed_bit():
     assert not torch.equal(golden["rowwise_data"], reference.buffers["rowwise_data"])
 
 
+def test_weight_of_a_3d_case_is_qgathers():
+    spec = CaseSpec.parse("reference:nvfp4_2d:3x16x64:bf16:ws2:gather:s5")
+    assert torch.equal(data.make_weight(spec.shape, spec.seed, spec.torch_dtype),
+                       make_weight(spec, dtype=spec.torch_dtype))
+
+
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4, 8))
 def test_shard_rows_are_fsdp2s_chunks(world_size):
     for rows in (1, 5, 31, 128, 200):

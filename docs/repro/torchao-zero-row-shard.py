@@ -35,10 +35,10 @@ LIBRARY_NEEDS_CUDA = False  # python FILE then runs one rank per GPU
 TIMEOUT_S = 120  # python FILE: every rank's deadline (a rank still waiting then: HANG)
 
 
-def make_weight(shape: tuple[int, int], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """randn(shape) from the seed, rows scaled from 2^-6 to 2^6 (shards get very different amaxes)."""
+def make_weight(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """randn(shape) from the seed, dim 0 scaled from 2^-6 to 2^6 (shards get very different amaxes)."""
     values = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    values = values * torch.exp2(torch.linspace(-6.0, 6.0, shape[0])).reshape(-1, 1)
+    values = values * torch.exp2(torch.linspace(-6.0, 6.0, shape[0])).reshape(-1, *[1] * (len(shape) - 1))
     return values.to(dtype)
 
 
@@ -139,7 +139,7 @@ def compare(got: dict, want: dict, got_values: torch.Tensor, want_values: torch.
             differ = differ.view(*expected.shape, 4).any(-1)
         if differ.any():
             lines.append(f"{name}: {int(differ.sum())} of {differ.numel()} valid elements differ")
-    if lines and got_values.shape == want_values.shape:
+    if lines and got_values.shape == want_values.shape and want_values.numel():
         differ = got_values.cpu() != want_values
         rows = (differ.any(1).nonzero().flatten() + row0).tolist()
         biggest = float((got_values.cpu() - want_values).abs().max())

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def make_weight(shape: tuple[int, int], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """randn(shape) from the seed, rows scaled from 2^-6 to 2^6 (shards get very different amaxes)."""
+def make_weight(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """randn(shape) from the seed, dim 0 scaled from 2^-6 to 2^6 (shards get very different amaxes)."""
     values = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    values = values * torch.exp2(torch.linspace(-6.0, 6.0, shape[0])).reshape(-1, 1)
+    values = values * torch.exp2(torch.linspace(-6.0, 6.0, shape[0])).reshape(-1, *[1] * (len(shape) - 1))
     return values.to(dtype)
 
 

@@ -43,9 +43,15 @@ def gathered_reference(rank: int, device: torch.device):
     module.weight = torch.nn.Parameter(param_class.from_weight(FORMATS[FORMAT], weight), requires_grad=False)
     fully_shard(module, mesh=init_device_mesh(device.type, (WORLD_SIZE,)))
     module.unshard()
-    valid = FORMATS[FORMAT].valid_regions(SHAPE)
-    got = {name: buffer[valid[name]] for name, buffer in module.weight._te.items()}
-    return "all rows", 0, got, quantize(weight.cpu())
+    fmt, want = FORMATS[FORMAT], quantize(weight.cpu())
+    got = {}
+    for name, buffer in module.weight._te.items():
+        padded = fmt.buffer_specs(SHAPE)[name][0]
+        if tuple(buffer.shape) == padded:  # TE's padded layout: then only the valid region counts
+            got[name] = buffer[fmt.valid_regions(SHAPE)[name]]
+        else:  # compared whole, so that the evidence names the shape TE would not accept
+            got[name], want[name] = buffer, torch.zeros(padded, dtype=want[name].dtype)
+    return "all rows", 0, got, want
 
 
 def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -60,9 +66,11 @@ def dequantize(q: dict[str, torch.Tensor]) -> torch.Tensor:
     """float32 values of valid-region buffers, by the reference's own dequantization."""
     from qref.formats import FORMATS, QuantizedTensor
 
-    fmt = FORMATS[FORMAT]
+    fmt, valid = FORMATS[FORMAT], FORMATS[FORMAT].valid_regions(SHAPE)
     buffers = {}
     for name, (shape, dtype) in fmt.buffer_specs(SHAPE).items():
         buffers[name] = torch.zeros(shape, dtype=dtype)
-        buffers[name][fmt.valid_regions(SHAPE)[name]] = q[name].cpu()
-    return fmt.dequantize(QuantizedTensor(FORMAT, SHAPE, buffers, fmt.valid_regions(SHAPE)))
+        if buffers[name][valid[name]].shape != q[name].shape:
+            return torch.empty(0)  # a buffer in another layout (the evidence says which): no values
+        buffers[name][valid[name]] = q[name].cpu()
+    return fmt.dequantize(QuantizedTensor(FORMAT, SHAPE, buffers, valid))
