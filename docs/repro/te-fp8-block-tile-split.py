@@ -1,8 +1,8 @@
 """TransformerEngine: Float8BlockwiseQTensor under FSDP2: shards that split a 128-row tile gather a different weight
 
 Expected: The gathered weight equals the single-GPU Float8BlockScaling quantization of the full
-200x256 weight, or every rank refuses the 100-row shards (not a multiple of 128), as NVFP4's pre-
-hook refuses shards off its 16-row blocks.
+200x256 weight, or every rank refuses the 100-row shards (not a multiple of 128), as NVFP4's
+pre-hook refuses shards off its 16-row blocks.
 
 qgather case te:fp8_block:200x256:bf16:ws2:gather:s0 without qgather: transformer_engine and torch only.
 Run: torchrun --nproc-per-node 2 FILE (NCCL on GPUs) or python FILE (forks one rank per GPU).

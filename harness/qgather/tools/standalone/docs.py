@@ -15,7 +15,7 @@ __all__ = ["expected_files", "stale_files", "write"]
 
 def script(finding: Finding) -> str:
     """The finding's script: its case, titled, its expectation in the docstring."""
-    note = textwrap.fill(f"Expected: {finding.expected}", width=100)
+    note = textwrap.fill(f"Expected: {finding.expected}", width=100, break_on_hyphens=False)
     return render(finding.case_id, title=f"{finding.library}: {finding.title}", note=note)
 
 
