@@ -22,7 +22,7 @@ else
 SETUP :=
 endif
 
-.PHONY: run test gate-cpu test-torch test-multigpu selftest bench golden golden-check lint clean
+.PHONY: run test gate-cpu test-torch test-multigpu selftest bench golden golden-check lint clean repro-docs
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -103,3 +103,8 @@ lint: $(SETUP)
 
 clean:
 	rm -rf $(VENV) .venv-torch-* $(QGATHER_LINK) *.egg-info build .pytest_cache .ruff_cache reports
+
+# The findings' standalone scripts (docs/repro/) and upstream drafts (docs/upstream/), from
+# qgather.tools.standalone.findings; tests/test_standalone_docs.py fails while they are stale.
+repro-docs: $(SETUP)
+	PYTHONPATH=harness $(PY) -m qgather.tools.standalone
