@@ -22,6 +22,7 @@ def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
         assert f"{fmt}: reference:{fmt}:128x64:bf16:ws2:gather:s0: EXACT (2 of 2 runs EXACT)" in out
     assert out.count("time on NCCL (projected): case") == 2
     assert out.count("bare work, its slowest rank: ") == 2 and "no module build (reference has no route" in out
+    assert out.count("in the measured runs, which find it kept for the same weight") == 2  # the golden reused
     steps = out.split("steps (run 1, the median")[1]
     assert "slowest rank" in steps and "wait before the collective" in steps and "reached the collective last" in steps
 

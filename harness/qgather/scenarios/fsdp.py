@@ -53,7 +53,8 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
         master = weight = waiting.to(ctx.device)
         del waiting
     with phases.labelled(Step.GOLDEN):
-        golden = case.golden(weight, parked=True)  # a large golden waits on the host while the case gathers
+        # a large golden waits on the host while the case gathers; kept for the next case of this weight
+        golden = case.first_golden(weight)
     with phases.labelled(Step.SHARDED_MODULE):
         module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
     weight_shape = setup.piece(weight).to("meta")  # what the wire summary reads of the gathered weight

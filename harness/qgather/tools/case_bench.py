@@ -44,6 +44,7 @@ from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.impls.te.environment import te_import_error
 from qgather.model.case import CaseSpec
+from qgather.model.phases import Step
 from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, get_pool, shutdown_pools
 from qgather.scenarios import context, fsdp, fsdp_setup
@@ -319,6 +320,7 @@ def _report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespac
         memory = max(r["peak_bytes"] / r["weight_bf16_bytes"] for r in results)
         goals.append(Goal("memory", memory <= MEMORY_GOAL, f"peak {memory:.2f}x the bf16 weight per rank "
                           "(every run, warm-up included)", f"<= {MEMORY_GOAL:g}x"))
+    print(f"    {_golden_line(results, rep)}")
     ranks, last_rank = bench_steps.split_waits([_rank_steps(r["runs"][rep]["result"]) for r in results])
     table = bench_steps.spreads(ranks)
     floors = _floors(first, bare.own_quantizer, args) if args.device == "cuda" else {}
@@ -343,6 +345,16 @@ def _verdict_goal(fmt: str, case_id: str, results: list[dict]) -> Goal:
           + f" ({sum(f.verdict is Verdict.EXACT for f in found)} of {len(found)} runs EXACT)")
     return Goal("verdict", worst.verdict is Verdict.EXACT, f"{worst.verdict.value} in every run" if
                 worst.verdict is Verdict.EXACT else worst.verdict.value, "EXACT")
+
+
+def _golden_line(results: list[dict], rep: int) -> str:
+    """The golden's seconds in the warm-up run, which computed it, and in the measured run, which
+    found it kept (qgather.check.golden_cache), on their slowest ranks."""
+    def slowest(run: int) -> float:
+        return max(dict(r["runs"][run]["result"].seconds).get(Step.GOLDEN.value, 0.0) for r in results)
+
+    return (f"golden: {slowest(0) * 1e3:.2f} ms in the warm-up run, which computed it; {slowest(rep) * 1e3:.2f} ms "
+            f"in the measured runs, which find it kept for the same weight (qgather.check.golden_cache)")
 
 
 def _median_rep(results: list[dict]) -> int:
