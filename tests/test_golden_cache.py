@@ -57,3 +57,26 @@ def test_the_cache_is_bounded_and_keeps_no_error():
     cache.get(keys[1], lambda: _golden(200))  # larger than the cache: computed, not kept
     cache.get(keys[1], lambda: Golden(None, "cannot hold"))
     assert cache.get(keys[1], lambda: _golden(5)).nbytes == 5
+
+
+def test_a_buffer_identical_to_the_golden_takes_the_goldens_digest_part(monkeypatch):
+    """On a device, digest fingerprints large buffers; a gathered buffer bit-identical to the golden
+    (same shape and dtype) hashes as the golden's, computed once. Here CPU buffers of 64 elements or
+    more are fingerprinted as a device's would be: the digest is the same as computed from scratch."""
+    from qgather.check import compare
+    from qgather.check.golden import golden_for
+    from qgather.check.inspection import _identical
+    from qgather.formats import FORMATS
+
+    monkeypatch.setattr(compare, "is_fingerprinted", lambda region: region.numel() >= 64)
+    golden = golden_for(FORMATS["nvfp4_2d"], torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))
+    got = {name: t.clone() for name, t in golden.q.buffers.items()}
+    got["columnwise_data"][3, 5] ^= 1
+    diffs = compare.compare_buffers(got, golden.q)
+    names = _identical(got, golden, diffs)
+    assert sorted(names) == ["columnwise_scale_inv", "rowwise_data", "rowwise_scale_inv"]  # amax: too small
+    parts = golden.digest_parts(names)
+    assert parts.keys() == set(names) and golden.digest_parts(names) == parts  # computed once, kept
+    assert compare.digest(got, golden.q.valid, parts) == compare.digest(got, golden.q.valid)
+    got["rowwise_data"] = got["rowwise_data"].view(torch.int8)  # same bits, another dtype: not the golden's part
+    assert "rowwise_data" not in _identical(got, golden, compare.compare_buffers(got, golden.q))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qgather.check import host
+from qgather.check import compare, host
 from qgather.check.compare import compare_buffers
 from qgather.errors import HarnessFault
 from qgather.formats import Format, FormatError, QuantizedTensor
@@ -38,6 +38,7 @@ class Golden:
     quantizer_diffs: tuple[BufferDiff, ...] | None = None  # own quantizer vs reference; None: no own quantizer
     _whole: torch.Tensor | None = field(default=None, repr=False)
     _device: torch.device | None = field(default=None, repr=False)  # set while parked on the host
+    _digest_parts: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +73,20 @@ class Golden:
             self.q.buffers[name] = self.q.buffers[name].to(self._device)
         if all(t.device == self._device for t in self.q.buffers.values()):
             self._device = None
+
+    def digest_parts(self, names: Iterable[str]) -> dict[str, bytes]:
+        """compare.digest_part of each of the buffers `names` that digest fingerprints (a large one
+        on a device): what a gathered buffer bit-identical to it, in the same shape and dtype and
+        fingerprinted too, hashes to. Computed once (a kept golden serves every later case); a buffer
+        waiting on the host has none until one is computed on the device."""
+        parts = {}
+        for name in names:
+            if name not in self._digest_parts:
+                if not compare.is_fingerprinted(compare.valid_region(name, self.q.buffers[name], self.q.valid)):
+                    continue
+                self._digest_parts[name] = compare.digest_part(name, self.q.buffers[name], self.q.valid)
+            parts[name] = self._digest_parts[name]
+        return parts
 
     def value_buffers(self) -> list[str]:
         """The buffers its dequantization reads (the rowwise ones and the per-tensor values)."""
