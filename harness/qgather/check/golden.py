@@ -74,19 +74,15 @@ class Golden:
         if all(t.device == self._device for t in self.q.buffers.values()):
             self._device = None
 
-    def digest_parts(self, names: Iterable[str]) -> dict[str, bytes]:
-        """compare.digest_part of each of the buffers `names` that digest fingerprints (a large one
-        on a device): what a gathered buffer bit-identical to it, in the same shape and dtype and
-        fingerprinted too, hashes to. Computed once (a kept golden serves every later case); a buffer
-        waiting on the host has none until one is computed on the device."""
-        parts = {}
-        for name in names:
+    def digest_parts(self, identical: dict[str, torch.Tensor]) -> dict[str, bytes]:
+        """compare.digest_part of each of the `identical` buffers (gathered buffers whose valid regions
+        equal the golden's bit for bit, in the same shape and dtype, and that digest fingerprints):
+        what the golden's own buffer hashes to, computed from the first such buffer and kept with the
+        golden, so that a kept golden serves it to every later case (also while it waits on the host)."""
+        for name, tensor in identical.items():
             if name not in self._digest_parts:
-                if not compare.is_fingerprinted(compare.valid_region(name, self.q.buffers[name], self.q.valid)):
-                    continue
-                self._digest_parts[name] = compare.digest_part(name, self.q.buffers[name], self.q.valid)
-            parts[name] = self._digest_parts[name]
-        return parts
+                self._digest_parts[name] = compare.digest_part(name, tensor, self.q.valid)
+        return {name: self._digest_parts[name] for name in identical}
 
     def value_buffers(self) -> list[str]:
         """The buffers its dequantization reads (the rowwise ones and the per-tensor values)."""

@@ -169,13 +169,13 @@ class Inspector:
         return ModuleCheck(output=compare_values(got, twin.output))
 
 
-def _identical(got: dict[str, torch.Tensor], golden: Golden, diffs: Iterable) -> list[str]:
+def _identical(got: dict[str, torch.Tensor], golden: Golden, diffs: Iterable) -> dict[str, torch.Tensor]:
     """The gathered buffers whose valid regions equal the golden's bit for bit, in the same shape and
     dtype, and which digest fingerprints (large, on a device): their digest parts are the golden's."""
     differing = {d.name for d in diffs}
-    return [name for name, t in got.items() if name in golden.q.buffers and name not in differing
+    return {name: t for name, t in got.items() if name in golden.q.buffers and name not in differing
             and t.dtype == golden.q.buffers[name].dtype
-            and compare.is_fingerprinted(compare.valid_region(name, t, golden.q.valid))]
+            and compare.is_fingerprinted(compare.valid_region(name, t, golden.q.valid))}
 
 
 def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: bool) -> torch.Tensor:
