@@ -39,6 +39,28 @@ def test_a_second_case_of_the_same_weight_reuses_the_golden_and_judges_alike():
         assert other_seed.stages[0].digest != first.stages[0].digest
 
 
+def twins_built(ctx, case_ids: list[str]) -> tuple[list, int]:
+    """On a pool rank: each case in turn from a fresh cache; the results and the twins built."""
+    from tests._own_route_adapters import WithTwin
+
+    ctx.kept.clear()
+    before = WithTwin.twins_built
+    results = run_twice(ctx, case_ids)[0]
+    return results, WithTwin.twins_built - before
+
+
+def test_a_second_case_of_the_same_weight_and_configuration_reuses_the_twins_output():
+    from qgather.runtime import PoolSpec, get_pool
+
+    case = "tests._own_route_adapters:WithTwin:nvfp4_2d:128x64:bf16:ws2:gather:s0"
+    outcome = get_pool(PoolSpec("gloo", 2, "cpu")).run(twins_built, [case, case, case + ":mp-fp32"], timeout=120)
+    assert outcome.status == "ok", outcome.summary()
+    for results, built in outcome.results:
+        assert built == 2  # the first case's twin served the second; another compute dtype needs its own
+        first, again = (r.stages[0].module for r in results[:2])
+        assert first.output.equal and again == first, (first, again)  # the kept output, compared alike
+
+
 def _golden(nbytes: int) -> Golden:
     return Golden(QuantizedTensor("fp8_tensor", (nbytes,), {"data": torch.zeros(nbytes, dtype=torch.uint8)}, {}),
                   None)

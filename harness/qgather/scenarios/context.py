@@ -11,7 +11,7 @@ import torch
 
 from qgather.check import golden_cache
 from qgather.check.golden import Golden, golden_for, tensor_parallel_piece
-from qgather.check.inspection import Inspector
+from qgather.check.inspection import Inspector, TwinOutput
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS, Format
 from qgather.impls import get_impl
@@ -72,6 +72,20 @@ class RankCase:
                            lambda: golden_for(self.fmt, weight, self.impl, parked=True))
         golden.park()  # a kept golden that an earlier case brought back waits on the host again
         return golden
+
+    def kept_twin(self) -> TwinOutput | None:
+        """The one-device twin's output an earlier case of this rank process computed for the same
+        weight, configuration and compute dtype (qgather.check.golden_cache), or None."""
+        return golden_cache.kept_in(self.ctx.kept).kept_twin(self._twin_key)
+
+    def twin_output(self, weight: torch.Tensor) -> TwinOutput | None:
+        """Inspector.twin_output of the case's own weight, kept for the later cases (`kept_twin`)."""
+        twin = self.inspector.twin_output(weight, self.setup.param_dtype)
+        return golden_cache.kept_in(self.ctx.kept).keep_twin(self._twin_key, twin)
+
+    @property
+    def _twin_key(self) -> golden_cache.TwinKey:
+        return golden_cache.TwinKey.of(self.spec, self.ctx.device, self.setup.param_dtype)
 
     @property
     def shards(self) -> ShardLayout | ColumnShardLayout:
