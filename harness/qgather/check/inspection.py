@@ -79,10 +79,14 @@ class Inspector:
                          values=_against_golden(values.reshape(m, k), golden))
         buffers_digest, diffs, dequantized, where = self._buffers(param, golden)
         blocks = fmt.row_blocks(golden.q.shape)
+        # the golden layer's output blocks, from the golden's row blocks as they pass by for the
+        # comparison below: the golden is dequantized (and a parked one brought over) once, not twice
+        outputs = _GoldenOutputBlocks(self.x.to(param.dtype), len(blocks)) \
+            if len(blocks) > 1 and len(golden.q.shape) == 2 else None
         own = impl.own_dequantize_blocks(param, fmt, blocks)
         own_dequantized = None if own is None else \
-            compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks)))
-        output, output_digest, forward_error = self._forward(param, golden)
+            compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks), outputs))
+        output, output_digest, forward_error = self._forward(param, golden, outputs)
         return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
                      forward_error=forward_error, where=where, dtype_problem=dtype_problem)
@@ -106,14 +110,17 @@ class Inspector:
                                            for rows, want in golden.dequantized_blocks())
         return buffers_digest, diffs, dequantized, tuple(locate(fmt, gathered, golden.q, self.shards))
 
-    def _forward(self, param: torch.Tensor, golden: Golden) -> tuple[Comparison | None, str, str]:
-        """(the layer output against the golden layer's, its digest, the forward's error)."""
+    def _forward(self, param: torch.Tensor, golden: Golden, outputs: _GoldenOutputBlocks | None = None
+                 ) -> tuple[Comparison | None, str, str]:
+        """(the layer output against the golden layer's, its digest, the forward's error). `outputs`:
+        the golden layer's output blocks, where already computed."""
         x = self.x.to(param.dtype)
         try:
             y, blocks = self._output(param, x, golden)
         except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
             return None, "", _one_line(exc)
-        y_ref = _golden_output(x, golden, param.dtype, blocks)
+        y_ref = outputs.output() if blocks and outputs is not None and outputs.complete else \
+            _golden_output(x, golden, param.dtype, blocks)
         return compare_values(y, y_ref, self.impl.output_tolerance(self.fmt.name)), digest({"output": y}, {}), ""
 
     def _output(self, param: torch.Tensor, x: torch.Tensor, golden: Golden) -> tuple[torch.Tensor, bool]:
@@ -187,16 +194,41 @@ def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: 
                       for _, values in golden.dequantized_blocks()], dim=-1)
 
 
-def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden,
-                        n_blocks: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(own block, golden block) pairs; an implementation that yields another number of blocks than
-    it was asked for would have some rows compared twice or not at all: said, with the counts."""
+class _GoldenOutputBlocks:
+    """The golden layer's output, x @ W^T block of rows by block (as `_golden_output` computes it with
+    `blocks`), collected from the golden's row blocks as a comparison reads them."""
+
+    def __init__(self, x: torch.Tensor, n_blocks: int) -> None:
+        self.x, self.n_blocks = x, n_blocks
+        self._blocks: list[torch.Tensor] = []
+
+    def add(self, values: torch.Tensor) -> None:
+        if values.shape[-1] != self.x.shape[-1]:  # the layer cannot take x either: its forward says why
+            self.n_blocks = -1
+            return
+        self._blocks.append(torch.matmul(self.x, values.to(self.x.dtype).transpose(-1, -2)))
+
+    @property
+    def complete(self) -> bool:
+        return len(self._blocks) == self.n_blocks
+
+    def output(self) -> torch.Tensor:
+        return torch.cat(self._blocks, dim=-1)
+
+
+def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden, n_blocks: int,
+                        outputs: _GoldenOutputBlocks | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(own block, golden block) pairs (each golden block also handed to `outputs`); an
+    implementation that yields another number of blocks than it was asked for would have some rows
+    compared twice or not at all: said, with the counts."""
     own = iter(own)
     for count, (_, want) in enumerate(golden.dequantized_blocks()):
         got = next(own, None)
         if got is None:
             raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded {count} blocks for the {n_blocks} "
                                "row blocks it was asked for")
+        if outputs is not None:
+            outputs.add(want)
         yield got, want
     if next(own, None) is not None:
         raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded more than the {n_blocks} row blocks "
