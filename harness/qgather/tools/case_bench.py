@@ -333,7 +333,7 @@ def _report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespac
                           ", ".join(bench_steps.OWN_STEPS), f"each <= {bench_steps.FLOOR_GOAL:g}x its floor"))
     for goal in goals:
         print(f"    {goal.line()}")
-    _print_steps(table, floors, last_rank, rep, args, backend)
+    _print_steps(table, floors, last_rank, rep, hbm_bandwidth(first["device_name"])[1], backend)
     return [f"{fmt} {goal.name}" for goal in goals if not goal.met]
 
 
@@ -406,22 +406,18 @@ def _projection_line(p: Projection, nbytes: int, args: argparse.Namespace) -> st
 
 
 def _print_steps(table: list, floors: dict[str, float], last_rank: int | None, rep: int,
-                 args: argparse.Namespace, backend: str) -> None:
+                 bandwidth_source: str, backend: str) -> None:
     """The case's steps over its ranks (the median run): the slowest and the fastest rank, and on a GPU
     the HBM floor where modelled."""
     if not floors:
         where = "no HBM floors on the CPU"
     else:
-        where = f"HBM floor: the bytes a step must read and write at least, a model, at {_bandwidth_source(args)}"
+        where = f"HBM floor: the bytes a step must read and write at least, a model, at {bandwidth_source}"
         if backend != "nccl":
             where += f"; not goals: the ranks share GPUs over {backend}"
     print(f"    steps (run {rep}, the median; {where}):")
     for line in bench_steps.table_lines(table, floors, last_rank):
         print(line)
-
-
-def _bandwidth_source(args: argparse.Namespace) -> str:
-    return hbm_bandwidth(torch.cuda.get_device_name(0))[1] if torch.cuda.is_available() else "an assumed bandwidth"
 
 
 if __name__ == "__main__":
