@@ -61,7 +61,12 @@ class Inspector:
         Returns:
             The stage record: digests, buffer differences, value and output comparisons.
         """
-        return replace(self._judge(param, golden, label, dtype), piece=self.piece)
+        parked = golden.parked
+        try:
+            return replace(self._judge(param, golden, label, dtype), piece=self.piece)
+        finally:
+            if parked:  # the device copies the checks read are let go; the host copies stay
+                golden.park()
 
     def _judge(self, param: torch.Tensor, golden: Golden, label: str, dtype: torch.dtype | None) -> Stage:
         impl, fmt = self.impl, self.fmt
@@ -95,8 +100,21 @@ class Inspector:
         """(digest, differences, dequantized values, where they differ) of the gathered buffers. What
         the implementation derived to show them (e.g. TE's columnwise copy) is let go on return: the
         checks after this one read the weight through the library, not these buffers."""
-        fmt = self.fmt
         got = self.impl.read_buffers(param)
+        # A parked golden comes over whole, once per inspection (not chunk by chunk for each check), after
+        # the gather's own buffers are gone; what the value checks after this one do not read waits on the
+        # host again on return (its host copy is kept: letting the device copy go costs no copy).
+        parked = golden.parked
+        golden.unpark()
+        try:
+            return self._compared_buffers(got, golden)
+        finally:
+            if parked:
+                golden.park(keep=golden.value_buffers())
+
+    def _compared_buffers(self, got: dict[str, torch.Tensor], golden: Golden
+                          ) -> tuple[str, tuple, Comparison | None, tuple]:
+        fmt = self.fmt
         diffs = tuple(compare_buffers(got, golden.q))
         buffers_digest = digest(got, golden.q.valid, golden.digest_parts(_identical(got, golden, diffs)))
         if not diffs:
@@ -104,7 +122,6 @@ class Inspector:
             return buffers_digest, diffs, Comparison(True, detail=IDENTICAL_BUFFERS), ()
         if any(d.problem.breaks_layout for d in diffs):
             return buffers_digest, diffs, None, ()
-        golden.unpark()  # `locate` reads every buffer of both
         gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
         dequantized = compare_value_blocks((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
                                            for rows, want in golden.dequantized_blocks())
