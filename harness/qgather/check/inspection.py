@@ -102,26 +102,30 @@ class Inspector:
         checks after this one read the weight through the library, not these buffers."""
         got = self.impl.read_buffers(param)
         # A parked golden comes over whole, once per inspection (not chunk by chunk for each check), after
-        # the gather's own buffers are gone; what the value checks after this one do not read waits on the
-        # host again on return (its host copy is kept: letting the device copy go costs no copy).
+        # the gather's own buffers exist; what the value checks after the comparison do not read waits on
+        # the host again before the digest's temporaries (its host copy is kept: no copy back).
         parked = golden.parked
         golden.unpark()
         try:
-            return self._compared_buffers(got, golden)
+            diffs = tuple(compare_buffers(got, golden.q))
+            if parked:
+                golden.park(keep=golden.value_buffers())
+            return self._evidence(got, golden, diffs)
         finally:
             if parked:
                 golden.park(keep=golden.value_buffers())
 
-    def _compared_buffers(self, got: dict[str, torch.Tensor], golden: Golden
-                          ) -> tuple[str, tuple, Comparison | None, tuple]:
+    def _evidence(self, got: dict[str, torch.Tensor], golden: Golden, diffs: tuple
+                  ) -> tuple[str, tuple, Comparison | None, tuple]:
+        """(digest, differences, dequantized values, where they differ) once the buffers are compared."""
         fmt = self.fmt
-        diffs = tuple(compare_buffers(got, golden.q))
         buffers_digest = digest(got, golden.q.valid, golden.digest_parts(_identical(got, golden, diffs)))
         if not diffs:
             # The harness's own dequantization reads only the valid regions it just found bit-identical.
             return buffers_digest, diffs, Comparison(True, detail=IDENTICAL_BUFFERS), ()
         if any(d.problem.breaks_layout for d in diffs):
             return buffers_digest, diffs, None, ()
+        golden.unpark()  # `locate` reads every buffer of both
         gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
         dequantized = compare_value_blocks((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
                                            for rows, want in golden.dequantized_blocks())
