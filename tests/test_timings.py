@@ -25,6 +25,18 @@ def test_clock_charges_each_phase_and_label(monkeypatch):
     assert len(synced) == 5  # every reading waited for the device first
 
 
+def test_clock_notes_when_each_step_first_started(monkeypatch):
+    walls = itertools.count(100)
+    monkeypatch.setattr("qgather.model.phases.time.time", lambda: float(next(walls)))
+    phases = PhaseTracker()  # build starts at 100
+    with phases.labelled(Step.GOLDEN):  # 101
+        phases.current = Phase.SHARD  # still the golden's time: no new start
+    phases.current = Phase.COLLECTIVE  # shard resumed after the label at 102, collective at 103
+    phases.current = Phase.SHARD  # already started: its first start stays
+    assert dict(phases.started()) == {Phase.BUILD.value: 100.0, "golden": 101.0, Phase.SHARD.value: 102.0,
+                                      Phase.COLLECTIVE.value: 103.0}
+
+
 def test_labelled_block_keeps_the_error_phase():
     phases = PhaseTracker()
     try:

@@ -72,7 +72,9 @@ def run_on_rank(ctx: CaseContext, spec: CaseSpec, checkpoint: str | None = None)
     phases = PhaseTracker(_device_sync(ctx.device))
     with phases.tagging():
         result = runner(ctx, spec, phases, checkpoint)
-    return replace(result, seconds=phases.seconds()) if isinstance(result, RankResult) else result
+    if not isinstance(result, RankResult):
+        return result
+    return replace(result, seconds=phases.seconds(), started=phases.started())
 
 
 def _device_sync(device: torch.device) -> Callable[[], None] | None:
