@@ -35,6 +35,7 @@ SCENARIO_METHODS: dict[str, tuple[str, ...]] = {
     "virtual": ("make_param",),
     "model": ("run_model",),
     "layers": ("requantize_shard",),  # the layers scenario takes optimizer steps too
+    "block": ("requantize_shard",),  # and so does the block scenario
 }
 #: the two routes to a sharded module: the harness's own FSDP2 route, or the library's own
 ROUTES = ("make_param", "make_sharded_module")
@@ -100,6 +101,9 @@ class Implementation(abc.ABC):
             return f"{self.name} does not support scenario {spec.scenario}"
         if device.type not in self.devices:
             return f"{self.name} does not run on {device.type}"
+        if spec.scenario == "block" and not any(_overrides(type(self), m) for m in ("make_param", "make_module")):
+            return (f"{self.name} builds its sharded modules itself (make_sharded_module); the block scenario "
+                    "builds one fully_shard group of several weights through make_param or make_module")
         return None
 
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
@@ -268,7 +272,7 @@ def missing_methods(adapter: type[Implementation] | Implementation) -> list[str]
         >>> class Half(Implementation):
         ...     def is_quantized(self, param): return True
         >>> missing_methods(Half)
-        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard, layers)', \
+        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard, layers, block)', \
 'make_param (for hooks, virtual)']
     """
     cls = adapter if isinstance(adapter, type) else type(adapter)

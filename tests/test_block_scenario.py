@@ -1,0 +1,68 @@
+"""The block scenario (every parameter of a block in one fully_shard group): the parameters a case
+derives, the suite's cases, a reference block on the rank pools, and a wrong gather caught in it."""
+
+from __future__ import annotations
+
+import torch
+
+from qgather.engine.run import RunOptions, run_case
+from qgather.impls.base import Implementation
+from qgather.model.block import block_params
+from qgather.model.case import CaseSpec
+from qgather.model.layers import layer_weights
+from qgather.model.policy import expectation
+from qgather.model.verdict import Verdict
+from qgather.suite import coverage
+from qgather.suite.cases.test_block import SWEEP, TORCHAO
+
+CPU = RunOptions(backend="gloo", device="cpu")
+
+
+def test_a_block_holds_the_layers_weights_with_plain_parameters_between_them():
+    spec = CaseSpec.parse("reference:nvfp4_2d:18x64:bf16:ws2:block:s0")
+    params = block_params(spec)
+    assert [w.spec.shape for w in params.quantized] == [w.spec.shape for w in layer_weights(spec)]
+    assert [(p.name, p.length, p.in_root) for p in params.plain] == [
+        ("norm", 64, False), ("bias", params.aligned.spec.shape[0], False), ("scale", 64, True)]
+    assert len({p.seed for p in params.plain}) == 3
+    # the policy reads every weight of the block, as for layers
+    assert not expectation(spec).aligned and "weight first 18x64" in expectation(spec).reason
+    assert {k[2] for k in coverage.measure([spec]).hits} >= {"3d", "rows:split", "rows:aligned"}
+
+
+def test_the_suite_runs_every_format_and_each_configuration_on_three_formats():
+    cases = SWEEP.cases(["reference"])
+    assert {c.scenario for c in cases} == {"block"}
+    assert len({c.fmt for c in cases}) == 7
+    by_config: dict[str, set[str]] = {}
+    for c in cases:
+        by_config.setdefault(c.config.token, set()).add(c.fmt)
+    assert set(by_config) == {"", "compile", "mp-bf16", "raf-no", "hsdp-2x2"}
+    assert all(len(fmts) == 3 for token, fmts in by_config.items() if token)
+    assert any(not expectation(c).aligned for c in cases) and any(expectation(c).aligned for c in cases)
+    assert {c.impl for c in TORCHAO.cases(["torchao", "torchao:precompute"])} == {"torchao", "torchao:precompute"}
+
+
+def test_an_adapter_without_the_harness_route_is_skipped():
+    class OwnRouteOnly(Implementation):
+        name, formats = "own", ("fp8_tensor",)
+
+        def make_sharded_module(self, ctx, spec, master, setup=None):
+            return None
+
+        def read_buffers(self, param):
+            return {}
+
+        def is_quantized(self, param):
+            return True
+
+    reason = OwnRouteOnly().skip_reason(CaseSpec.parse("own:fp8_tensor:32x64:bf16:ws2:block:s0"), torch.device("cpu"))
+    assert reason and "make_param or make_module" in reason
+
+
+def test_a_reference_block_is_exact_and_a_wrong_gather_in_it_is_caught():
+    report = run_case(CaseSpec.parse("reference:fp8_tensor:17x64:bf16:ws2:block:s0"), CPU)
+    assert report.verdict is Verdict.EXACT and report.passed, report.render()
+    assert any(d.startswith("wire (the block's group: 3 quantized and 2 plain parameters)") for d in report.details)
+    wrong = run_case(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:32x64:bf16:ws2:block:s0"), CPU)
+    assert wrong.verdict is Verdict.SILENT_MISMATCH and "first unshard" in wrong.reason, wrong.render()
