@@ -3,6 +3,7 @@ derives, the suite's cases, a reference block on the rank pools, and a wrong gat
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qgather.engine.run import RunOptions, run_case
@@ -66,3 +67,11 @@ def test_a_reference_block_is_exact_and_a_wrong_gather_in_it_is_caught():
     assert any(d.startswith("wire (the block's group: 3 quantized and 2 plain parameters)") for d in report.details)
     wrong = run_case(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:32x64:bf16:ws2:block:s0"), CPU)
     assert wrong.verdict is Verdict.SILENT_MISMATCH and "first unshard" in wrong.reason, wrong.render()
+
+
+@pytest.mark.parametrize("mutant", ["staged_wire", "class_wire_plan"])
+def test_the_group_mutants_pass_a_group_of_one_weight(mutant):
+    """The bugs only a group of several parameters shows (bug classes 25, 26; test_selftest proves their
+    catching block cases): the same module with one group per weight (layers) is EXACT."""
+    report = run_case(CaseSpec.parse(f"mutant:{mutant}:fp8_block:255x64:bf16:ws2:layers:s0"), CPU)
+    assert report.verdict is Verdict.EXACT, report.render()
