@@ -58,7 +58,7 @@ def test_an_adapter_without_the_harness_route_is_skipped():
             return True
 
     reason = OwnRouteOnly().skip_reason(CaseSpec.parse("own:fp8_tensor:32x64:bf16:ws2:block:s0"), torch.device("cpu"))
-    assert reason and "make_param or make_module" in reason
+    assert reason and "make_param, make_module, make_block_layer" in reason
 
 
 def test_a_reference_block_is_exact_and_a_wrong_gather_in_it_is_caught():
@@ -75,3 +75,14 @@ def test_the_group_mutants_pass_a_group_of_one_weight(mutant):
     catching block cases): the same module with one group per weight (layers) is EXACT."""
     report = run_case(CaseSpec.parse(f"mutant:{mutant}:fp8_block:255x64:bf16:ws2:layers:s0"), CPU)
     assert report.verdict is Verdict.EXACT, report.render()
+
+
+def test_a_layer_the_library_builds_itself_is_sharded_in_the_group_then_materialized():
+    """The route TE's te.Linear takes in a block (make_block_layer, then materialize_block_layer after the
+    block's fully_shard), emulated with reference layers whose shards are written only at materialization."""
+    report = run_case(CaseSpec.parse("tests._block_adapters:MaterializedAfterSharding:fp8_tensor:17x64:bf16:ws2:"
+                                     "block:s0"), CPU)
+    assert report.verdict is Verdict.EXACT, report.render()
+    assert not any("outputs not compared" in d for d in report.details), report.render()
+    never = run_case(CaseSpec.parse("tests._block_adapters:NeverMaterialized:fp8_tensor:17x64:bf16:ws2:block:s0"), CPU)
+    assert never.verdict is Verdict.SILENT_MISMATCH, never.render()

@@ -20,8 +20,10 @@ model's forward (each parameter judged where its module receives it), the output
 the same model on one device, the backward's unshard of the block from whatever the forward left,
 judged again, and the reshard. Under `compile` the forward is `torch.compile(model)`'s.
 
-The block is built through the harness's route (make_module or make_param): an adapter that shards
-its modules itself (make_sharded_module) is SKIPPED by Implementation.skip_reason.
+Each quantized layer is the implementation's `make_block_layer` (the library's own layer, built
+unsharded, e.g. TE's te.Linear on meta; materialized by `materialize_block_layer` once the block is
+sharded, e.g. TE's reset_parameters), else the harness's (make_module or make_param). An adapter
+with neither (only its own make_sharded_module) is SKIPPED by Implementation.skip_reason.
 """
 
 from __future__ import annotations
@@ -138,6 +140,10 @@ def run_block(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint
     with phases.at(Phase.SHARD):
         fully_shard(block, **case.setup.kwargs)
         fully_shard(model, **case.setup.kwargs)
+    with phases.at(Phase.BUILD):
+        for layer in layers:
+            if layer.own_route:
+                case.impl.materialize_block_layer(layer.module)
     run = _BlockRun(case, model, layers, list(plains.values()))
     goldens = [layer.golden(0) for layer in layers]
     first, wire = run.first_gather(goldens)
@@ -172,14 +178,18 @@ def _quantized_layers(case: RankCase, params: BlockParams) -> tuple[list[Layer],
             continue
         masters = _masters(weight, case.ctx.device)
         setup = fsdp_setup.prepare(case.ctx, weight.spec)
-        refused = _probe(case, weight, masters[0], setup)
-        if refused is not None:
-            stages.append(refused)
-            continue
         with case.phases.at(Phase.BUILD):
-            module = harness_module(case.impl, weight.spec.fmt, masters[0].to(weight.spec.torch_dtype))
+            module = case.impl.make_block_layer(case.ctx, weight.spec, masters[0], setup)
+        own_route = module is not None
+        if not own_route:  # the library's own layer refuses where it is materialized: no probe of it
+            refused = _probe(case, weight, masters[0], setup)
+            if refused is not None:
+                stages.append(refused)
+                continue
+            with case.phases.at(Phase.BUILD):
+                module = harness_module(case.impl, weight.spec.fmt, masters[0].to(weight.spec.torch_dtype))
         inspector = Inspector(weight.spec, case.impl, case.fmt, case.x, setup.shards)
-        layers.append(Layer(weight, module, setup, inspector, masters, own_route=False))
+        layers.append(Layer(weight, module, setup, inspector, masters, own_route=own_route))
     return layers, stages, notes
 
 
@@ -228,8 +238,15 @@ def _twin_outputs(case: RankCase, layers: list[Layer], plains: dict[str, Plain])
         n = case.x.to(dtype) * value["scale"] * value["norm"]
         outputs = []
         for layer in layers:
+            weight = layer.masters[point].to(dtype)
             with torch.no_grad(), impl.forward_context(spec):
-                y = harness_module(impl, spec.fmt, layer.masters[point].to(dtype))(n)
+                if layer.own_route:
+                    y = impl.single_device_output(layer.weight.spec, weight, n)
+                    if y is None:
+                        return (f"outputs not compared with a one-device model: {impl.name} builds "
+                                f"{layer.weight.title} itself and has no single_device_output")
+                else:
+                    y = harness_module(impl, spec.fmt, weight)(n)
             outputs.append(y + value["bias"] if layer.weight.name == "aligned" else y)
         points.append(_flat(outputs))
     return points
