@@ -33,3 +33,12 @@ class NeverMaterialized(MaterializedAfterSharding):
 
     def materialize_block_layer(self, module):
         del module.pending
+
+
+class CorruptsThePlainNorm(ReferenceImplementation):
+    """A correct quantized path; its after-step hook zeroes this rank's shard of the block's plain norm
+    weight (as a buggy optimizer hook might): the plain parameter's gather must be judged too."""
+
+    def after_step(self, module, group):
+        block = getattr(module, "block", module)
+        local_shard(block.parts["norm"]).zero_()

@@ -24,8 +24,10 @@ def test_a_block_holds_the_layers_weights_with_plain_parameters_between_them():
     params = block_params(spec)
     assert [w.spec.shape for w in params.quantized] == [w.spec.shape for w in layer_weights(spec)]
     assert [(p.name, p.length, p.in_root) for p in params.plain] == [
-        ("norm", 64, False), ("bias", params.aligned.spec.shape[0], False), ("scale", 64, True)]
-    assert len({p.seed for p in params.plain}) == 3
+        ("norm", 64, False), ("bias", params.aligned.spec.shape[0], False)]
+    nested = block_params(CaseSpec.parse("reference:nvfp4_2d:18x64:bf16:ws2:block:s0:nested")).plain
+    assert [(p.name, p.in_root) for p in nested] == [("norm", False), ("bias", False), ("scale", True)]
+    assert len({p.seed for p in nested}) == 3
     # the policy reads every weight of the block, as for layers
     assert not expectation(spec).aligned and "weight first 18x64" in expectation(spec).reason
     assert {k[2] for k in coverage.measure([spec]).hits} >= {"3d", "rows:split", "rows:aligned"}
@@ -38,7 +40,7 @@ def test_the_suite_runs_every_format_and_each_configuration_on_three_formats():
     by_config: dict[str, set[str]] = {}
     for c in cases:
         by_config.setdefault(c.config.token, set()).add(c.fmt)
-    assert set(by_config) == {"", "compile", "mp-bf16", "raf-no", "hsdp-2x2"}
+    assert set(by_config) == {"", "compile", "mp-bf16", "raf-no", "hsdp-2x2", "nested"}
     assert all(len(fmts) == 3 for token, fmts in by_config.items() if token)
     assert any(not expectation(c).aligned for c in cases) and any(expectation(c).aligned for c in cases)
     assert {c.impl for c in TORCHAO.cases(["torchao", "torchao:precompute"])} == {"torchao", "torchao:precompute"}
@@ -62,9 +64,12 @@ def test_an_adapter_without_the_harness_route_is_skipped():
 
 
 def test_a_reference_block_is_exact_and_a_wrong_gather_in_it_is_caught():
-    report = run_case(CaseSpec.parse("reference:fp8_tensor:17x64:bf16:ws2:block:s0"), CPU)
+    report = run_case(CaseSpec.parse("reference:fp8_tensor:17x64:bf16:ws2:block:s0:nested"), CPU)
     assert report.verdict is Verdict.EXACT and report.passed, report.render()
     assert any(d.startswith("wire (the block's group: 3 quantized and 2 plain parameters)") for d in report.details)
+    plain = run_case(CaseSpec.parse("tests._block_adapters:CorruptsThePlainNorm:fp8_tensor:17x64:bf16:ws2:block:s0"),
+                     CPU)
+    assert plain.verdict is Verdict.SILENT_MISMATCH and "plain norm 64: values:" in plain.reason, plain.render()
     wrong = run_case(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:32x64:bf16:ws2:block:s0"), CPU)
     assert wrong.verdict is Verdict.SILENT_MISMATCH and "first unshard" in wrong.reason, wrong.render()
 

@@ -1,7 +1,8 @@
 """The block scenario on the rank pool: every parameter of a transformer-like block in ONE `fully_shard`
 group (qgather.model.block: three quantized weights of different shapes and regimes, plain
-high-precision parameters between them), the block inside a model root with a parameter of its own,
-as real training shards a block. FSDP2 then gathers the whole group in one collective: every
+high-precision parameters between them), as real training shards a block; under `nested` the block
+sits inside a model root with a parameter of its own (fully_shard(block), then fully_shard(root)),
+else the block is the root. FSDP2 then gathers the whole group in one collective: every
 pre-all-gather hook of the group runs, then one foreach copy-in into one flat buffer (uint8 as soon
 as two all-gather inputs differ in dtype), one all-gather, one split-with-sizes copy-out and every
 post-all-gather hook. State a hook keeps per class or per format instead of per parameter, offsets
@@ -103,7 +104,7 @@ class Block(torch.nn.Module):
 
 
 class Model(torch.nn.Module):
-    """The model root: its own plain parameter (the input's scale), then the block."""
+    """The model root of a `nested` case: its own plain parameter (the input's scale), then the block."""
 
     def __init__(self, scale: Scale, block: Block) -> None:
         super().__init__()
@@ -136,10 +137,11 @@ def run_block(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint
     ordered = {name: parts.get(name) for name in ("first", "norm", "aligned", "bias", "experts")}
     ordered.update(norm=plains["norm"].module, bias=plains["bias"].module)
     block = Block({name: module for name, module in ordered.items() if module is not None})
-    model = Model(plains["scale"].module, block)
+    model = Model(plains["scale"].module, block) if spec.config.nested else block
     with phases.at(Phase.SHARD):
         fully_shard(block, **case.setup.kwargs)
-        fully_shard(model, **case.setup.kwargs)
+        if model is not block:
+            fully_shard(model, **case.setup.kwargs)
     with phases.at(Phase.BUILD):
         for layer in layers:
             if layer.own_route:
@@ -235,7 +237,8 @@ def _twin_outputs(case: RankCase, layers: list[Layer], plains: dict[str, Plain])
     points = []
     for point in range(STEPS + 1):
         value = {name: plain.masters[point].to(dtype) for name, plain in plains.items()}
-        n = case.x.to(dtype) * value["scale"] * value["norm"]
+        h = case.x.to(dtype) * value["scale"] if "scale" in value else case.x.to(dtype)
+        n = h * value["norm"]
         outputs = []
         for layer in layers:
             weight = layer.masters[point].to(dtype)
@@ -256,9 +259,10 @@ def _twin_outputs(case: RankCase, layers: list[Layer], plains: dict[str, Plain])
 class _BlockRun:
     """The sharded model on this rank: its first gather, its iterations and its optimizer steps."""
 
-    def __init__(self, case: RankCase, model: Model, layers: list[Layer], plains: list[Plain]) -> None:
+    def __init__(self, case: RankCase, model: Model | Block, layers: list[Layer], plains: list[Plain]) -> None:
         self.case, self.model, self.layers, self.plains = case, model, layers, plains
-        self.block = model.block
+        self.block = model.block if isinstance(model, Model) else model
+        self._in_root = [p.module for p in plains if p.param.in_root]  # gathered by the root's group only
         self.param_types = tuple(dict.fromkeys(type(local_shard(layer.module)) for layer in layers))
         self.twin: list[torch.Tensor] | None = None
         self.counting: CountingBackend | None = None
@@ -284,14 +288,15 @@ class _BlockRun:
                             f"{what}: {plain.param.title}")
 
     def _judged_modules(self) -> list[torch.nn.Module]:
-        """The block's modules whose parameter is judged (the root's scale is judged in the root's group)."""
+        """Every parameter's module: the block's, and under `nested` the root's scale (judged in the
+        forward only: the block's unshard does not gather it)."""
         return [layer.module for layer in self.layers] + [p.module for p in self.plains]
 
 
     def _judge_all(self, goldens: dict[int, Golden], point: int, what: str) -> list[Stage]:
         with self.case.phases.at(Phase.INSPECTION):
             return [self._judge(module, goldens, point, what) for module in self._judged_modules()
-                    if module is not self.model.scale]
+                    if module not in self._in_root]
 
     def first_gather(self, goldens: list[Golden]) -> tuple[list[Stage], WireSummary]:
         """The block's first unshard alone (one collective for the group): every parameter judged, and

@@ -124,8 +124,11 @@ def _two_dimensional_skip(spec: CaseSpec) -> str | None:
 
 
 def _layers_skip_reason(spec: CaseSpec) -> str | None:
-    """The configurations the layers and block scenarios (qgather.scenarios.layers, .block) do not run."""
+    """The configurations the layers and block scenarios (qgather.scenarios.layers, .block) do not run,
+    and `nested` anywhere else."""
     scenario = spec.scenario
+    if spec.config.nested and scenario != "block":
+        return f"nested: the {scenario} scenario has no block to nest in a model root (the block scenario's)"
     if scenario not in MODULE_SCENARIOS:
         return None
     if spec.config.shard_dim == 1:

@@ -4,9 +4,10 @@ block's first quantized weight, picked as the layers suite picks it (qgather.sui
 .FirstWeights: uneven shards that stay aligned, and shards that split a scale block, which the
 reference refuses: the case is then REJECTED after the rest of the block was judged EXACT); the
 block adds an aligned weight, a 3-D experts weight and plain parameters between them, so every case
-holds three regimes in one flat buffer. Every format at 2, 3 and 4 ranks; then each configuration
-token the block runs (compile, mp-bf16, raf-no, hsdp-2x2) on three formats (per tensor, blockwise,
-NVFP4); torchao (its own set unless --impl names the implementations) with and without precomputed
+holds three regimes in one flat buffer. Every format at 2, 3 and 4 ranks, the block as the root;
+then each configuration token the block runs (compile, mp-bf16, raf-no, hsdp-2x2, and `nested`: the
+block inside a model root with a parameter of its own, at 2 and 3 ranks) on three formats (per
+tensor, blockwise, NVFP4); torchao (its own set unless --impl names the implementations) with and without precomputed
 scales, eager and compiled.
 """
 
@@ -27,6 +28,8 @@ CONFIGS = (
     (FsdpConfig(param_dtype="bf16"), "fp32", 2),
     (FsdpConfig(reshard_after_forward=False), "bf16", 2),
     (FsdpConfig(hsdp=(2, 2)), "bf16", 4),
+    (FsdpConfig(nested=True), "bf16", 2),
+    (FsdpConfig(nested=True), "bf16", 3),
 )
 CONFIG_FORMATS = ("fp8_tensor", "fp8_block", "nvfp4_2d")
 
