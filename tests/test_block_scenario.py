@@ -91,3 +91,17 @@ def test_a_layer_the_library_builds_itself_is_sharded_in_the_group_then_material
     assert not any("outputs not compared" in d for d in report.details), report.render()
     never = run_case(CaseSpec.parse("tests._block_adapters:NeverMaterialized:fp8_tensor:17x64:bf16:ws2:block:s0"), CPU)
     assert never.verdict is Verdict.SILENT_MISMATCH, never.render()
+
+
+@pytest.mark.parametrize("adapter, verdict, reason", [
+    ("WrongAlignedWeight", Verdict.SILENT_MISMATCH, "weight aligned 64x64: data: 1 of 4096"),
+    ("RefusesExperts", Verdict.ERROR, "weight experts 4x16x64: left out of the module: refused"),
+    ("RefusesInPreHook", Verdict.REJECTED, "ShardAlignmentError: pre-all-gather hook"),
+])
+def test_a_wrong_weight_or_a_refusal_in_the_group(adapter, verdict, reason):
+    """One wrong weight among the group's fails the case; a weight refused although aligned is an ERROR;
+    a refusal of the misaligned first weight in the group's pre-all-gather pass refuses the block."""
+    shape = "17x64" if adapter == "WrongAlignedWeight" else "18x64"
+    fmt = "fp8_tensor" if adapter == "WrongAlignedWeight" else "nvfp4_2d"
+    report = run_case(CaseSpec.parse(f"tests._layers_adapters:{adapter}:{fmt}:{shape}:bf16:ws2:block:s0"), CPU)
+    assert report.verdict is verdict and reason in report.reason, report.render()

@@ -12,7 +12,10 @@ it shows in a group of one weight (the gather and layers scenarios).
 Each quantized weight is first sharded alone (a probe of its own `fully_shard`), where a refusal
 shows: a weight every rank refuses with the implementation's declared rejection is left out of the
 block (REJECTED only if the policy accepts it and everything else is EXACT, as in the layers
-scenario). Then the block's first unshard, alone: every parameter judged against its own golden
+scenario). A refusal only the group's pre-all-gather pass raises (a hook that checks alignment
+itself) refuses the whole block, as it would a real model's: REJECTED where the policy accepts it,
+without the other weights judged (the layers scenario, one group per weight, judges them). Then the
+block's first unshard, alone: every parameter judged against its own golden
 (quantized: bytes, values, layer output; plain: bit for bit against its master in the dtype the
 mixed-precision policy asks for), and the group's one collective against the sum of what each
 parameter may move (DEGRADED above it). Then, before the first step and after each of STEPS
