@@ -3,6 +3,8 @@ derives, the suite's cases, a reference block on the rank pools, and a wrong gat
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -22,7 +24,10 @@ CPU = RunOptions(backend="gloo", device="cpu")
 def test_a_block_holds_the_layers_weights_with_plain_parameters_between_them():
     spec = CaseSpec.parse("reference:nvfp4_2d:18x64:bf16:ws2:block:s0")
     params = block_params(spec)
-    assert [w.spec.shape for w in params.quantized] == [w.spec.shape for w in layer_weights(spec)]
+    first, aligned, experts = layer_weights(spec)
+    assert params.quantized == (first, aligned, params.other, experts)
+    assert (params.other.spec.fmt, params.other.spec.shape) == ("mxfp8", (128, 64))  # two formats in one group
+    assert expectation(replace(spec, shape=(32, 64))).aligned  # the other format's weight is aligned too
     assert [(p.name, p.length, p.in_root) for p in params.plain] == [
         ("norm", 64, False), ("bias", params.aligned.spec.shape[0], False)]
     nested = block_params(CaseSpec.parse("reference:nvfp4_2d:18x64:bf16:ws2:block:s0:nested")).plain
@@ -66,7 +71,7 @@ def test_an_adapter_without_the_harness_route_is_skipped():
 def test_a_reference_block_is_exact_and_a_wrong_gather_in_it_is_caught():
     report = run_case(CaseSpec.parse("reference:fp8_tensor:17x64:bf16:ws2:block:s0:nested"), CPU)
     assert report.verdict is Verdict.EXACT and report.passed, report.render()
-    assert any(d.startswith("wire (the block's group: 3 quantized and 2 plain parameters)") for d in report.details)
+    assert any(d.startswith("wire (the block's group: 4 quantized and 2 plain parameters)") for d in report.details)
     plain = run_case(CaseSpec.parse("tests._block_adapters:CorruptsThePlainNorm:fp8_tensor:17x64:bf16:ws2:block:s0"),
                      CPU)
     assert plain.verdict is Verdict.SILENT_MISMATCH and "plain norm 64: values:" in plain.reason, plain.render()

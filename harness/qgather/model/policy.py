@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qgather.formats import FORMATS, FormatError
+from qgather.model.block import module_weights
 from qgather.model.case import CaseSpec, saved_spec
-from qgather.model.layers import MODULE_SCENARIOS, layer_weights
+from qgather.model.layers import MODULE_SCENARIOS
 from qgather.model.layout import alignment_problem
 from qgather.model.verdict import Verdict
 
@@ -45,7 +46,7 @@ def expectation(spec: CaseSpec) -> Expectation:
     if spec.scenario not in MODULE_SCENARIOS:
         return _one_weight(spec)
     reasons = []
-    for weight in layer_weights(spec):
+    for weight in module_weights(spec):
         wanted = _one_weight(weight.spec)
         if not wanted.aligned:
             reasons.append(f"{weight.title}: {wanted.reason}")

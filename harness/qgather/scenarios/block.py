@@ -43,6 +43,7 @@ from qgather.check.inspection import Inspector
 from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import WireLog, record_wire, summarize_wire
 from qgather.errors import HarnessFault
+from qgather.formats import FORMATS
 from qgather.model.block import BlockParams, PlainParam, block_params
 from qgather.model.case import CaseSpec, ShardLayout
 from qgather.model.layers import LayerWeight
@@ -66,7 +67,8 @@ from qgather.scenarios.layers import (
 )
 from qgather.scenarios.module import harness_module, local_shard
 
-QUANTIZED = ("first", "aligned", "experts")
+PLAIN = ("norm", "bias")  # the block's plain parts (a nested model's root holds its scale)
+
 
 
 class Scale(torch.nn.Module):
@@ -88,7 +90,7 @@ class Shift(Scale):
 
 
 class Block(torch.nn.Module):
-    """The block: its parts in the group's order (first, norm, aligned, bias, experts; a quantized
+    """The block: its parts in the group's order (first, norm, aligned, bias, other, experts; a quantized
     weight left out is absent). The forward scales its input by the norm, feeds it to every quantized
     layer and adds the bias to the aligned layer's output; it returns every output, in order."""
 
@@ -99,9 +101,9 @@ class Block(torch.nn.Module):
     def forward(self, h: torch.Tensor) -> list[torch.Tensor]:
         n = self.parts["norm"](h)
         outputs = []
-        for name in QUANTIZED:
-            if name in self.parts:
-                y = self.parts[name](n)
+        for name, part in self.parts.items():
+            if name not in PLAIN:
+                y = part(n)
                 outputs.append(self.parts["bias"](y) if name == "aligned" else y)
         return outputs
 
@@ -137,7 +139,7 @@ def run_block(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint
         return RankResult(ctx.rank, tuple(stages))
     plains = {p.name: _plain(case, p) for p in params.plain}
     parts = {layer.weight.name: layer.module for layer in layers}
-    ordered = {name: parts.get(name) for name in ("first", "norm", "aligned", "bias", "experts")}
+    ordered = {name: parts.get(name) for name in ("first", "norm", "aligned", "bias", "other", "experts")}
     ordered.update(norm=plains["norm"].module, bias=plains["bias"].module)
     block = Block({name: module for name, module in ordered.items() if module is not None})
     model = Model(plains["scale"].module, block) if spec.config.nested else block
@@ -193,7 +195,7 @@ def _quantized_layers(case: RankCase, params: BlockParams) -> tuple[list[Layer],
                 continue
             with case.phases.at(Phase.BUILD):
                 module = harness_module(case.impl, weight.spec.fmt, masters[0].to(weight.spec.torch_dtype))
-        inspector = Inspector(weight.spec, case.impl, case.fmt, case.x, setup.shards)
+        inspector = Inspector(weight.spec, case.impl, FORMATS[weight.spec.fmt], case.x, setup.shards)
         layers.append(Layer(weight, module, setup, inspector, masters, own_route=own_route))
     return layers, stages, notes
 
@@ -252,7 +254,7 @@ def _twin_outputs(case: RankCase, layers: list[Layer], plains: dict[str, Plain])
                         return (f"outputs not compared with a one-device model: {impl.name} builds "
                                 f"{layer.weight.title} itself and has no single_device_output")
                 else:
-                    y = harness_module(impl, spec.fmt, weight)(n)
+                    y = harness_module(impl, layer.weight.spec.fmt, weight)(n)
             outputs.append(y + value["bias"] if layer.weight.name == "aligned" else y)
         points.append(_flat(outputs))
     return points
@@ -321,7 +323,8 @@ class _BlockRun:
         quantized weight its implementation's allowance, each plain one its padded shard in the
         dtype FSDP2 gathers it in."""
         case = self.case
-        parts = [summarize_wire(WireLog(), case.fmt, layer.masters[0].to(device="meta", dtype=case.spec.torch_dtype),
+        parts = [summarize_wire(WireLog(), layer.inspector.fmt,
+                                layer.masters[0].to(device="meta", dtype=case.spec.torch_dtype),
                                 layer.setup.shards, golden, case.impl, label=layer.weight.title)
                  for layer, golden in zip(self.layers, goldens)]
         size = case.setup.shards.world_size

@@ -21,8 +21,9 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from qgather.model.block import module_weights
 from qgather.model.case import CaseSpec, tensor_parallel_layout
-from qgather.model.layers import MODULE_SCENARIOS, layer_weights
+from qgather.model.layers import MODULE_SCENARIOS
 from qgather.suite import config_coverage, shape_space
 from qgather.suite.config_coverage import PairCoverage
 from qgather.suite.modules import suite_sweeps
@@ -63,8 +64,9 @@ def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAUL
             continue
         config = config_name(spec)
         module = spec.scenario in MODULE_SCENARIOS
-        sharded = [_sharded(w.spec) for w in layer_weights(spec)] if module else [_sharded(spec)]
-        for buffer, regime in set().union(*(shape_space.regimes(spec.fmt, *s) for s in sharded)):
+        weights = [w.spec for w in module_weights(spec)] if module else [spec]
+        for buffer, regime in set().union(*(shape_space.regimes(spec.fmt, *_sharded(w)) for w in weights
+                                            if w.fmt == spec.fmt)):  # a block's other format: not its cells
             cov.hits[(spec.fmt, buffer, regime, spec.scenario, config, spec.world_size)] += 1
         if not module:
             seen.add((spec.fmt, spec.world_size, spec.scenario, config))

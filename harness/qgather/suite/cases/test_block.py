@@ -1,14 +1,14 @@
-"""A transformer-like block: every parameter in ONE fully_shard group, inside a model root (the block
-scenario: qgather.scenarios.block; its parameters: qgather.model.block). A case's shape is the
-block's first quantized weight, picked as the layers suite picks it (qgather.suite.cases.test_layers
-.FirstWeights: uneven shards that stay aligned, and shards that split a scale block, which the
-reference refuses: the case is then REJECTED after the rest of the block was judged EXACT); the
-block adds an aligned weight, a 3-D experts weight and plain parameters between them, so every case
-holds three regimes in one flat buffer. Every format at 2, 3 and 4 ranks, the block as the root;
-then each configuration token the block runs (compile, mp-bf16, raf-no, hsdp-2x2, and `nested`: the
-block inside a model root with a parameter of its own, at 2 and 3 ranks) on three formats (per
-tensor, blockwise, NVFP4); torchao (its own set unless --impl names the implementations) with and without precomputed
-scales, eager and compiled.
+"""A transformer-like block: every parameter in ONE fully_shard group (the block scenario:
+qgather.scenarios.block; its parameters: qgather.model.block). A case's shape is the block's first
+quantized weight, picked as the layers suite picks it (qgather.suite.cases.test_layers.FirstWeights:
+uneven shards that stay aligned, and shards that split a scale block, which the reference refuses:
+the case is then REJECTED after the rest of the block was judged EXACT); the block adds an aligned
+weight, a weight in another format, a 3-D experts weight and plain parameters between them, so every
+case holds three regimes and two formats in one flat buffer. Every format at 2, 3 and 4 ranks, the
+block as the root; then each configuration token the block runs (compile, mp-bf16, raf-no,
+hsdp-2x2, and `nested`: the block inside a model root with a parameter of its own, at 2 and 3
+ranks) on three formats (per tensor, blockwise, NVFP4); torchao (its own set unless --impl names
+the implementations) with and without precomputed scales, eager and compiled.
 """
 
 from __future__ import annotations
