@@ -136,6 +136,9 @@ def run_block(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint
     params = block_params(spec)
     layers, stages, notes = _quantized_layers(case, params)
     if not layers:
+        if not stages:  # nothing refused and nothing built: a verdict would rest on no judged stage
+            raise HarnessFault(f"case {spec.id}: the implementation holds none of the block's weights "
+                               f"({'; '.join(notes)})")
         return RankResult(ctx.rank, tuple(stages))
     plains = {p.name: _plain(case, p) for p in params.plain}
     parts = {layer.weight.name: layer.module for layer in layers}
