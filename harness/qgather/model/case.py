@@ -19,7 +19,7 @@ from qgather.model.config import DEFAULT, ConfigError, FsdpConfig
 
 _SEED = re.compile(r"s\d+")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual", "model", "layers")
+SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual", "model", "layers", "block")
 
 
 class CaseSpecError(UsageError):
