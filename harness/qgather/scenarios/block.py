@@ -225,8 +225,8 @@ def _plain(case: RankCase, param: PlainParam) -> Plain:
     optimizer = torch.optim.SGD([master], lr=LEARNING_RATE, momentum=0.9)
     masters = [master.detach().clone()]
     for step in range(1, STEPS + 1):
-        master.grad = torch.randn(param.length, generator=torch.Generator().manual_seed(param.seed * 1000 + step))
-        master.grad = master.grad.to(device)
+        grad = torch.randn(param.length, generator=torch.Generator().manual_seed(param.seed * 1000 + step))
+        master.grad = grad.to(device)  # drawn on the CPU (the same numbers on every device), then moved
         optimizer.step()
         masters.append(master.detach().clone())
     kind = Shift if param.name == "bias" else Scale
