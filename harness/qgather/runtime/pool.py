@@ -131,6 +131,7 @@ class RankPool:
         if self._ranks:
             return None
         start = time.monotonic()
+        mp_context()  # the forkserver boots (seconds, TE preloaded) before this pool holds any GPU
         refused = self._take_lease(case_id)
         if refused is not None:
             return refused
