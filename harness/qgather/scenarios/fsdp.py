@@ -17,8 +17,8 @@ from dataclasses import replace
 import torch
 
 from qgather.check import host
-from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import record_wire, summarize_wire
+from qgather.instruments.patches import hooks_moving_phase
 from qgather.model.case import CaseSpec
 from qgather.model.phases import Phase, PhaseTracker, Step
 from qgather.model.records import RankResult, Stage
