@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from qgather.model.options import output_problem
 from qgather.pytest_plugin.collection import sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.options import Settings, settings_key
@@ -19,6 +18,7 @@ from qgather.pytest_plugin.recorder import Recorder, recorder_key
 from qgather.pytest_plugin.role import Role, role
 from qgather.runtime import external, shutdown_pools
 from qgather.runtime.launch import detect_launch
+from qgather.suite.options import output_problem
 
 RECORDER_NAME = "qgather-recorder"
 QUIET_RANK_NAME = "qgather-quiet-rank"
