@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from qgather.cli.sweep import main as sweep_main
 from qgather.engine.run import RunOptions
 from qgather.formats import FORMATS
 from qgather.impls import available
@@ -18,7 +19,6 @@ from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
 from qgather.runtime import shutdown_pools
 from qgather.tools import exploration as sweep
-from qgather.tools.explore import main as sweep_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FMT = "nvfp4_2d"

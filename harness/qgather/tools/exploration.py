@@ -1,4 +1,4 @@
-"""The search behind `qgather sweep` (qgather.tools.explore): a lattice of candidate shapes and
+"""The search behind `qgather sweep` (qgather.cli.sweep): a lattice of candidate shapes and
 world sizes, explored cheap-first, failures grouped by (verdict, signature), each group shrunk to a
 minimal case.
 
