@@ -274,3 +274,11 @@ def test_te_modules_import_transformer_engine_only_inside_functions(path):
     names += [n.module for n in top if isinstance(n, ast.ImportFrom) and n.module]
     te_at_top = [n for n in names if n.startswith("transformer_engine")]
     assert (te_at_top != []) is (path.name == "reference_bits.py"), te_at_top
+
+
+def test_only_a_package_module_object_name_names_a_user_adapter_module():
+    from qgather.impls import adapter_module
+
+    assert adapter_module("mypkg.adapters:MyImpl") == "mypkg.adapters"
+    builtins = ("reference", "mutant:nibble_swap", "te:delayed", "torchao:precompute")
+    assert [adapter_module(name) for name in builtins] == [None] * len(builtins)
