@@ -1,6 +1,8 @@
-"""Decides a case's verdict from what every rank returned or raised: `classify_results` when every
-rank returned its records, `classify_errors` when some raised. The verdict policy (which verdicts
-pass) is qgather.model.policy's; this module only says what happened, with the evidence.
+"""Decides a case's verdict from what every rank returned or raised: `classify_outcome` for what a
+pool brought back (every case on a pool, a checkpoint's save included), which hands every rank's
+records to `classify_results` and errors to `classify_errors`, and turns a HANG or CRASH into its
+verdict with every rank's notes and stacks. The verdict policy (which verdicts pass) is
+qgather.model.policy's; this module only says what happened, with the evidence.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from qgather.engine.evidence import note_lines, stack_lines
 from qgather.model.phases import BEFORE_DATA_MOVED
 from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
 from qgather.model.verdict import Verdict
-from qgather.runtime.outcome import RankError, same_error_on_every_rank
+from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,24 @@ INTERNAL_ERRORS = frozenset({"AttributeError", "TypeError", "NameError", "Unboun
 # it expects): an internal fault, not a constraint being named.
 INTERNAL_MESSAGES = re.compile(r"ValueError: (not enough|too many) values to unpack")
 TRACEBACK_LINES = 6  # last lines of the first raising rank's traceback shown in an ERROR report
+
+
+def classify_outcome(outcome: CaseOutcome, world_size: int,
+                     refusal_problem: RefusalCheck = no_declared_rejections) -> Classification:
+    """The one verdict of what a pool brought back: every rank's records (classify_results), some
+    ranks' errors (classify_errors, with where the ranks that never answered were), or a HANG or
+    CRASH (the outcome's headline, with every rank's notes and stacks)."""
+    if outcome.status is OutcomeStatus.OK:
+        return classify_results(outcome.results)
+    if outcome.status is OutcomeStatus.ERROR:
+        found = classify_errors(outcome.errors, world_size, refusal_problem)
+        if not outcome.unfinished:
+            return found
+        # the ranks that never answered: where they were when the pool gave up on them
+        left = {rank: facts for rank, facts in outcome.notes.items() if rank in outcome.unfinished}
+        return Classification(found.verdict, found.reason, (*found.details, *note_lines(left)))
+    verdict = Verdict.HANG if outcome.status is OutcomeStatus.HANG else Verdict.CRASH
+    return Classification(verdict, outcome.headline(), tuple(note_lines(outcome.notes) + stack_lines(outcome.stacks)))
 
 
 def classify_errors(errors: Mapping[int, RankError], world_size: int,
