@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from qgather.errors import AdapterError, UsageError
+from qgather.errors import AdapterError, UsageError, first_line
 from qgather.impls.base import Implementation, missing_methods
 from qgather.impls.rejections import DeclaredRejections
 
@@ -81,14 +81,14 @@ def _load_object(target: str) -> Implementation:
         raise UnknownImplementationError(f"--impl {target!r}: cannot load it ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - a broken adapter module (SyntaxError, error at import)
         raise UnknownImplementationError(
-            f"--impl {target!r}: importing {module_name!r} failed ({type(exc).__name__}: {_first_line(exc)})"
+            f"--impl {target!r}: importing {module_name!r} failed ({_told(exc)})"
         ) from None
     return _instantiate(target, obj)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else "no message"
+def _told(exc: BaseException) -> str:
+    """"Type: first line of the message", for a one-line refusal."""
+    return f"{type(exc).__name__}: {first_line(exc, 200) or 'no message'}"
 
 
 def _refuse_incomplete(name: str, adapter: type[Implementation] | Implementation) -> None:
@@ -113,7 +113,7 @@ def _instantiate(name: str, obj: object) -> Implementation:
         impl = obj() if is_adapter_class else obj
     except Exception as exc:  # noqa: BLE001 - the adapter's own constructor failed
         raise UnknownImplementationError(
-            f"implementation {name!r}: constructing {obj.__name__} failed ({type(exc).__name__}: {_first_line(exc)})"
+            f"implementation {name!r}: constructing {obj.__name__} failed ({_told(exc)})"
         ) from None
     if not isinstance(impl, Implementation):
         raise UnknownImplementationError(
@@ -128,8 +128,7 @@ def _load_entry_point(name: str, load: Factory) -> object:
         return load()
     except Exception as exc:  # noqa: BLE001 - a broken plugin package
         raise UnknownImplementationError(
-            f"implementation {name!r} (qgather.impls entry point) failed to load ({type(exc).__name__}: "
-            f"{_first_line(exc)})"
+            f"implementation {name!r} (qgather.impls entry point) failed to load ({_told(exc)})"
         ) from None
 
 

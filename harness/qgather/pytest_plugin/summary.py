@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from qgather.errors import first_line
 from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin.results import RunResults
@@ -50,7 +51,7 @@ def verdict_lines(results: RunResults) -> list[str]:
         lines.append(results.also_ran_line())
     for record in results.failures[:FAILURES_SHOWN]:
         stale = " (baseline stale)" if record.known_issue else ""
-        lines.append(f"  {record.verdict.value + stale:<16} {record.case}  ({_first_line(record.reason)[:100]})")
+        lines.append(f"  {record.verdict.value + stale:<16} {record.case}  ({first_line(record.reason)[:100]})")
         lines.append(f"    reproduce: {record.repro}")
     if len(results.failures) > FAILURES_SHOWN:
         lines.append(f"  ... and {len(results.failures) - FAILURES_SHOWN} more (--report-dir writes them all)")
@@ -62,10 +63,6 @@ def verdict_lines(results: RunResults) -> list[str]:
 def _table(rows: list[list[str]]) -> list[str]:
     width = max(len(r[0]) for r in rows)
     return ["  " + r[0].ljust(width) + "".join(f"{cell:>9}" for cell in r[1:]) for r in rows]
-
-
-def _first_line(text: str) -> str:
-    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
 
 
 def coverage_of(results: RunResults) -> Coverage | None:
