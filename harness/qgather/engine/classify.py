@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qgather.engine.evidence import note_lines, stack_lines
 from qgather.model.phases import BEFORE_DATA_MOVED
@@ -25,6 +25,9 @@ class Classification:
     verdict: Verdict
     reason: str
     details: tuple[str, ...] = ()
+    #: the stage the verdict was found at, when it was one ("unshard 1"): the reason then reads
+    #: "<stage>: <finding>" (CaseReport.finding)
+    stage: str = ""
 
 
 #: Whether an error is the implementation refusing a shape: "" when it is one of its declared
@@ -61,7 +64,7 @@ def classify_outcome(outcome: CaseOutcome, world_size: int,
             return found
         # the ranks that never answered: where they were when the pool gave up on them
         left = {rank: facts for rank, facts in outcome.notes.items() if rank in outcome.unfinished}
-        return Classification(found.verdict, found.reason, (*found.details, *note_lines(left)))
+        return replace(found, details=(*found.details, *note_lines(left)))
     verdict = Verdict.HANG if outcome.status is OutcomeStatus.HANG else Verdict.CRASH
     return Classification(verdict, outcome.headline(), tuple(note_lines(outcome.notes) + stack_lines(outcome.stacks)))
 
@@ -126,17 +129,18 @@ def classify_results(results: Sequence[RankResult]) -> Classification:
         if any(s.refused for s in stages):
             problem = _refusal_problem(stages, results)
             if problem:
-                return Classification(Verdict.ERROR, f"{stages[0].label}: {problem}", tuple(details))
+                return Classification(Verdict.ERROR, f"{stages[0].label}: {problem}", tuple(details),
+                                      stages[0].label)
             refused.append(stages[0])
             continue
         verdict, reason = _classify_stage(stages, results, details)
         if verdict is not Verdict.EXACT:
-            return Classification(verdict, f"{stages[0].label}: {reason}", tuple(details))
+            return Classification(verdict, f"{stages[0].label}: {reason}", tuple(details), stages[0].label)
     for wire in (results[0].wire, *results[0].wires):
         degraded = _wire_verdict(wire)
         if degraded:
             where = f"{wire.label}: " if wire.label else ""
-            return Classification(Verdict.DEGRADED, where + degraded, tuple(details))
+            return Classification(Verdict.DEGRADED, where + degraded, tuple(details), wire.label)
     if results[0].quantizer:
         return Classification(Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference",
                               tuple(d.line() for d in results[0].quantizer))

@@ -4,7 +4,7 @@ and builds its one CaseReport from what came back (qgather.engine.classify decid
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,7 +86,8 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     found, placement, seconds = _run(spec, impl, options)
     return CaseReport(spec, found.verdict, found.reason, found.details, expectation(spec),
                       time.monotonic() - started, placement,
-                      repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds)
+                      repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds,
+                      found.stage)
 
 
 Seconds = tuple[tuple[str, float], ...]
@@ -130,12 +131,12 @@ def _run_on_pool(spec: CaseSpec, impl: Implementation, options: RunOptions,
     found = classify_outcome(outcome, spec.world_size, impl.refusal_problem)
     if found.verdict is Verdict.HANG and options.detail_on_hang and not outcome.placement:
         # not under a launcher (no local pool there): re-run it where a mismatched collective is named
-        found = Classification(found.verdict, found.reason, (*found.details, *detail_evidence(pool_spec, spec, kwargs)))
+        found = replace(found, details=(*found.details, *detail_evidence(pool_spec, spec, kwargs)))
     seconds = step_seconds(outcome)
     if not outcome.placement:
         return found, "", seconds
     details = (*found.details, *where_lines(outcome))
-    return Classification(found.verdict, found.reason, details), outcome.placement, seconds
+    return replace(found, details=details), outcome.placement, seconds
 
 
 POOL_START = "pool start"

@@ -25,6 +25,8 @@ class CaseReport:
         placement: under a launcher, "intra-node" or "cross-node".
         repro: the command that reruns the case under the run's options (default: `qgather case <id>`).
         seconds: where the case's time went, step by step (qgather.engine.run.step_seconds).
+        stage: the stage the verdict was found at ("unshard 1"; "" when it is not a stage's, e.g. an
+            error or a hang): the reason then reads "<stage>: <finding>".
     """
 
     spec: CaseSpec
@@ -36,10 +38,16 @@ class CaseReport:
     placement: str = ""
     repro: str = ""
     seconds: tuple[tuple[str, float], ...] = ()
+    stage: str = ""
 
     def __post_init__(self) -> None:
         if not self.repro:
             object.__setattr__(self, "repro", repro_command(self.spec.id))
+
+    @property
+    def finding(self) -> str:
+        """What was found at the stage: the reason without its "<stage>: " (the whole reason without a stage)."""
+        return self.reason.removeprefix(f"{self.stage}: ") if self.stage else self.reason
 
     @property
     def passed(self) -> bool:
