@@ -16,7 +16,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from qgather.engine.classify import Classification, classify_outcome
@@ -32,6 +32,7 @@ class PoolOptions(Protocol):
     """What the save needs of the run's options (qgather.engine.run.RunOptions)."""
 
     case_timeout: float | None
+    say: Callable[[str], None] | None
 
     def backend_for(self, world_size: int) -> str:
         """The process-group backend of a pool of `world_size` ranks."""
@@ -58,7 +59,7 @@ def _save(spec: CaseSpec, impl: Implementation, options: PoolOptions,
     where = f"checkpoint save at world size {size}"
     pool_spec = PoolSpec(backend=options.backend_for(size), world_size=size, device=options.device_type())
     try:
-        pool = get_pool(pool_spec.validate())
+        pool = get_pool(pool_spec.validate(), options.say)
     except PoolSpecError as exc:
         return None, Classification(Verdict.SKIPPED, f"{where}: {exc}")
     kwargs = {"case_id": f"{saved_spec(spec).id} (DCP save for {spec.id})", "seed": spec.seed}

@@ -4,6 +4,7 @@ and builds its one CaseReport from what came back (qgather.engine.classify decid
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,6 +39,9 @@ class RunOptions:
     # collective fingerprint check names a mismatched collective. Costs a pool start and, when
     # nothing mismatches, a second case timeout: on for `qgather case`/`repro`, off for the suite.
     detail_on_hang: bool = False
+    # Under a launcher, where a rank other than 0 writes its own failure (None: stderr); the pytest
+    # plugin's goes past its output capture (qgather.pytest_plugin.session).
+    say: Callable[[str], None] | None = None
 
     def device_type(self) -> str:
         if self.device != "auto":
@@ -121,7 +125,7 @@ def _run_on_pool(spec: CaseSpec, impl: Implementation, options: RunOptions,
     pool_spec = PoolSpec(backend=options.backend_for(spec.world_size), world_size=spec.world_size,
                          device=options.device_type())
     try:
-        pool = get_pool(pool_spec.validate())
+        pool = get_pool(pool_spec.validate(), options.say)
     except PoolSpecError as exc:  # also under torchrun/SLURM: a world size the launched job does not have
         return Classification(Verdict.SKIPPED, str(exc)), "", ()
     kwargs = {"case_id": spec.id, "seed": spec.seed}

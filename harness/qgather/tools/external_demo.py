@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # harness/qgather/tools/ -> the checkout
 # Launcher state that must not leak into the runs from an enclosing job (or an xdist worker).
 INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
              "TORCHELASTIC_RUN_ID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST",
@@ -54,7 +54,8 @@ def free_port() -> int:
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in INHERITED}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # the checkout's own package (harness/, the source root) and its tests, before anything installed
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "harness"), str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.update(extra)
     return env
