@@ -22,7 +22,7 @@ else
 SETUP :=
 endif
 
-.PHONY: run test test-torch test-multigpu selftest bench golden golden-check lint clean
+.PHONY: run test gate-cpu test-torch test-multigpu selftest bench golden golden-check lint clean repro-docs
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -47,6 +47,11 @@ test: $(SETUP)
 	  $(PY) -m pytest -m "isolated and not gpu" -p no:cacheprovider -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: no isolated tests collected" >&2; exit 1; fi; exit $$rc
 
+# The documented CPU gate on torchao (CI runs it after `make test`): every torchao case on gloo, gated
+# on the checked-in baseline, so that a new scenario or world size cannot turn it red unnoticed.
+gate-cpu: $(SETUP)
+	$(PY) -m qgather run --impl torchao --baseline known-issues.toml -n $(PYTEST_WORKERS) --report-dir reports/gate-cpu
+
 # The CPU suite against another torch release, in a venv of its own (not part of CI): e.g.
 # `make test-torch TORCH=2.15.0`. A release past this machine's local pip cap (a constraints file in
 # pip's site configuration) comes from the package registry, configuration ignored: a CUDA build of
@@ -63,7 +68,9 @@ test-torch:
 	$(MAKE) test PY=$(TORCH_VENV)/bin/python
 
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
-# more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks).
+# more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks). Every NCCL pool
+# leases its GPUs (qgather.runtime.gpu_lease), so the xdist workers share the host's GPUs without
+# sharing one; with TE among GPU_IMPLS, the ranks' forkserver preloads TE where that is fork-safe.
 # With an interpreter that does not have qgather installed (a GPU host without a package registry,
 # PY=python3), .qgather-path/ makes the checkout importable as an install is: a link qgather ->
 # harness/qgather/ and a dist-info whose pytest11 entry point loads the plugin.
@@ -76,8 +83,11 @@ test-multigpu: $(SETUP)
 	@if $(PY) -c 'import qgather' 2>/dev/null; then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \
 	  export PYTHONPATH="$${path:+$$path:}$$PYTHONPATH"; set -e; \
 	  $(PY) -m qgather gpu-check; \
+	  case ",$(GPU_IMPLS)," in *,te*) [ -n "$${QGATHER_FORKSERVER_PRELOAD+set}" ] || export QGATHER_FORKSERVER_PRELOAD=$$( \
+	    $(PY) -c 'from qgather.runtime.helpers import fork_safe; print(",".join(fork_safe(["transformer_engine.pytorch"])))' \
+	    2>/dev/null); echo "forkserver preloads: $${QGATHER_FORKSERVER_PRELOAD:-torch only}";; esac; \
 	  $(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) -n $(GPU_WORKERS) \
-	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -q -rs --qgather-summary $(PYTEST_ARGS)
+	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -p no:benchmark -q -rs --qgather-summary $(PYTEST_ARGS)
 
 selftest: $(SETUP)
 	$(PY) -m qgather selftest
@@ -96,3 +106,8 @@ lint: $(SETUP)
 
 clean:
 	rm -rf $(VENV) .venv-torch-* $(QGATHER_LINK) *.egg-info build .pytest_cache .ruff_cache reports
+
+# The findings' standalone scripts (docs/repro/) and upstream drafts (docs/upstream/), from
+# qgather.tools.standalone.findings; tests/test_standalone_docs.py fails while they are stale.
+repro-docs: $(SETUP)
+	PYTHONPATH=harness $(PY) -m qgather.tools.standalone

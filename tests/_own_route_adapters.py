@@ -27,3 +27,17 @@ class UnconfiguredOwnRoute(ReferenceImplementation):
         module = QuantizedLinear(self, self.make_param(spec.fmt, weight))
         fully_shard(module, mesh=ctx.mesh)
         return module
+
+
+class WithTwin(ConfiguredOwnRoute):
+    """Has a one-device twin, as TE's route does: the same layer on the rank's device alone, holding
+    the full weight (`twins_built` counts them in this process)."""
+
+    twins_built = 0
+
+    def single_device_output(self, spec, weight, x):
+        type(self).twins_built += 1
+        return QuantizedLinear(self, self.make_param(spec.fmt, weight.to(x.device)))(x)
+
+    def module_output(self, spec, module, x):
+        return module(x)

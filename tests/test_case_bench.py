@@ -3,9 +3,13 @@ it asks for it says so in one line and exits 0 (so `qgather bench` runs everywhe
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from qgather.model.records import RankResult
+from qgather.model.verdict import Verdict
 from qgather.tools import case_bench
 
 
@@ -15,8 +19,21 @@ def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
     out = capsys.readouterr().out
     assert rc in (0, 1), out  # 1: the goal missed, which tiny CPU shapes may do
     for fmt in ("nvfp4_2d", "fp8_tensor"):
-        assert f"{fmt}: reference:{fmt}:128x64:bf16:ws2:gather:s0: EXACT" in out
-    assert out.count("full case") == 2 and out.count("time on NCCL (projected): case") == 2
+        assert f"{fmt}: reference:{fmt}:128x64:bf16:ws2:gather:s0: EXACT (2 of 2 runs EXACT)" in out
+    assert out.count("time on NCCL (projected): case") == 2
+    assert out.count("bare work, its slowest rank: ") == 2 and "no module build (reference has no route" in out
+    assert out.count("in the measured runs, which find it kept for the same weight") == 2  # the golden reused
+    steps = out.split("steps (run 1, the median")[1]
+    assert "slowest rank" in steps and "wait before the collective" in steps and "reached the collective last" in steps
+
+
+def test_the_bare_work_counts_the_librarys_own_module_build(capsys):
+    impl = "tests._own_route_adapters:ConfiguredOwnRoute"
+    rc = case_bench.main(["--device", "cpu", "--shape", "128x64", "--impl", impl, "--reps", "1",
+                          "--formats", "nvfp4_2d"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1), out
+    assert f"{impl}'s own sharded module build (make_sharded_module, what its users run)" in out, out
 
 
 def test_a_case_that_does_not_pass_fails_the_benchmark(capsys):
@@ -40,4 +57,38 @@ def test_every_goal_is_printed_and_a_missed_one_fails(capsys, monkeypatch):
     assert rc == 1, out
     assert "MISSED time on NCCL (projected)" in out and "ok     verdict: EXACT" in out
     assert "bench gpu: 1 goal(s) missed: fp8_tensor time on NCCL (projected)" in out
-    assert "collective" in out.split("steps (rank")[1]  # where the seconds went, step by step
+    assert "collective" in out.split("steps (run")[1]  # where the seconds went, step by step
+
+
+def _gpu_results(golden_s):
+    """Two ranks' records of one warm-up and one measured run, as measure_on_rank returns them from
+    an H100 (0.47 GB bf16 weight, 0.24 GB gathered per rank)."""
+    bare = case_bench.BareWork(quantize_s=1e-3, collective_s=2e-3, build_s=5e-3, own_quantizer=True)
+    results = []
+    for rank in (0, 1):
+        seconds = {"golden": golden_s, "collective": 1e-3, "inspection": 1e-3}
+        run = {"full_s": 0.02, "result": RankResult(rank, (), seconds=tuple(seconds.items()),
+                                                    started=(("golden", 0.0), ("collective", 1.0)))}
+        results.append({"runs": [run, run], "bare": bare, "peak_bytes": 2 * 470_000_000,
+                        "weight_bytes": 470_000_000, "weight_bf16_bytes": 470_000_000,
+                        "collective_bytes": 117_000_000, "device_name": "NVIDIA H100 80GB HBM3"})
+    return results
+
+
+def test_on_nccl_each_of_qgathers_own_steps_is_a_goal_against_its_floor(capsys, monkeypatch):
+    monkeypatch.setattr(case_bench, "classify_results", lambda results: SimpleNamespace(verdict=Verdict.EXACT,
+                                                                                          reason=""))
+    args = case_bench._parse(["--device", "cuda", "--world-size", "2"])
+    missed = case_bench._report("fp8_block", "te:fp8_block:8192x28672:bf16:ws2:gather:s0", _gpu_results(0.5e-3),
+                                args, "nccl")
+    out = capsys.readouterr().out
+    assert missed == [], out
+    assert "ok     time: case 20.00 ms (its slowest rank) vs bare 8.00 ms: ratio 2.50" in out
+    assert "te's own sharded module build (make_sharded_module, what its users run) 5.00 ms" in out
+    assert "ok     qgather's own steps within their HBM floors" in out and "ok     memory: peak 2.00x" in out
+    missed = case_bench._report("fp8_block", "te:fp8_block:8192x28672:bf16:ws2:gather:s0", _gpu_results(0.2),
+                                args, "nccl")
+    out = capsys.readouterr().out
+    assert missed == ["fp8_block golden within 5x its HBM floor", "fp8_block qgather's own steps within their HBM "
+                      "floors"], out
+    assert "MISSED golden within 5x its HBM floor: 200.00 ms on its slowest rank vs floor" in out

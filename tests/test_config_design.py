@@ -16,7 +16,7 @@ from qgather.model.fsdp_rules import fsdp_skip_reason
 from qgather.suite import config_coverage, config_space, config_sweep, coverage
 from qgather.suite.config_regimes import REGIMES, case_regimes
 from qgather.suite.config_space import REGIME, Component, achievable, impossible, pairs_of, rows, universe
-from qgather.suite.config_sweep import CHECKPOINT, DESIGNS, FSDP, ConfigSweep, covering_rows
+from qgather.suite.config_sweep import CHECKPOINT, DESIGNS, FSDP, STEP_PATHS, ConfigSweep, covering_rows
 from qgather.suite.covering import cover_pairs
 
 
@@ -57,6 +57,30 @@ def test_the_default_run_holds_every_achievable_pair_of_every_format(design):
             assert fsdp_skip_reason(row.spec) is None and row.spec.config.check_world_size(row.spec.world_size) is None
             assert row.regime in case_regimes(row.spec)
             assert row.spec.config.param_dtype != row.spec.dtype  # a policy that casts, or none
+        # deepened: every (scenario, token) pair on three shapes of different regimes (or all it can have)
+        shapes: dict = {}
+        regimes: dict = {}
+        for row in space:
+            for pair in config_sweep.scenario_tokens(design, row):
+                regimes.setdefault(pair, set()).add(row.regime)
+        for row in chosen:
+            for pair in config_sweep.scenario_tokens(design, row):
+                shapes.setdefault(pair, set()).add(row.spec.shape)
+        thin = {p: len(shapes.get(p, ())) for p in regimes if len(shapes.get(p, ())) < min(3, len(regimes[p]))}
+        assert not thin, (fmt, thin)
+        assert len({row.spec.id for row in chosen}) == len(chosen), fmt  # two rows of one case: one case
+
+
+def test_the_step_paths_design_crosses_compile_and_checkpoints_with_every_other_token():
+    held = {pair for fmt in ("fp8_tensor", "nvfp4_2d") for row in covering_rows(STEP_PATHS, fmt)
+            for pair in pairs_of(row.labels)}
+    others = [("mp", "mp-bf16"), ("mp", "mp-fp32"), ("raf", "raf-no"), ("hsdp", "hsdp-2x2"), ("dim", "dim1"),
+              ("dcp", "dcp-ws2"), ("dcp", "dcp-ws4")]
+    for label in others:
+        assert next(pairs_of(frozenset({("compile", "compile"), label}))) in held, label
+    for scenario in ("steps", "reshard"):
+        for label in (("hsdp", "hsdp-2x2"), ("dcp", "dcp-ws2"), ("compile", "compile"), ("mp", "mp-bf16")):
+            assert next(pairs_of(frozenset({("scenario", scenario), label}))) in held, (scenario, label)
 
 
 def test_every_pair_of_the_universe_is_achievable_or_explained():

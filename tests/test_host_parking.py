@@ -69,6 +69,27 @@ def test_the_own_quantizer_is_cross_checked_against_a_parked_reference(host_on_c
     assert parked.q.mismatches(kept.q) == []
 
 
+def test_a_golden_brought_back_parks_again_without_a_copy(host_on_cpu):
+    """Each buffer's host copy is made once: parking again lets the device copy go; `keep` stays."""
+    golden = golden_module.golden_for(FORMATS["fp8_block"], _weight(), parked=True)
+    made = len(host_on_cpu)
+    assert golden.parked and made == len(golden.q.buffers)
+    golden.unpark()
+    assert not golden.parked
+    golden.park(keep=golden.value_buffers())
+    assert len(host_on_cpu) == made and golden.parked  # no new copy
+    assert set(golden._away) == set(golden.q.buffers) - set(golden.value_buffers())
+    golden.unpark()
+    golden.park()
+    assert len(host_on_cpu) == made and golden._away == set(golden.q.buffers)
+    flipped = golden.q.buffers["rowwise_data"].clone()
+    flipped.view(-1)[0] ^= 1
+    golden.replace_buffers({"rowwise_data": flipped})  # an own quantizer's bits stand for the golden's
+    golden.unpark()
+    golden.park()
+    assert torch.equal(golden.q.buffers["rowwise_data"], flipped)
+
+
 BLOCKED_CASES = [
     "reference:fp8_block:1024x64:bf16:ws4:gather:s0",
     "mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0",  # differing buffers: unparked, located

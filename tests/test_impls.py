@@ -134,7 +134,7 @@ def test_the_refusal_names_every_missing_method(incomplete_module):
             return True
 
     assert missing_methods(Half) == ["read_buffers", "make_param or make_sharded_module",
-                                     "requantize_shard (for steps, reshard, layers)",
+                                     "requantize_shard (for steps, reshard, layers, block)",
                                      "make_param (for hooks, virtual)"]
 
 

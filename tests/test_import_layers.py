@@ -31,6 +31,9 @@ IMPORTLIB_ALLOWED = {
     "suite/modules.py": "loads the suite's directory (cases/) by path, as pytest collects it",
     "cli/gpu.py": "asks optional third-party libraries for their versions",
     "impls/te/route.py": "TransformerEngine's compiled extension",
+    "runtime/helpers.py": "the forkserver's preload list (QGATHER_FORKSERVER_PRELOAD): modules to try, by name",
+    "tools/standalone/bundle.py": "reads the source of the zoo modules a standalone script carries",
+    "tools/standalone/pieces/reference.py": "runs inside a standalone script: the parameter class it carries",
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")

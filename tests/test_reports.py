@@ -165,7 +165,8 @@ def test_baseline_update_with_every_failure_covered_changes_nothing(tmp_path):
         record("te:f:4x64:bf16:ws2:gather:s0", "SKIPPED", "no GPU"),  # ZERO matched no case: kept
     ])
     assert after == before
-    assert "3 failing cases already covered, 0 added as untriaged, 0 stale patterns removed" in result.stdout
+    assert ("3 failing cases already covered, 0 filed under their finding, 0 added as untriaged, "
+            "0 stale patterns removed") in result.stdout
 
 
 def test_baseline_update_removes_only_a_stale_pattern(tmp_path):
@@ -210,6 +211,31 @@ def test_baseline_update_adds_an_uncovered_failure_to_an_untriaged_group_at_the_
     result = run("baseline", "update", "--from", str(tmp_path / "verdicts.json"),
                  "--file", str(tmp_path / "known.toml"), module="qgather")
     assert result.returncode == 0 and open(tmp_path / "known.toml").read() == after
+
+
+def test_baseline_update_files_a_known_failure_at_a_new_world_size_under_its_finding(tmp_path):
+    _, after, result = update_file(tmp_path, [UNEVEN, ZERO], [
+        record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "raised"),
+        record("impl:f:8x64:bf16:ws3:gather:s0", "ERROR", "raised at 3 ranks"),  # same failure, new size
+        record("impl:f:8x64:bf16:ws4:gather:s0", "SILENT_MISMATCH", "rows differ"),  # another failure
+        record("impl:f:9x64:bf16:ws3:gather:s0", "ERROR", "raised"),  # another shape: not this finding's
+    ])
+    findings = baseline.load_findings(str(tmp_path / "known.toml"))
+    assert findings[0].cases == ("impl:f:5x64:*:ws3:*", "impl:f:8x64:bf16:ws[23]:*")  # the glob widened
+    assert [f.cases for f in findings[2:]] == [("impl:f:8x64:bf16:ws4:gather:s0",),
+                                              ("impl:f:9x64:bf16:ws3:gather:s0",)]
+    assert 'filed: impl:f:8x64:bf16:ws3:gather:s0 (under "lib: uneven shards"' in result.stdout
+    assert "1 filed under their finding, 2 added as untriaged" in result.stdout
+
+
+def test_a_glob_is_not_widened_over_a_passing_case(tmp_path):
+    _, _, result = update_file(tmp_path, [UNEVEN], [
+        record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "raised"),
+        record("impl:f:8x64:bf16:ws3:gather:s0", "ERROR", "raised at 3 ranks"),
+        record("impl:f:8x64:bf16:ws3:steps:s0", "EXACT"),  # ws[23] would list it: the exact id instead
+    ])
+    findings = baseline.load_findings(str(tmp_path / "known.toml"))
+    assert findings[0].cases == (*UNEVEN.cases, "impl:f:8x64:bf16:ws3:gather:s0")
 
 
 def test_a_reason_is_cut_at_a_word_boundary():

@@ -161,3 +161,39 @@ def test_a_large_output_is_checked_block_by_block_on_both_sides(corrupt, monkeyp
     assert output.equal is (corrupt is None)
     if corrupt is not None:
         assert output.n_diff > 0
+
+
+class _RowsAndOwn(_RowsOnly):
+    """`_RowsOnly` with buffers (the golden's own) and a dequantization of its own, block by block."""
+
+    def is_quantized(self, param):
+        return True
+
+    def read_buffers(self, param):
+        return dict(self.q.buffers)
+
+    def own_dequantize_blocks(self, param, fmt, blocks):
+        return (fmt.dequantize_rows(self.q, start, stop) for start, stop in blocks)
+
+
+@pytest.mark.parametrize("corrupt", [None, 1])
+def test_the_judge_dequantizes_the_golden_once_for_both_its_comparisons(corrupt, monkeypatch):
+    """The golden's row blocks serve the comparison with the library's own dequantization and the
+    golden layer's output in one pass; the output's comparison is the one computed on its own."""
+    from qgather.check.golden import Golden, golden_for
+    from qgather.check.inspection import Inspector
+    from qgather.model.case import shard_layout
+
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
+    golden = golden_for(fmt, weight)
+    spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    passes, blocks_of = [], Golden.dequantized_blocks
+    monkeypatch.setattr(Golden, "dequantized_blocks", lambda self: passes.append(1) or blocks_of(self))
+    stage = Inspector(spec, _RowsAndOwn(fmt, golden.q, corrupt), fmt, x, shard_layout(spec)).judge(
+        weight.to(torch.bfloat16), golden, "unshard 1")
+    assert len(passes) == 1 and stage.own_dequantized.equal and stage.forward_error == ""
+    alone, _, _ = Inspector(spec, _RowsOnly(fmt, golden.q, corrupt), fmt, x, shard_layout(spec))._forward(
+        weight.to(torch.bfloat16), golden)
+    assert stage.output == alone and stage.output.equal is (corrupt is None)

@@ -129,15 +129,14 @@ def test_get_pool_refuses_bad_spec_before_spawning():
         get_pool(PoolSpec("gloo", 0, "cpu"))
 
 
-def test_gpus_are_dealt_to_xdist_workers(monkeypatch):
-    monkeypatch.setattr(spec_module, "_parent_gpu_names", lambda: ["0", "1", "2", "3"])
+def test_every_xdist_worker_sees_every_gpu_and_a_pool_runs_on_its_lease(monkeypatch):
+    monkeypatch.setattr(spec_module, "_parent_gpu_names", lambda: ["4", "5", "6", "7"])
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
-    assert spec_module.visible_gpus() == ["1", "3"]
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "8")
-    assert spec_module.visible_gpus() == ["1"]
-    monkeypatch.setenv("QGATHER_GPU_SPLIT", "0")
-    assert spec_module.visible_gpus() == ["0", "1", "2", "3"]
+    assert spec_module.visible_gpus() == ["4", "5", "6", "7"]  # pools lease theirs (runtime.gpu_lease)
+    nccl = PoolSpec("nccl", 2, "cuda")
+    assert spec_module.rank_env(nccl, 1, ("5", "7"))["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert spec_module.rank_env(PoolSpec("gloo", 8, "cuda"), 1)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
 
 def test_auto_spec_follows_the_gpus(outside_xdist, monkeypatch):

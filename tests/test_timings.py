@@ -2,7 +2,7 @@
 
 import itertools
 
-from qgather.engine.run import POOL_START, step_seconds
+from qgather.engine.run import LEASE_WAIT, POOL_START, step_seconds
 from qgather.model.case_record import CaseRecord
 from qgather.model.phases import Phase, PhaseTracker, Step
 from qgather.model.records import RankResult
@@ -23,6 +23,18 @@ def test_clock_charges_each_phase_and_label(monkeypatch):
     got = dict(phases.seconds())  # lap at 5: 1 s of collective
     assert got == {Phase.BUILD.value: 1.0, "golden": 2.0, Phase.SHARD.value: 1.0, Phase.COLLECTIVE.value: 1.0}
     assert len(synced) == 5  # every reading waited for the device first
+
+
+def test_clock_notes_when_each_step_first_started(monkeypatch):
+    walls = itertools.count(100)
+    monkeypatch.setattr("qgather.model.phases.time.time", lambda: float(next(walls)))
+    phases = PhaseTracker()  # build starts at 100
+    with phases.labelled(Step.GOLDEN):  # 101
+        phases.current = Phase.SHARD  # still the golden's time: no new start
+    phases.current = Phase.COLLECTIVE  # shard resumed after the label at 102, collective at 103
+    phases.current = Phase.SHARD  # already started: its first start stays
+    assert dict(phases.started()) == {Phase.BUILD.value: 100.0, "golden": 101.0, Phase.SHARD.value: 102.0,
+                                      Phase.COLLECTIVE.value: 103.0}
 
 
 def test_labelled_block_keeps_the_error_phase():
@@ -73,6 +85,8 @@ def test_step_seconds_takes_the_slowest_rank_and_the_pool_start():
     outcome = CaseOutcome(OutcomeStatus.OK, results, startup_s=3.0)
     assert step_seconds(outcome) == ((POOL_START, 3.0), ("golden", 1.0), ("collective", 2.0))
     assert step_seconds(CaseOutcome(OutcomeStatus.OK, results[:1])) == (("golden", 1.0), ("collective", 0.5))
+    leased = CaseOutcome(OutcomeStatus.OK, results[:1], startup_s=3.0, lease_wait_s=2.5)  # an NCCL pool's GPUs
+    assert step_seconds(leased) == ((LEASE_WAIT, 2.5), (POOL_START, 0.5), ("golden", 1.0), ("collective", 0.5))
 
 
 def _record(case: str, seconds: float, steps: dict[str, float]) -> CaseRecord:

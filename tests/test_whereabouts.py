@@ -26,3 +26,10 @@ def test_a_library_call_that_waits_in_native_code_counts_as_a_collective():
     assert in_collective(frames) == "float8_tensor.py:316 quantize_impl"
     # only while the rank is in that call itself: a Python frame below it is not the native wait
     assert in_collective(frames + ["/site/transformer_engine/pytorch/utils.py:10 helper"]) is None
+
+
+def test_a_cuda_synchronize_waits_for_the_collective_kernels_queued_before_it():
+    # seen on 4 H100s: on NCCL a rank whose peer raised before the all-gather waits in synchronize
+    frames = ["/x/qgather/scenarios/fsdp.py:80 run_fsdp", "/site/torch/cuda/__init__.py:1162 synchronize"]
+    assert in_collective(frames) == "__init__.py:1162 synchronize"
+    assert in_collective(["/site/torch/cuda/__init__.py:400 current_device"]) is None

@@ -76,3 +76,30 @@ def test_te_twin_from_a_weight_on_the_host_is_the_twin_from_the_gpu(cuda):
     on_gpu = impl.single_device_output(spec, weight, x)
     on_host = impl.single_device_output(spec, weight.cpu().pin_memory(), x)
     assert on_host.device.type == "cuda" and torch.equal(on_host.view(torch.int32), on_gpu.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4_2d"))
+def test_a_parked_golden_judges_as_one_that_never_left_the_gpu(fmt, cuda, monkeypatch):
+    """The inspection brings a parked golden over whole (pinned, without waiting), lets its device
+    copies go again afterwards without copying back, and a gathered buffer identical to the golden
+    takes the golden's digest part: the stage is the one of a golden kept on the GPU, twice over."""
+    from qgather.check.inspection import Inspector
+    from qgather.impls import get_impl
+    from qgather.model.case import CaseSpec, shard_layout
+
+    monkeypatch.setattr(host, "PARK_BYTES", 1)
+    monkeypatch.setattr(compare, "LARGE_BUFFER_BYTES", 1024)  # the data buffers are fingerprinted on the GPU
+    spec = CaseSpec.parse(f"reference:{fmt}:512x256:bf16:ws2:gather:s0")
+    weight = torch.randn(512, 256, generator=torch.Generator(device="cuda").manual_seed(1), device=cuda)
+    weight = weight.to(torch.bfloat16)
+    impl, x = get_impl("reference"), torch.randn(4, 256, device=cuda).to(torch.bfloat16)
+    inspector = Inspector(spec, impl, FORMATS[fmt], x, shard_layout(spec))
+    param = impl.make_param(fmt, weight)
+    kept = golden_module.golden_for(FORMATS[fmt], weight)
+    parked = golden_module.golden_for(FORMATS[fmt], weight, parked=True)
+    want = inspector.judge(param, kept, "unshard 1")
+    pinned = {name: t.data_ptr() for name, t in parked.q.buffers.items()}
+    for _ in range(2):
+        assert inspector.judge(param, parked, "unshard 1") == want
+        assert parked.parked and {n: t.data_ptr() for n, t in parked.q.buffers.items()} == pinned
+    assert parked._digest_parts  # the second judge took them from the golden

@@ -20,6 +20,7 @@ from qgather.errors import HarnessFault
 from qgather.formats import Format, FormatError, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation
+from qgather.instruments import compare
 from qgather.instruments.compare import compare_buffers
 from qgather.model.case import TensorParallelLayout
 from qgather.model.layout import column_block
@@ -38,21 +39,32 @@ class Golden:
     quantizer_diffs: tuple[BufferDiff, ...] | None = None  # own quantizer vs reference; None: no own quantizer
     _whole: torch.Tensor | None = field(default=None, repr=False)
     _device: torch.device | None = field(default=None, repr=False)  # set while parked on the host
+    _digest_parts: dict[str, bytes] = field(default_factory=dict, repr=False)
+    _host: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # each buffer's host copy, once made
+    _away: set[str] = field(default_factory=set, repr=False)  # the buffers waiting on the host now
 
     @property
     def nbytes(self) -> int:
         return 0 if self.q is None else sum(t.numel() * t.element_size() for t in self.q.buffers.values())
 
-    def park(self) -> bool:
+    def park(self, keep: Iterable[str] = ()) -> bool:
         """A large golden on a GPU waits in (pinned) host memory while the case shards and gathers, so
         that the device does not hold a second full quantization next to FSDP2's all-gather buffers;
-        `unpark` brings back what a check reads. Whether it was parked."""
-        if self.q is None or self.parked or not host.worth_parking(self.nbytes, self.q.device):
+        `unpark` brings back what a check reads. `keep`: buffers that stay on the device. A buffer's
+        host copy is made once and kept: parking it again only lets its device copy go. Whether
+        (some of) it is parked."""
+        if self.q is None or not host.worth_parking(self.nbytes, self.device):
             return self.parked
-        self._device = self.q.device
+        device, keep = self.device, set(keep)
         for name, tensor in self.q.buffers.items():
-            self.q.buffers[name] = host.pinned_copy(tensor)
-        return True
+            if name in keep or name in self._away:
+                continue
+            if name not in self._host:
+                self._host[name] = host.pinned_copy(tensor)
+            self.q.buffers[name] = self._host[name]
+            self._away.add(name)
+        self._device = device if self._away else None
+        return self.parked
 
     @property
     def parked(self) -> bool:
@@ -64,14 +76,35 @@ class Golden:
         return self._device if self._device is not None else self.q.device
 
     def unpark(self, names: Iterable[str] | None = None) -> None:
-        """Back onto the device: the buffers `names` (None: every buffer). The golden stays parked
-        until every buffer is back."""
+        """Back onto the device: the buffers `names` (None: every buffer), copied without waiting
+        (from pinned memory, ordered before the checks that read them); their host copies are kept
+        for the next `park`. The golden stays parked until every buffer is back."""
         if self._device is None:
             return
-        for name in self.q.buffers if names is None else names:
-            self.q.buffers[name] = self.q.buffers[name].to(self._device)
-        if all(t.device == self._device for t in self.q.buffers.values()):
+        for name in sorted(self._away if names is None else set(names) & self._away):
+            self.q.buffers[name] = self._host[name].to(self._device, non_blocking=True)
+            self._away.discard(name)
+        if not self._away:
             self._device = None
+
+    def replace_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Let `buffers` (where the golden's buffers are now) stand for the golden's own."""
+        for name, tensor in buffers.items():
+            self.q.buffers[name] = tensor
+            self._host.pop(name, None)
+            if name in self._away:
+                self._host[name] = tensor
+        self._digest_parts = {k: v for k, v in self._digest_parts.items() if k not in buffers}
+
+    def digest_parts(self, identical: dict[str, torch.Tensor]) -> dict[str, bytes]:
+        """compare.digest_part of each of the `identical` buffers (gathered buffers whose valid regions
+        equal the golden's bit for bit, in the same shape and dtype, and that digest fingerprints):
+        what the golden's own buffer hashes to, computed from the first such buffer and kept with the
+        golden, so that a kept golden serves it to every later case (also while it waits on the host)."""
+        for name, tensor in identical.items():
+            if name not in self._digest_parts:
+                self._digest_parts[name] = compare.digest_part(name, tensor, self.q.valid)
+        return {name: self._digest_parts[name] for name in identical}
 
     def value_buffers(self) -> list[str]:
         """The buffers its dequantization reads (the rowwise ones and the per-tensor values)."""
@@ -132,7 +165,7 @@ def golden_for(fmt: Format, weight: torch.Tensor, impl: Implementation | None = 
     diffs, replacements = _cross_check(golden.q, parts)
     golden.quantizer_diffs = diffs
     if not any(d.problem.breaks_layout for d in diffs):
-        golden.q.buffers.update(replacements)  # the golden is its own quantization (sharding invariance)
+        golden.replace_buffers(replacements)  # the golden is its own quantization (sharding invariance)
         golden.source = f"{impl.name}'s own quantizer"
     # else its own quantization does not even have the format's layout: judge against the reference
     return golden

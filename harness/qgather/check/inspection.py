@@ -17,6 +17,7 @@ from qgather.errors import HarnessFault
 from qgather.formats import Format, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation, NoSingleDeviceTwin
+from qgather.instruments import compare
 from qgather.instruments.compare import compare_buffers, compare_value_blocks, compare_values, digest, locate
 from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
 from qgather.model.records import Comparison, ModuleCheck, Stage
@@ -60,7 +61,12 @@ class Inspector:
         Returns:
             The stage record: digests, buffer differences, value and output comparisons.
         """
-        return replace(self._judge(param, golden, label, dtype), piece=self.piece)
+        parked = golden.parked
+        try:
+            return replace(self._judge(param, golden, label, dtype), piece=self.piece)
+        finally:
+            if parked:  # the device copies the checks read are let go; the host copies stay
+                golden.park()
 
     def _judge(self, param: torch.Tensor, golden: Golden, label: str, dtype: torch.dtype | None) -> Stage:
         impl, fmt = self.impl, self.fmt
@@ -78,10 +84,14 @@ class Inspector:
                          values=_against_golden(values.reshape(m, k), golden))
         buffers_digest, diffs, dequantized, where = self._buffers(param, golden)
         blocks = fmt.row_blocks(golden.q.shape)
+        # the golden layer's output blocks, from the golden's row blocks as they pass by for the
+        # comparison below: the golden is dequantized (and a parked one brought over) once, not twice
+        outputs = _GoldenOutputBlocks(self.x.to(param.dtype), len(blocks)) \
+            if len(blocks) > 1 and len(golden.q.shape) == 2 else None
         own = impl.own_dequantize_blocks(param, fmt, blocks)
         own_dequantized = None if own is None else \
-            compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks)))
-        output, output_digest, forward_error = self._forward(param, golden)
+            compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks), outputs))
+        output, output_digest, forward_error = self._forward(param, golden, outputs)
         return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
                      forward_error=forward_error, where=where, dtype_problem=dtype_problem)
@@ -90,10 +100,26 @@ class Inspector:
         """(digest, differences, dequantized values, where they differ) of the gathered buffers. What
         the implementation derived to show them (e.g. TE's columnwise copy) is let go on return: the
         checks after this one read the weight through the library, not these buffers."""
-        fmt = self.fmt
         got = self.impl.read_buffers(param)
-        diffs = tuple(compare_buffers(got, golden.q))
-        buffers_digest = digest(got, golden.q.valid)
+        # A parked golden comes over whole, once per inspection (not chunk by chunk for each check), after
+        # the gather's own buffers exist; what the value checks after the comparison do not read waits on
+        # the host again before the digest's temporaries (its host copy is kept: no copy back).
+        parked = golden.parked
+        golden.unpark()
+        try:
+            diffs = tuple(compare_buffers(got, golden.q))
+            if parked:
+                golden.park(keep=golden.value_buffers())
+            return self._evidence(got, golden, diffs)
+        finally:
+            if parked:
+                golden.park(keep=golden.value_buffers())
+
+    def _evidence(self, got: dict[str, torch.Tensor], golden: Golden, diffs: tuple
+                  ) -> tuple[str, tuple, Comparison | None, tuple]:
+        """(digest, differences, dequantized values, where they differ) once the buffers are compared."""
+        fmt = self.fmt
+        buffers_digest = digest(got, golden.q.valid, golden.digest_parts(_identical(got, golden, diffs)))
         if not diffs:
             # The harness's own dequantization reads only the valid regions it just found bit-identical.
             return buffers_digest, diffs, Comparison(True, detail=IDENTICAL_BUFFERS), ()
@@ -105,14 +131,17 @@ class Inspector:
                                            for rows, want in golden.dequantized_blocks())
         return buffers_digest, diffs, dequantized, tuple(locate(fmt, gathered, golden.q, self.shards))
 
-    def _forward(self, param: torch.Tensor, golden: Golden) -> tuple[Comparison | None, str, str]:
-        """(the layer output against the golden layer's, its digest, the forward's error)."""
+    def _forward(self, param: torch.Tensor, golden: Golden, outputs: _GoldenOutputBlocks | None = None
+                 ) -> tuple[Comparison | None, str, str]:
+        """(the layer output against the golden layer's, its digest, the forward's error). `outputs`:
+        the golden layer's output blocks, where already computed."""
         x = self.x.to(param.dtype)
         try:
             y, blocks = self._output(param, x, golden)
         except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
             return None, "", _one_line(exc)
-        y_ref = _golden_output(x, golden, param.dtype, blocks)
+        y_ref = outputs.output() if blocks and outputs is not None and outputs.complete else \
+            _golden_output(x, golden, param.dtype, blocks)
         return compare_values(y, y_ref, self.impl.output_tolerance(self.fmt.name)), digest({"output": y}, {}), ""
 
     def _output(self, param: torch.Tensor, x: torch.Tensor, golden: Golden) -> tuple[torch.Tensor, bool]:
@@ -168,6 +197,15 @@ class Inspector:
         return ModuleCheck(output=compare_values(got, twin.output))
 
 
+def _identical(got: dict[str, torch.Tensor], golden: Golden, diffs: Iterable) -> dict[str, torch.Tensor]:
+    """The gathered buffers whose valid regions equal the golden's bit for bit, in the same shape and
+    dtype, and which digest fingerprints (large, on a device): their digest parts are the golden's."""
+    differing = {d.name for d in diffs}
+    return {name: t for name, t in got.items() if name in golden.q.buffers and name not in differing
+            and t.dtype == golden.q.buffers[name].dtype
+            and compare.is_fingerprinted(compare.valid_region(name, t, golden.q.valid))}
+
+
 def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: bool) -> torch.Tensor:
     """The golden layer's output: x @ W^T with the golden's values rounded to `dtype`, block of rows by
     block when the implementation's output came so (the same GEMM shapes on both sides: bit for bit)."""
@@ -177,16 +215,41 @@ def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: 
                       for _, values in golden.dequantized_blocks()], dim=-1)
 
 
-def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden,
-                        n_blocks: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(own block, golden block) pairs; an implementation that yields another number of blocks than
-    it was asked for would have some rows compared twice or not at all: said, with the counts."""
+class _GoldenOutputBlocks:
+    """The golden layer's output, x @ W^T block of rows by block (as `_golden_output` computes it with
+    `blocks`), collected from the golden's row blocks as a comparison reads them."""
+
+    def __init__(self, x: torch.Tensor, n_blocks: int) -> None:
+        self.x, self.n_blocks = x, n_blocks
+        self._blocks: list[torch.Tensor] = []
+
+    def add(self, values: torch.Tensor) -> None:
+        if values.shape[-1] != self.x.shape[-1]:  # the layer cannot take x either: its forward says why
+            self.n_blocks = -1
+            return
+        self._blocks.append(torch.matmul(self.x, values.to(self.x.dtype).transpose(-1, -2)))
+
+    @property
+    def complete(self) -> bool:
+        return len(self._blocks) == self.n_blocks
+
+    def output(self) -> torch.Tensor:
+        return torch.cat(self._blocks, dim=-1)
+
+
+def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden, n_blocks: int,
+                        outputs: _GoldenOutputBlocks | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(own block, golden block) pairs (each golden block also handed to `outputs`); an
+    implementation that yields another number of blocks than it was asked for would have some rows
+    compared twice or not at all: said, with the counts."""
     own = iter(own)
     for count, (_, want) in enumerate(golden.dequantized_blocks()):
         got = next(own, None)
         if got is None:
             raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded {count} blocks for the {n_blocks} "
                                "row blocks it was asked for")
+        if outputs is not None:
+            outputs.add(want)
         yield got, want
     if next(own, None) is not None:
         raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded more than the {n_blocks} row blocks "

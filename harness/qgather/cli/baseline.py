@@ -44,7 +44,10 @@ def _read(path: str) -> str:
 def _print(path: str, result: Update) -> None:
     patterns = sum(len(f.cases) for f in result.findings)
     print(f"{path}: {len(result.findings)} findings, {patterns} patterns; {result.covered} failing cases already "
-          f"covered, {len(result.added)} added as untriaged, {len(result.stale)} stale patterns removed")
+          f"covered, {len(result.filed)} filed under their finding, {len(result.added)} added as untriaged, "
+          f"{len(result.stale)} stale patterns removed")
+    for case, title in result.filed:
+        print(f"  filed: {case} (under \"{title}\": the same failure at another world size)")
     for case, title in result.added:
         print(f"  added: {case} (to \"{title}\")")
     for pattern, title in result.stale:

@@ -1,5 +1,6 @@
 """`qgather case` and `qgather repro`: run cases by id and print their reports; `repro` adds the
-environment and the command that reruns the case from a fresh shell."""
+environment and the command that reruns the case from a fresh shell, or with `--standalone` writes
+the case as a script without qgather in it (qgather.tools.standalone) instead of running it."""
 
 from __future__ import annotations
 
@@ -51,8 +52,16 @@ def main_repro(argv: Sequence[str]) -> int:
     """Run one case and print its full report, the environment, and the command that reproduces it."""
     parser = argparse.ArgumentParser(prog="qgather repro", description=main_repro.__doc__)
     parser.add_argument("case_id", metavar="CASE_ID")
+    parser.add_argument("--standalone", action="store_true",
+                        help="write the case as a script that imports only torch, the library under test and the "
+                             "standard library (torchrun or python FILE); nothing runs")
+    parser.add_argument("-o", "--output", metavar="FILE", help="--standalone: the script's path (default: stdout)")
     add_run_options(parser)
     args = parser.parse_args(argv)
+    if args.output and not args.standalone:
+        return usage("repro", "-o/--output names the --standalone script's file: add --standalone")
+    if args.standalone:
+        return _write_standalone(args.case_id, args.output)
     options = run_options("repro", args)
     if options is None:
         return USAGE_ERROR
@@ -75,6 +84,28 @@ def main_repro(argv: Sequence[str]) -> int:
                             adapter_module=adapter_module(spec.impl))
     print(f"reproduce: {command}")
     return 0 if report.passed else 1
+
+
+def _write_standalone(case_id: str, output: str | None) -> int:
+    """`qgather repro ID --standalone [-o FILE]`: the script on stdout or in FILE; a case no template
+    covers is one line and exit 4."""
+    from qgather.tools.standalone import render  # deferred: torch
+
+    try:
+        text = render(case_id)
+    except UsageError as exc:  # a bad case id, or one no template covers
+        return usage("repro", str(exc))
+    if output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(output, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as exc:
+        return usage("repro", f"cannot write {output}: {exc.strerror}")
+    print(f"wrote {output}: run it with python {output} or torchrun --nproc-per-node "
+          f"{text.split('WORLD_SIZE = ', 1)[1].split()[0]} {output}", file=sys.stderr)
+    return 0
 
 
 def environment_lines(options: RunOptions, world_size: int) -> list[str]:

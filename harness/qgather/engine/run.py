@@ -18,7 +18,7 @@ from qgather.impls import get_impl
 from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
-from qgather.model.report import CaseReport
+from qgather.model.report import UNPLACED, CaseReport
 from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
 from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool
@@ -91,14 +91,14 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     return CaseReport(spec, found.verdict, found.reason, found.details, expectation(spec),
                       time.monotonic() - started, placement,
                       repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds,
-                      found.stage)
+                      found.stage, _ran_on(spec, impl, options, found))
 
 
 Seconds = tuple[tuple[str, float], ...]
 
 
 def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> tuple[Classification, str, Seconds]:
-    reason = impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl)
+    reason = _skip_reason(spec, impl, options)
     if reason:
         return Classification(Verdict.SKIPPED, reason), "", ()
     if spec.scenario == "virtual":
@@ -107,6 +107,36 @@ def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> tuple[Cla
         return _run_on_pool(spec, impl, options)
     with saved_checkpoint(spec, impl, options) as (checkpoint, failure):
         return (failure, "", ()) if failure else _run_on_pool(spec, impl, options, checkpoint)
+
+
+def _skip_reason(spec: CaseSpec, impl: Implementation, options: RunOptions) -> str:
+    """Why the implementation or FSDP2 cannot run the case on this device ("" if they can)."""
+    return impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl) or ""
+
+
+def _ran_on(spec: CaseSpec, impl: Implementation, options: RunOptions, found: Classification) -> str:
+    """Where the case's ranks ran (CaseReport.ran_on)."""
+    if found.verdict is Verdict.SKIPPED and found.reason == _skip_reason(spec, impl, options):
+        return ""
+    if spec.scenario == "virtual":
+        return "virtual"
+    pool = _pool_spec(spec, options)
+    if found.verdict is Verdict.SKIPPED and pool.shape_problem() == "" and _unplaceable(pool):
+        return UNPLACED
+    return f"{pool.backend}/{pool.device}"
+
+
+def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:
+    return PoolSpec(backend=options.backend_for(spec.world_size), world_size=spec.world_size,
+                    device=options.device_type())
+
+
+def _unplaceable(pool: PoolSpec) -> bool:
+    try:
+        pool.validate()
+    except PoolSpecError:
+        return True
+    return False
 
 
 def _run_virtual(spec: CaseSpec, impl: Implementation) -> Classification:
@@ -122,8 +152,7 @@ def _run_virtual(spec: CaseSpec, impl: Implementation) -> Classification:
 
 def _run_on_pool(spec: CaseSpec, impl: Implementation, options: RunOptions,
                  *case_args) -> tuple[Classification, str, Seconds]:
-    pool_spec = PoolSpec(backend=options.backend_for(spec.world_size), world_size=spec.world_size,
-                         device=options.device_type())
+    pool_spec = _pool_spec(spec, options)
     try:
         pool = get_pool(pool_spec.validate(), options.say)
     except PoolSpecError as exc:  # also under torchrun/SLURM: a world size the launched job does not have
@@ -144,6 +173,7 @@ def _run_on_pool(spec: CaseSpec, impl: Implementation, options: RunOptions,
 
 
 POOL_START = "pool start"
+LEASE_WAIT = "GPU lease wait"
 
 
 def step_seconds(outcome: CaseOutcome) -> Seconds:
@@ -154,5 +184,7 @@ def step_seconds(outcome: CaseOutcome) -> Seconds:
     for result in (*outcome.results, *outcome.errors.values()):
         for step, seconds in getattr(result, "seconds", ()):
             slowest[step] = max(slowest.get(step, 0.0), seconds)
-    head = ((POOL_START, outcome.startup_s),) if outcome.startup_s else ()
+    head = ((LEASE_WAIT, outcome.lease_wait_s),) if outcome.lease_wait_s else ()
+    if outcome.startup_s:
+        head += ((POOL_START, outcome.startup_s - outcome.lease_wait_s),)
     return head + tuple(slowest.items())

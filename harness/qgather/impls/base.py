@@ -35,9 +35,12 @@ SCENARIO_METHODS: dict[str, tuple[str, ...]] = {
     "virtual": ("make_param",),
     "model": ("run_model",),
     "layers": ("requantize_shard",),  # the layers scenario takes optimizer steps too
+    "block": ("requantize_shard",),  # and so does the block scenario
 }
 #: the two routes to a sharded module: the harness's own FSDP2 route, or the library's own
 ROUTES = ("make_param", "make_sharded_module")
+#: the routes to a layer of the block scenario's one fully_shard group (any one of them)
+BLOCK_ROUTES = ("make_param", "make_module", "make_block_layer")
 
 
 class NoSingleDeviceTwin(HarnessFault):
@@ -100,6 +103,9 @@ class Implementation(abc.ABC):
             return f"{self.name} does not support scenario {spec.scenario}"
         if device.type not in self.devices:
             return f"{self.name} does not run on {device.type}"
+        if spec.scenario == "block" and not any(_overrides(type(self), m) for m in BLOCK_ROUTES):
+            return (f"{self.name} builds its sharded modules itself (make_sharded_module); the block scenario "
+                    f"builds one fully_shard group of several weights through one of {', '.join(BLOCK_ROUTES)}")
         return None
 
     def make_param(self, fmt: str, weight: torch.Tensor) -> torch.Tensor:
@@ -120,6 +126,19 @@ class Implementation(abc.ABC):
         `setup.master_slice(master)`. An adapter whose method takes no `setup` parameter runs
         FSDP2's default configuration only (its configured cases are SKIPPED, saying so).
         None (the default): the harness builds and shards the module (make_module / make_param)."""
+        return None
+
+    def make_block_layer(self, ctx, spec: CaseSpec, master: torch.Tensor, setup) -> torch.nn.Module | None:
+        """For the block scenario: a layer holding the weight `spec` describes (`.weight`), built the
+        library's way but not sharded (e.g. TE's te.Linear on meta under quantized_model_init, whose
+        init writes this rank's rows, `setup.master_slice(master)`): the scenario shards it in one
+        `fully_shard` group with the block's other parameters, then calls `materialize_block_layer`.
+        None (the default): the harness builds it (make_module / make_param)."""
+        return None
+
+    def materialize_block_layer(self, module: torch.nn.Module) -> None:
+        """Called on every rank, once the block is sharded, for each layer `make_block_layer` built (e.g.
+        TE's reset_parameters: materialize and quantize this rank's shard). Nothing by default."""
         return None
 
     def tensor_parallel_style(self, rowwise: bool) -> ParallelStyle:
@@ -268,7 +287,7 @@ def missing_methods(adapter: type[Implementation] | Implementation) -> list[str]
         >>> class Half(Implementation):
         ...     def is_quantized(self, param): return True
         >>> missing_methods(Half)
-        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard, layers)', \
+        ['read_buffers', 'make_param or make_sharded_module', 'requantize_shard (for steps, reshard, layers, block)', \
 'make_param (for hooks, virtual)']
     """
     cls = adapter if isinstance(adapter, type) else type(adapter)

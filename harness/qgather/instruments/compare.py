@@ -42,19 +42,36 @@ LARGE_BUFFER_BYTES = 1 << 22
 _DEVICE_CHUNK = 1 << 22  # elements per chunk of the device-side loops below: bounds their temporaries
 
 
-def digest(buffers: dict[str, torch.Tensor], valid: dict[str, tuple[slice, ...]]) -> str:
+def digest(buffers: dict[str, torch.Tensor], valid: dict[str, tuple[slice, ...]],
+           known: dict[str, bytes] | None = None) -> str:
     """sha256 over every buffer's valid region (name, shape, dtype and bytes; a large device
-    region's fingerprint instead of its bytes)."""
+    region's fingerprint instead of its bytes). `known`: `digest_part`s already computed for some of
+    the buffers (a golden's, for buffers found bit-identical to it in the same shape and dtype)."""
     h = hashlib.sha256()
     for name in sorted(buffers):
-        t = buffers[name]
-        region = t[valid[name]] if name in valid and t.dim() == len(valid[name]) else t
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        if region.device.type != "cpu" and region.numel() * region.element_size() > LARGE_BUFFER_BYTES:
-            h.update(b"fingerprint:" + _fingerprint(region))
-        else:
-            h.update(tensor_bytes(region))
+        part = (known or {}).get(name)
+        h.update(part if part is not None else digest_part(name, buffers[name], valid))
     return h.hexdigest()
+
+
+def digest_part(name: str, t: torch.Tensor, valid: dict[str, tuple[slice, ...]]) -> bytes:
+    """What `digest` hashes of one buffer: its name, shape and dtype, then its valid region's bytes,
+    or for a large region on a device its fingerprint (`is_fingerprinted`)."""
+    region = valid_region(name, t, valid)
+    head = f"{name}:{tuple(t.shape)}:{t.dtype};".encode()
+    if is_fingerprinted(region):
+        return head + b"fingerprint:" + _fingerprint(region)
+    return head + tensor_bytes(region)
+
+
+def valid_region(name: str, t: torch.Tensor, valid: dict[str, tuple[slice, ...]]) -> torch.Tensor:
+    """The part of buffer `name` that `digest` reads (padding left out)."""
+    return t[valid[name]] if name in valid and t.dim() == len(valid[name]) else t
+
+
+def is_fingerprinted(region: torch.Tensor) -> bool:
+    """Whether `digest` fingerprints this region where it lives instead of hashing its bytes."""
+    return region.device.type != "cpu" and region.numel() * region.element_size() > LARGE_BUFFER_BYTES
 
 
 def _fingerprint(t: torch.Tensor) -> bytes:

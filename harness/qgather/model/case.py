@@ -19,7 +19,7 @@ from qgather.model.config import DEFAULT, ConfigError, FsdpConfig
 
 _SEED = re.compile(r"s\d+")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual", "model", "layers")
+SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual", "model", "layers", "block")
 
 
 class CaseSpecError(UsageError):
@@ -57,6 +57,14 @@ class CaseSpec:
         shape = "x".join(str(d) for d in self.shape)
         config = f":{self.config.token}" if not self.config.is_default else ""
         return f"{self.impl}:{self.fmt}:{shape}:{self.dtype}:ws{self.world_size}:{self.scenario}:s{self.seed}{config}"
+
+    @property
+    def pool_sizes(self) -> tuple[int, ...]:
+        """The world sizes of the rank pools the case runs on (a checkpoint case's saving world too;
+        none for the virtual scenario, which runs in the runner's own process)."""
+        if self.scenario == "virtual":
+            return ()
+        return tuple(sorted({self.world_size, self.config.saved_at_world_size or self.world_size}))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -103,6 +103,7 @@ class CaseRecord:
     #: where those seconds went: step -> seconds (qgather.engine.run.step_seconds); empty when not measured
     step_seconds: dict[str, float] = field(default_factory=dict)
     placement: str = ""  # under a launcher: intra-node | cross-node
+    ran_on: str = ""  # where its ranks ran (CaseReport.ran_on): nccl/cuda, gloo/cuda, gloo/cpu, virtual, unplaced
     checked: bool = False
     outcome: Outcome | None = None
     known_issue: KnownIssue | None = None
@@ -129,6 +130,7 @@ class CaseRecord:
             seconds=round(report.duration_s, 3),
             step_seconds={step: round(value, 4) for step, value in report.seconds},
             placement=report.placement,
+            ran_on=report.ran_on,
         )
 
     @property

@@ -18,6 +18,8 @@ with its defaults (so every id written before this dimension existed still means
               (with tp-DxT: saved at tp-(A/T)xT, the same TP split over another dp size)
   dcp-wsA-trained   the same, saved after one training forward of the module at A (as a training
               run saves it: e.g. TE's DelayedScaling then carries its amax history in _extra_state)
+  nested      the block scenario's block sharded inside a model root with a parameter of its own
+              (fully_shard(block), then fully_shard(root)); without it the block is the root
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class FsdpConfig:
     compile: bool = False
     saved_at_world_size: int | None = None
     saved_after_forward: bool = False
+    nested: bool = False  # the block scenario: the block inside a fully_shard-ed model root
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -119,6 +122,8 @@ class FsdpConfig:
             parts.append("compile")
         if self.saved_at_world_size is not None:
             parts.append(f"dcp-ws{self.saved_at_world_size}" + ("-trained" if self.saved_after_forward else ""))
+        if self.nested:
+            parts.append("nested")
         return "+".join(parts)
 
     def check_world_size(self, world_size: int) -> str | None:
@@ -152,6 +157,7 @@ _PATTERNS: list[tuple[re.Pattern, object]] = [
     (re.compile(r"compile"), lambda m: {"compile": True}),
     (re.compile(r"dcp-ws(\d+)(-trained)?"),
      lambda m: {"saved_at_world_size": int(m[1]), "saved_after_forward": m[2] is not None}),
+    (re.compile(r"nested"), lambda m: {"nested": True}),
 ]
 
 
@@ -165,4 +171,4 @@ def _parse_part(part: str, fields: dict) -> None:
             fields.update(values)
             return
     raise ConfigError(f"configuration token {part!r} is not one of mp-P[-rR], raf-no, raf-N, hsdp-RxS, "
-                      "tp-DxT[-row], dim1, compile, dcp-wsA[-trained]")
+                      "tp-DxT[-row], dim1, compile, dcp-wsA[-trained], nested")

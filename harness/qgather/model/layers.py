@@ -23,6 +23,10 @@ from qgather.formats import FORMATS
 from qgather.model.case import CaseSpec, shard_world_size
 
 SCENARIO = "layers"
+#: the scenarios whose case is a module of these weights: `layers` (a fully_shard group per weight) and
+#: `block` (every weight in one group, qgather.model.block); the policy, the coverage and the
+#: configurations read every weight of their cases
+MODULE_SCENARIOS = (SCENARIO, "block")
 #: each weight's magnitude, in module order (powers of two: the scaled values stay exact)
 SCALES = (1.0, 8.0, 0.125)
 SEED_STRIDE = 1000

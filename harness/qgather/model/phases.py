@@ -50,7 +50,9 @@ class PhaseTracker:
     The clock charges the time between two phase changes to the phase that ran, and a `labelled`
     block's time to its label (e.g. "golden"), so that a case's seconds can be read step by step.
     `sync` (e.g. torch.cuda.synchronize) runs before every reading, so that device work queued in a
-    step is charged to that step and not to the next one that waits for it.
+    step is charged to that step and not to the next one that waits for it. It also notes the wall
+    clock (time.time(): one clock for every process of a host) when each step first starts, so that
+    ranks can be compared: a rank that reaches a collective first waits there for the last one.
     """
 
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
@@ -59,6 +61,7 @@ class PhaseTracker:
         self._sync = sync
         self._since = time.perf_counter()
         self._seconds: dict[str, float] = {}
+        self._started: dict[str, float] = {self._key: time.time()}
 
     @property
     def current(self) -> Phase:
@@ -68,6 +71,7 @@ class PhaseTracker:
     def current(self, phase: Phase) -> None:
         self._lap()
         self._current = phase
+        self._mark_start()
 
     @contextlib.contextmanager
     def at(self, phase: Phase) -> Iterator[None]:
@@ -81,6 +85,7 @@ class PhaseTracker:
         is tagged with is unchanged)."""
         self._lap()
         outer, self._label = self._label, label.value
+        self._mark_start()
         try:
             yield
         except BaseException:
@@ -90,6 +95,7 @@ class PhaseTracker:
             self._lap()
         finally:
             self._label = outer
+            self._mark_start()
 
     def seconds(self, sync: bool = True) -> tuple[tuple[str, float], ...]:
         """(step, seconds) so far, in the order the steps first ran (sync=False: without waiting for
@@ -97,11 +103,23 @@ class PhaseTracker:
         self._lap(sync)
         return tuple(self._seconds.items())
 
+    def started(self) -> tuple[tuple[str, float], ...]:
+        """(step, wall-clock second it first started), in the order the steps first ran."""
+        return tuple(self._started.items())
+
+    @property
+    def _key(self) -> str:
+        return self._label or self._current.value
+
+    def _mark_start(self) -> None:
+        if self._key not in self._started:
+            self._started[self._key] = time.time()
+
     def _lap(self, sync: bool = True) -> None:
         if sync and self._sync is not None:
             self._sync()
         now = time.perf_counter()
-        key = self._label or self._current.value
+        key = self._key
         self._seconds[key] = self._seconds.get(key, 0.0) + now - self._since
         self._since = now
 

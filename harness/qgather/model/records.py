@@ -132,5 +132,7 @@ class RankResult:
     quantizer: tuple[BufferDiff, ...] | None = None
     #: (step, seconds) on this rank, in the order the steps ran (qgather.model.phases.PhaseTracker)
     seconds: tuple[tuple[str, float], ...] = ()
+    #: (step, wall-clock second it first started on this rank; one clock for the ranks of a host)
+    started: tuple[tuple[str, float], ...] = ()
     #: a case of several weights (the layers scenario): each weight's first gather, labelled
     wires: tuple[WireSummary, ...] = ()

@@ -10,6 +10,8 @@ from qgather.model.policy import Expectation
 from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
 
+UNPLACED = "unplaced"  # CaseReport.ran_on of a case skipped because no pool of its size can exist here
+
 
 @dataclass(frozen=True)
 class CaseReport:
@@ -25,6 +27,8 @@ class CaseReport:
         placement: under a launcher, "intra-node" or "cross-node".
         repro: the command that reruns the case under the run's options (default: `qgather case <id>`).
         seconds: where the case's time went, step by step (qgather.engine.run.step_seconds).
+        ran_on: where its ranks ran: "nccl/cuda", "gloo/cuda", "gloo/cpu", "virtual" (one process),
+            UNPLACED (no pool of its size could exist here), "" (not run: skipped before any pool).
         stage: the stage the verdict was found at ("unshard 1"; "" when it is not a stage's, e.g. an
             error or a hang): the reason then reads "<stage>: <finding>".
     """
@@ -38,6 +42,7 @@ class CaseReport:
     placement: str = ""
     repro: str = ""
     seconds: tuple[tuple[str, float], ...] = ()
+    ran_on: str = ""
     stage: str = ""
 
     def __post_init__(self) -> None:

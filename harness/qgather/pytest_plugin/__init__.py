@@ -25,6 +25,7 @@ from qgather.pytest_plugin.session import (  # noqa: E402
     pytest_runtest_teardown,
     pytest_sessionfinish,
     pytest_unconfigure,
+    pytest_xdist_make_scheduler,
 )
 
 __all__ = [
@@ -36,5 +37,6 @@ __all__ = [
     "pytest_runtest_teardown",
     "pytest_sessionfinish",
     "pytest_unconfigure",
+    "pytest_xdist_make_scheduler",
     "qgather",
 ]

@@ -192,10 +192,13 @@ class Update:
     stale: tuple[tuple[str, str], ...]  # (pattern, title): it matched only passing cases, so it was removed
     too_broad: tuple[tuple[str, str], ...]  # (pattern, a passing case it matches): kept, to narrow by hand
 
+    #: (case id, the title of the finding it went under): a new world size of a known failure
+    filed: tuple[tuple[str, str], ...] = ()
+
     @property
     def changed(self) -> bool:
         """Whether the file changes."""
-        return bool(self.added or self.stale)
+        return bool(self.added or self.stale or self.filed)
 
 
 def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
@@ -219,10 +222,16 @@ def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
             patterns.append(pattern)
         if patterns:
             kept.append(replace(finding, cases=tuple(patterns)))
-    added, covered = [], 0
+    added, filed, covered = [], [], 0
     for case in failing:
         if any(f.pattern_for(case.case) for f in kept):
             covered += 1
+            continue
+        home = _finding_at_another_world_size(kept, case, failing)
+        if home is not None:
+            at, pattern = home
+            kept[at] = replace(kept[at], cases=_with_world_size(kept[at].cases, pattern, case, passing))
+            filed.append((case.case, kept[at].title))
             continue
         title = f"{UNTRIAGED}: {case.verdict.value}: {clean_reason(case.reason)}"
         at = next((n for n, f in enumerate(kept) if f.title == title), None)
@@ -231,7 +240,41 @@ def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
         else:
             kept[at] = replace(kept[at], cases=(*kept[at].cases, escape(case.case)))
         added.append((case.case, title))
-    return Update(tuple(kept), tuple(added), covered, tuple(stale), tuple(too_broad))
+    return Update(tuple(kept), tuple(added), covered, tuple(stale), tuple(too_broad), tuple(filed))
+
+
+_WORLD_SIZE = re.compile(r":ws[^:]*:")
+_ONE_DIGIT_SIZES = re.compile(r":ws(\d|\[\d+\]):")
+
+
+def _with_world_size(patterns: tuple[str, ...], pattern: str, case: CaseRecord,
+                     passing: Sequence[str]) -> tuple[str, ...]:
+    """The finding's patterns covering `case` too: `pattern` with the case's world size added to its
+    set (ws2 -> ws[23]) where that matches no passing case of the run, else the case's exact id."""
+    sizes = _ONE_DIGIT_SIZES.search(pattern)
+    size = _ONE_DIGIT_SIZES.search(case.case)  # the id's own: an old verdicts.json has no world_size field
+    if sizes and size and size.group(1).isdigit():
+        digits = "".join(sorted(set(sizes.group(1).strip("[]")) | {size.group(1)}))
+        wider = pattern[:sizes.start()] + f":ws[{digits}]:" + pattern[sizes.end():]
+        if not any(KnownIssue(wider, "").matches(other) for other in passing):
+            return tuple(wider if p == pattern else p for p in patterns)
+    return (*patterns, escape(case.case))
+
+
+def _finding_at_another_world_size(findings: Sequence[Finding], case: CaseRecord,
+                                   failing: Sequence[CaseRecord]) -> tuple[int, str] | None:
+    """The finding a new failure belongs to when only its world size is new: one of the finding's
+    patterns matches the case with that pattern's world size widened to any, and a case the pattern
+    covers failed in this run with the same verdict (the same failure, seen at another world size)."""
+    for at, finding in enumerate(findings):
+        for pattern in finding.cases:
+            wide = _WORLD_SIZE.sub(":ws*:", pattern)
+            if wide == pattern or not KnownIssue(wide, "").matches(case.case):
+                continue
+            issue = KnownIssue(pattern, "")
+            if any(issue.matches(other.case) and other.verdict is case.verdict for other in failing):
+                return at, pattern
+    return None
 
 
 # What changes from one run of a case to the next: it must not enter a checked-in reason.

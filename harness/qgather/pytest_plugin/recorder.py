@@ -19,6 +19,7 @@ import pytest
 from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.model.case_record import CaseRecord, Outcome
 from qgather.model.verdict import Verdict
+from qgather.pytest_plugin import placement
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.options import Settings
 from qgather.pytest_plugin.reports import build as build_reports
@@ -28,6 +29,7 @@ from qgather.pytest_plugin.results import Row, RunResults
 from qgather.pytest_plugin.summary import coverage_of
 from qgather.pytest_plugin.summary import write as write_summary
 from qgather.pytest_plugin.timings import render as render_timings
+from qgather.runtime.spec import visible_gpus
 from qgather.suite.coverage import markdown as coverage_markdown
 
 JSON_EVERY_S = 1.0  # --qgather-json is rewritten at most this often while cases finish, and at the end
@@ -73,6 +75,7 @@ class Recorder:
         self._rows: dict[Row, Counter[str]] = {row: Counter() for row in Row}
         self._json_written = 0.0
         self.ran_nothing: dict[str, str] = {}
+        self.unplaced: list[CaseRecord] = []  # a GPU job's cases skipped for want of GPUs (placement)
         self.collected_cases = 0  # case tests collected (M of "interrupted after N of M cases")
 
     # ------------------------------------------------------------------ hooks
@@ -174,6 +177,7 @@ class Recorder:
             other_tests=len(self._other_tests),
             failing_other_tests=tuple(self._failing_other),
             ran_nothing=dict(self.ran_nothing),
+            unplaced=tuple(self.unplaced),
         )
 
     def _category(self, report: pytest.TestReport) -> str:
@@ -204,16 +208,16 @@ class Recorder:
                 self._failing_other.append(nodeid)
 
     def _gate(self, session: pytest.Session) -> None:
-        """A gate on an implementation whose every case was skipped (TE missing, no GPU) tested
-        nothing of it: red, with the reason, instead of green."""
-        if not self.settings.impls_named:
-            return
+        """Red instead of green: a gate on an implementation whose every case was skipped (TE
+        missing, no GPU) tested nothing of it; a GPU job skipped a case its GPUs could run on NCCL."""
         records = [c.record for c in self._checked.values()] + list(self._also_ran.values())
-        for impl in self.settings.impls:
+        for impl in self.settings.impls if self.settings.impls_named else ():
             mine = [r for r in records if r.implementation == impl]
             if mine and all(r.verdict is Verdict.SKIPPED for r in mine):
                 self.ran_nothing[impl] = mine[0].reason
-        if self.ran_nothing and session.exitstatus == pytest.ExitCode.OK:
+        if self.settings.run.device_type() == "cuda":
+            self.unplaced = placement.unplaced_on_gpus(records, len(visible_gpus()))
+        if (self.ran_nothing or self.unplaced) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def _write_json(self, force: bool = False) -> None:

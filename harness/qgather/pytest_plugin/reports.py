@@ -22,6 +22,7 @@ from qgather import __version__
 from qgather.errors import first_line
 from qgather.model.case_record import CaseRecord, Outcome
 from qgather.model.verdict import Verdict
+from qgather.pytest_plugin import placement
 from qgather.pytest_plugin.options import Settings
 from qgather.pytest_plugin.results import Row, RunResults
 
@@ -53,6 +54,7 @@ def build(results: RunResults, settings: Settings, session: pytest.Session) -> d
         "failing_other_tests": list(results.failing_other_tests),
         "verdicts": results.verdicts,
         "matrix": matrix(results.cases),
+        "where_ran": placement.as_json(results.cases),  # world size -> nccl/cuda, gloo/cuda, ..., skipped
         "failures": [_failure(r) for r in results.failures],
         "known_issues": [_failure(r) for r in results.known_issues],
         "cases": [r.to_dict() for r in results.cases],
@@ -128,6 +130,7 @@ def render_markdown(data: dict[str, Any]) -> str:
     """verdicts.md: the headline, pytest's counts row by row, the matrix, the failures, the known issues."""
     lines = ["## qgather verdicts", "", _headline(data), "", *_reconciliation(data), ""]
     lines += _matrix_table(data["matrix"])
+    lines += _where_ran_table(data.get("where_ran", {}))
     lines += _failures_section(data["failures"])
     lines += _other_failures_section(data["failing_other_tests"])
     lines += _known_section(data["known_issues"])
@@ -137,6 +140,18 @@ def render_markdown(data: dict[str, Any]) -> str:
                   f"torchao {env['torchao']}; transformer_engine {env['transformer_engine']}; {gpus}; "
                   f"{_cell(data['session'].get('command', ''))}</sub>", ""]
     return "\n".join(lines)
+
+
+def _where_ran_table(table: dict[str, dict[str, int]]) -> list[str]:
+    """Per world size, how many cases ran on NCCL, gloo on CUDA, ..., and how many were skipped."""
+    if not table:
+        return []
+    columns = [c for c in placement.COLUMNS if any(counts.get(c) for counts in table.values())]
+    lines = ["", "### Where the cases ran", "", "| world size | " + " | ".join(columns) + " |",
+             "|---:|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join([size, *(str(counts.get(c, 0)) for c in columns)]) + " |"
+              for size, counts in table.items()]
+    return lines
 
 
 def _headline(data: dict[str, Any]) -> str:

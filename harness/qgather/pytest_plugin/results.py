@@ -47,6 +47,7 @@ class RunResults:
     other_tests: int  # how many tests are not one case each
     failing_other_tests: tuple[str, ...] = ()  # node ids of those that failed or errored
     ran_nothing: Mapping[str, str] = field(default_factory=dict)  # --impl name -> first skip reason
+    unplaced: tuple[CaseRecord, ...] = ()  # cases the host's GPUs could run on NCCL, skipped instead
 
     @property
     def pytest(self) -> dict[str, int]:

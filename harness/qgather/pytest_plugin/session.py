@@ -15,6 +15,7 @@ import pytest
 
 from qgather.pytest_plugin.collection import sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
+from qgather.pytest_plugin.gpu_schedule import make_lease_dir, release_after, remove_lease_dir, scheduler_for
 from qgather.pytest_plugin.options import Settings, settings_key
 from qgather.pytest_plugin.recorder import Recorder, recorder_key
 from qgather.pytest_plugin.role import Role, role
@@ -42,6 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.xmlpath = None
         config.pluginmanager.register(QuietRank(), QUIET_RANK_NAME)
     elif this is Role.REPORTER:
+        make_lease_dir(config)
         if options.report_dir and not config.option.xmlpath and not config.option.collectonly:
             config.option.xmlpath = os.path.join(options.report_dir, "junit.xml")
         if not config.option.collectonly:
@@ -67,16 +69,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         plugin = config.pluginmanager.get_plugin(name)
         if plugin is not None:
             config.pluginmanager.unregister(plugin)
+    remove_lease_dir(config)
     for key in (recorder_key, settings_key, sweep_sizes_key):
         if key in config.stash:
             del config.stash[key]
 
 
-def pytest_runtest_teardown(item: pytest.Item) -> None:
-    """Under a launcher, a broken world stops every rank at the same case."""
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """GPU pools the next test will not use give their GPUs back; under a launcher, a broken world
+    stops every rank at the same case."""
+    release_after(item, nextitem)
     broken = external.world_broken()
     if broken:
         item.session.shouldfail = f"qgather: {broken}"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown where xdist is not loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """The GPU job's scheduler (qgather.pytest_plugin.gpu_schedule); None leaves xdist's own."""
+    return scheduler_for(config, log, config.stash[settings_key].run.device_type())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -13,6 +13,7 @@ import pytest
 from qgather.errors import first_line
 from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.model.verdict import Verdict
+from qgather.pytest_plugin import placement
 from qgather.pytest_plugin.results import RunResults
 from qgather.suite.coverage import Coverage, measure, promise_lines
 
@@ -26,9 +27,14 @@ def write(terminal: pytest.TerminalReporter, results: RunResults, verdicts: bool
     for impl, reason in results.ran_nothing.items():
         terminal.write_line(f"qgather: every {impl} case was skipped, so nothing of it was tested "
                             f"(first reason: {reason}); failing the run", red=True)
+    for record in results.unplaced[:FAILURES_SHOWN]:
+        terminal.write_line(f"qgather: {record.case} was skipped although this host's GPUs can run it on NCCL "
+                            f"({first_line(record.reason)}); failing the run", red=True)
     if verdicts and (results.cases or results.also_ran):
         terminal.section("qgather verdicts")
         for line in verdict_lines(results):
+            terminal.write_line(line)
+        for line in placement.table_lines(results.cases):
             terminal.write_line(line)
     if interrupted:
         terminal.write_line(interrupted, red=True)

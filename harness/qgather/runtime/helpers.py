@@ -34,6 +34,44 @@ FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp", "torch._dynamo",
     "qgather.runtime.rank", "qgather.runtime.forkserver_hook",
 ]
+# More modules for the forkserver to preload, comma-separated (e.g. transformer_engine.pytorch on a
+# GPU host, whose import otherwise costs each new pool's first case seconds). A module that
+# initialized the CUDA driver there would break every rank forked from it: only name modules whose
+# import does not (the GPU job checks transformer_engine.pytorch before it sets this).
+PRELOAD_ENV = "QGATHER_FORKSERVER_PRELOAD"
+
+
+def fork_safe(modules: list[str]) -> list[str]:
+    """The modules whose import leaves CUDA usable in a forked child, as the forkserver's ranks are
+    forked: imported here, then a forked child allocates on the GPU (an import that initialized the
+    CUDA driver makes that fail). Run it in a process of its own: it imports the modules."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    safe = []
+    for name in modules:
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - not importable here: nothing to preload
+            continue
+        pid = os.fork()
+        if pid == 0:
+            try:
+                import torch
+
+                torch.zeros(1, device="cuda").add_(1)
+                torch.cuda.synchronize()
+                os._exit(0)
+            except BaseException:  # noqa: BLE001 - the child reports by its exit code only
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) == 0:
+            safe.append(name)
+    return safe
+
+
+def forkserver_preload() -> list[str]:
+    """FORKSERVER_PRELOAD plus the modules QGATHER_FORKSERVER_PRELOAD names."""
+    extra = [name.strip() for name in os.environ.get(PRELOAD_ENV, "").split(",") if name.strip()]
+    return FORKSERVER_PRELOAD + [name for name in extra if name not in FORKSERVER_PRELOAD]
 
 _owned_helpers: dict[str, int | None] = {}  # multiprocessing helpers this runtime started
 
@@ -59,7 +97,7 @@ def _forkserver_context() -> Any:
     server = forkserver._forkserver
     started = _helper_pid("forkserver") is None
     if started:
-        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        context.set_forkserver_preload(forkserver_preload())
     try:
         if started:
             fit_socket_path()

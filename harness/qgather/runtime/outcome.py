@@ -119,6 +119,8 @@ class CaseOutcome:
     duration_s: float = 0.0
     #: seconds spent starting the pool's ranks before this case (0: the pool was warm)
     startup_s: float = 0.0
+    #: of those, seconds an NCCL pool waited for its GPUs (qgather.runtime.gpu_lease) before spawning
+    lease_wait_s: float = 0.0
     case_id: str = ""
     unfinished: tuple[int, ...] = ()  # ranks that neither returned, raised nor died
     note: str = ""

@@ -25,13 +25,13 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from qgather.runtime import lifeline, protocol, whereabouts
+from qgather.runtime import gpu_lease, lifeline, protocol, whereabouts
 from qgather.runtime.helpers import mp_context, signal_pid
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
 from qgather.runtime.protocol import decode, encode, send
 from qgather.runtime.rank import RankConfig, rank_main
 from qgather.runtime.replies import WAIT_EVIDENCE_S, Replies
-from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank
+from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank, visible_gpus
 
 WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
@@ -54,10 +54,15 @@ class _Rank:
 class RankPool:
     """`world_size` rank processes in one process group, spawned on first use and reused."""
 
-    def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None) -> None:
+    def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None,
+                 before_lease_wait: Callable[[], None] | None = None) -> None:
+        """`before_lease_wait`: called once before an NCCL pool waits for GPUs that other pools hold
+        (the registry frees this process's idle GPU pools there, so no process waits holding GPUs)."""
         self.spec = spec.validate()
         self.extra_env = dict(env or {})  # on top of rank_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
         self.spawn_count = 0
+        self.before_lease_wait = before_lease_wait
+        self._lease: gpu_lease.Lease | None = None
         self._ranks: list[_Rank] = []
         self._tmpdir: str | None = None
         self._lifeline: Connection | None = None  # the write end; closing it ends the ranks
@@ -72,6 +77,11 @@ class RankPool:
     def pids(self) -> list[int]:
         """The ranks' process ids, by rank."""
         return [r.process.pid for r in self._ranks]
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """The GPUs (CUDA_VISIBLE_DEVICES entries) this NCCL pool leases while its ranks are up."""
+        return self._lease.gpus if self._lease is not None else ()
 
     @property
     def tmpdir(self) -> str | None:
@@ -92,17 +102,19 @@ class RankPool:
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if self._ranks and self._idle_rank_gone():
             self._teardown()  # a rank died while idle (OOM killer, a stray signal): not this case's doing
-        startup = 0.0
+        startup = lease_wait = 0.0
         if not self._ranks:
             began = time.monotonic()
             failure = self.start(case_id)
             if failure is not None:
                 return failure
             startup = time.monotonic() - began
+            lease_wait = self._lease.waited_s if self._lease is not None else 0.0
         start = time.monotonic()
         try:
             replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit)
-            return replace(self._conclude(replies, time.monotonic() - start, case_id), startup_s=startup)
+            return replace(self._conclude(replies, time.monotonic() - start, case_id), startup_s=startup,
+                           lease_wait_s=lease_wait)
         except BaseException:
             # Interrupted mid-case (Ctrl-C, a bug here): the ranks' late replies would be read as
             # the next case's, so this pool's ranks cannot be trusted any more.
@@ -119,6 +131,9 @@ class RankPool:
         if self._ranks:
             return None
         start = time.monotonic()
+        refused = self._take_lease(case_id)
+        if refused is not None:
+            return refused
         try:
             self._spawn()
             replies = self._collect(Replies(self.spec.world_size, protocol.RANK_STARTING),
@@ -145,12 +160,24 @@ class RankPool:
 
     # -- spawning -------------------------------------------------------------------------
 
+    def _take_lease(self, case_id: str) -> CaseOutcome | None:
+        """An NCCL pool's GPUs of its own (one per rank) before it spawns; the failure if none came free."""
+        if self.spec.backend != "nccl":
+            return None
+        try:
+            self._lease = gpu_lease.acquire(self.spec.world_size, visible_gpus(), before_wait=self.before_lease_wait)
+        except gpu_lease.LeaseTimeout as exc:
+            return CaseOutcome(OutcomeStatus.ERROR, [None] * self.spec.world_size,
+                               errors={0: RankError.from_exception(0, exc)}, case_id=case_id,
+                               note=f"no GPUs for {self.spec}")
+        return None
+
     def _spawn(self) -> None:
         context = mp_context()
         lifeline.sweep_orphaned_pool_dirs_once()
         self._tmpdir = lifeline.make_pool_dir()
         threads = threads_per_rank(self.spec.world_size)
-        env = {**rank_env(self.spec, threads), **self.extra_env}
+        env = {**rank_env(self.spec, threads, self.gpus), **self.extra_env}
         cpus = rank_cpus(self.spec)
         runner_pid, runner_start = lifeline.runner_identity()
         life_r, self._lifeline = context.Pipe(duplex=False)
@@ -338,6 +365,9 @@ class RankPool:
             except ValueError:  # still running after SIGKILL: leave it to multiprocessing's reaper
                 pass
         self._ranks = []
+        if self._lease is not None:  # the ranks are dead: their GPUs are free for other pools
+            self._lease.release()
+            self._lease = None
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None

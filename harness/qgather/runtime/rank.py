@@ -51,7 +51,7 @@ class CaseContext:
 
     def __init__(self, rank: int, world_size: int, backend: str, device: torch.device,
                  group: dist.ProcessGroup, seed: int, case_id: str,
-                 mesh_factory: Callable[[], Any]) -> None:
+                 mesh_factory: Callable[[], Any], kept: dict[str, Any] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
@@ -60,6 +60,9 @@ class CaseContext:
         self.seed = seed
         self.case_id = case_id
         self._mesh_factory = mesh_factory
+        #: what a case leaves for the later cases of this rank process (e.g. its goldens,
+        #: qgather.check.golden_cache), by its owner's key; lives as long as the pool
+        self.kept = {} if kept is None else kept
 
     @property
     def mesh(self) -> Any:
@@ -97,6 +100,7 @@ class _RankState:
     group: dist.ProcessGroup
     meshes: dict[str, Any] = field(default_factory=dict)
     token: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
+    kept: dict[str, Any] = field(default_factory=dict)  # CaseContext.kept
 
     def barrier(self) -> None:
         """The rank's own barrier before each case (whereabouts.OWN_BARRIER: not a case's collective)."""
@@ -228,7 +232,7 @@ def run_case_on_rank(state: _RankState, message: RunCase) -> bytes:
         torch.manual_seed(message.seed)
         random.seed(message.seed)
         ctx = CaseContext(config.rank, config.world_size, config.backend, state.device, state.group,
-                          message.seed, message.case_id, state.mesh)
+                          message.seed, message.case_id, state.mesh, state.kept)
         result = to_cpu(fn(ctx, *args))
     except BaseException as exc:  # the case's failure is data: report it, keep serving
         return encode(Raised(RankError.from_exception(config.rank, exc)))

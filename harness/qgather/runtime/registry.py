@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from qgather.runtime.external import ExternalPool
+from qgather.runtime.gpu_lease import remove_own_lease_dir
 from qgather.runtime.helpers import stop_helpers
 from qgather.runtime.launch import external_world
 from qgather.runtime.pool import RankPool
@@ -28,12 +29,26 @@ def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPo
         pool = _pools.get(spec)
         if pool is None:
             world = external_world()
-            pool = ExternalPool(spec, world, say) if world is not None else RankPool(spec)
+            pool = ExternalPool(spec, world, say) if world is not None else RankPool(
+                spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
             _pools[spec] = pool
             if not _atexit_registered:
                 atexit.register(shutdown_pools)
                 _atexit_registered = True
         return pool
+
+
+def release_gpu_pools(keep: Collection[PoolSpec] = ()) -> None:
+    """Stop this process's NCCL pools other than `keep`, giving their GPUs back to the run's lease.
+
+    Called before a pool waits for GPUs (a process never waits while holding some) and between
+    cases when the next case needs other pools (pytest_plugin.gpu_schedule)."""
+    with _lock:
+        idle = [spec for spec, pool in _pools.items()
+                if spec.backend == "nccl" and spec not in keep and isinstance(pool, RankPool) and pool.started]
+        pools = [_pools[spec] for spec in idle]
+    for pool in pools:
+        pool.shutdown()
 
 
 def shutdown_pools(keep_helpers: bool = False) -> None:
@@ -49,3 +64,4 @@ def shutdown_pools(keep_helpers: bool = False) -> None:
         pool.shutdown()
     if not keep_helpers:
         stop_helpers()
+        remove_own_lease_dir()

@@ -93,16 +93,11 @@ class PoolSpec:
 
 def _gpu_problem(backend: str, world_size: int, gpus: int) -> str:
     if gpus == 0:
-        return f"{backend} on cuda needs a GPU, but none is visible{_share_note()}"
+        return f"{backend} on cuda needs a GPU, but none is visible"
     if backend == "nccl" and world_size > gpus:
-        return (f"nccl runs one rank per GPU: {world_size} ranks but {gpus} visible GPU(s){_share_note()}; "
+        return (f"nccl runs one rank per GPU: {world_size} ranks but {gpus} visible GPU(s); "
                 "use gloo on cuda for more ranks than GPUs")
     return ""
-
-
-def _share_note() -> str:
-    count, _ = _xdist_slot()
-    return f" (this pytest-xdist worker's share of {count} workers)" if count > 1 else ""
 
 
 def _xdist_slot() -> tuple[int, int]:
@@ -127,18 +122,12 @@ def _parent_gpu_names() -> list[str]:
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process's pools may use (CUDA_VISIBLE_DEVICES entries for their ranks).
+    """The host's GPUs as the caller sees them (CUDA_VISIBLE_DEVICES entries, for the ranks' own).
 
-    Under pytest-xdist with several GPUs, the GPUs are dealt round-robin to the xdist workers so
-    that two workers never put NCCL ranks on the same GPU; QGATHER_GPU_SPLIT=0 turns that off.
+    Every process of a run sees all of them: an NCCL pool leases the GPUs it runs on
+    (qgather.runtime.gpu_lease), so pytest-xdist workers share the host without sharing a GPU.
     """
-    names = _parent_gpu_names()
-    count, index = _xdist_slot()
-    if count == 1 or len(names) < 2 or os.environ.get("QGATHER_GPU_SPLIT", "1") == "0":
-        return names
-    if len(names) >= count:
-        return [name for i, name in enumerate(names) if i % count == index]
-    return [names[index % len(names)]]
+    return _parent_gpu_names()
 
 
 def check_timeout(timeout: float | None, default: float) -> float:
@@ -151,8 +140,10 @@ def check_timeout(timeout: float | None, default: float) -> float:
     return float(timeout)
 
 
-def rank_env(spec: PoolSpec, threads: int) -> dict[str, str]:
-    """Environment for a pool's ranks: the parent's, plus what the runtime needs."""
+def rank_env(spec: PoolSpec, threads: int, gpus: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """Environment for a pool's ranks: the parent's, plus what the runtime needs; `gpus`: the
+    CUDA_VISIBLE_DEVICES entries its ranks run on (rank r on the r-th, modulo their number),
+    by default every visible GPU (gloo on CUDA shares them)."""
     env = dict(os.environ)
     for name, value in RANK_ENV_DEFAULTS.items():
         env.setdefault(name, value)
@@ -160,7 +151,7 @@ def rank_env(spec: PoolSpec, threads: int) -> dict[str, str]:
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["OMP_NUM_THREADS"] = str(threads)
     if spec.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus())
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus or visible_gpus())
     return env
 
 

@@ -26,9 +26,14 @@ COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/
 # frame shows: TransformerEngine's current-scaling and NVFP4 quantizers all-reduce the amax inside
 # tex.quantize (with_amax_reduction; seen on an H100: a rank waiting there for a rank that raised).
 # Only the innermost frame counts: the rank is in the native call itself.
+# A CUDA synchronize waits for every kernel queued on the device, NCCL's collective kernels included:
+# on NCCL a rank whose peer raised before joining an all-gather waits there, not in a c10d frame
+# (seen on 4 H100s: torch/cuda/__init__.py synchronize, for the whole case timeout).
 NATIVE_COLLECTIVES = (
     ("transformer_engine/pytorch/tensor/float8_tensor.py", frozenset({"quantize_impl", "update_quantized"})),
     ("transformer_engine/pytorch/tensor/nvfp4_tensor.py", frozenset({"quantize_impl", "update_quantized"})),
+    ("torch/cuda/__init__.py", frozenset({"synchronize"})),
+    ("torch/cuda/streams.py", frozenset({"synchronize", "wait_event", "wait_stream"})),
 )
 
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from qgather.check import golden_cache
 from qgather.check.golden import Golden, golden_for, tensor_parallel_piece
-from qgather.check.inspection import Inspector
+from qgather.check.inspection import Inspector, TwinOutput
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS, Format
 from qgather.impls import get_impl
@@ -58,6 +59,33 @@ class RankCase:
         if parked:
             piece.park()
         return piece
+
+    def first_golden(self, weight: torch.Tensor) -> Golden:
+        """`golden(weight, parked=True)` of the case's own weight (make_weight's, before any step),
+        kept for the later cases of this rank process with the same implementation, format, shape,
+        dtype and seed (qgather.check.golden_cache). Under tensor parallelism each TP rank's piece is
+        cut anew (a golden of the piece is not kept)."""
+        if self.setup.tp is not None:
+            return self.golden(weight, parked=True)
+        cache = golden_cache.kept_in(self.ctx.kept)
+        golden = cache.get(golden_cache.GoldenKey.of(self.spec, self.ctx.device),
+                           lambda: golden_for(self.fmt, weight, self.impl, parked=True))
+        golden.park()  # a kept golden that an earlier case brought back waits on the host again
+        return golden
+
+    def kept_twin(self) -> TwinOutput | None:
+        """The one-device twin's output an earlier case of this rank process computed for the same
+        weight, configuration and compute dtype (qgather.check.golden_cache), or None."""
+        return golden_cache.kept_in(self.ctx.kept).kept_twin(self._twin_key)
+
+    def twin_output(self, weight: torch.Tensor) -> TwinOutput | None:
+        """Inspector.twin_output of the case's own weight, kept for the later cases (`kept_twin`)."""
+        twin = self.inspector.twin_output(weight, self.setup.param_dtype)
+        return golden_cache.kept_in(self.ctx.kept).keep_twin(self._twin_key, twin)
+
+    @property
+    def _twin_key(self) -> golden_cache.TwinKey:
+        return golden_cache.TwinKey.of(self.spec, self.ctx.device, self.setup.param_dtype)
 
     @property
     def shards(self) -> ShardLayout | ColumnShardLayout:

@@ -39,21 +39,24 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
     case = RankCase.prepare(ctx, spec, phases, checkpoint)
     impl, fmt, setup, inspector = case.impl, case.fmt, case.setup, case.inspector
     # The one-device twin first: its full-size module is gone before the golden and the shards exist.
+    # An earlier case of this weight, configuration and dtype on this rank may have left it.
+    kept_twin = case.kept_twin()
     if spec.scenario in ("steps", "reshard"):
         master = make_weight(spec, ctx.device)
         weight = master.to(spec.torch_dtype)
         with phases.labelled(Step.TWIN):
-            twin = inspector.twin_output(weight, setup.param_dtype)
+            twin = kept_twin if kept_twin is not None else case.twin_output(weight)
     else:  # nothing steps the masters: a float32 copy would only hold memory
         waiting = make_weight(spec, ctx.device, spec.torch_dtype)
-        if inspector.builds_twin:  # a large weight waits on the host while the twin holds its own copy
-            waiting = host.park_tensor(waiting)
+        if kept_twin is None and inspector.builds_twin:  # a large weight waits on the host while the twin
+            waiting = host.park_tensor(waiting)  # holds its own copy
         with phases.labelled(Step.TWIN):
-            twin = inspector.twin_output(waiting, setup.param_dtype)
+            twin = kept_twin if kept_twin is not None else case.twin_output(waiting)
         master = weight = waiting.to(ctx.device)
         del waiting
     with phases.labelled(Step.GOLDEN):
-        golden = case.golden(weight, parked=True)  # a large golden waits on the host while the case gathers
+        # a large golden waits on the host while the case gathers; kept for the next case of this weight
+        golden = case.first_golden(weight)
     with phases.labelled(Step.SHARDED_MODULE):
         module = build_sharded_module(ctx, spec, phases, checkpoint_reshard.initial_master(spec, master), setup)
     weight_shape = setup.piece(weight).to("meta")  # what the wire summary reads of the gathered weight

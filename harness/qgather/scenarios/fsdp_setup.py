@@ -45,7 +45,7 @@ from qgather.model.case import (
 )
 from qgather.model.config import FsdpConfig
 from qgather.model.fsdp_rules import fsdp_skip_reason
-from qgather.model.layers import SCENARIO as LAYERS
+from qgather.model.layers import MODULE_SCENARIOS
 from qgather.model.records import Stage
 from qgather.model.tp_rank import TensorParallelRank
 from qgather.runtime.launch import detect_launch
@@ -124,15 +124,20 @@ def _two_dimensional_skip(spec: CaseSpec) -> str | None:
 
 
 def _layers_skip_reason(spec: CaseSpec) -> str | None:
-    """The configurations the layers scenario (qgather.scenarios.layers) does not run."""
-    if spec.scenario != LAYERS:
+    """The configurations the layers and block scenarios (qgather.scenarios.layers, .block) do not run,
+    and `nested` anywhere else."""
+    scenario = spec.scenario
+    if spec.config.nested and scenario != "block":
+        return f"nested: the {scenario} scenario has no block to nest in a model root (the block scenario's)"
+    if scenario not in MODULE_SCENARIOS:
         return None
     if spec.config.shard_dim == 1:
-        return "dim1: the layers module holds a 3-D expert weight, and Shard(1) splits 2-D weights only"
+        return f"dim1: the {scenario} module holds a 3-D expert weight, and Shard(1) splits 2-D weights only"
     if spec.config.tp is not None:
-        return f"{spec.config.token}: the layers module is not distributed on a tp mesh (the tp cases hold one weight)"
+        return (f"{spec.config.token}: the {scenario} module is not distributed on a tp mesh (the tp cases hold "
+                "one weight)")
     if spec.config.saved_at_world_size is not None:
-        return "dcp-wsA: the layers scenario loads no checkpoint (the gather scenario does)"
+        return f"dcp-wsA: the {scenario} scenario loads no checkpoint (the gather scenario does)"
     return None
 
 

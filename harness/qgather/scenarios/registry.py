@@ -18,6 +18,7 @@ from qgather.model.case import SCENARIOS, CaseSpec
 from qgather.model.phases import PhaseTracker
 from qgather.model.records import RankResult
 from qgather.runtime.rank import CaseContext
+from qgather.scenarios.block import run_block
 from qgather.scenarios.fsdp import run_fsdp
 from qgather.scenarios.hooks import run_hooks
 from qgather.scenarios.layers import run_layers
@@ -40,6 +41,7 @@ ON_RANKS: dict[str, RankRunner] = {
     "hooks": run_hooks,
     "model": _run_model,
     "layers": run_layers,
+    "block": run_block,
 }
 #: scenarios that emulate every rank in one process: spec -> one RankResult or exception per rank
 IN_ONE_PROCESS: dict[str, Callable[[CaseSpec], list[RankResult | BaseException]]] = {
@@ -72,7 +74,9 @@ def run_on_rank(ctx: CaseContext, spec: CaseSpec, checkpoint: str | None = None)
     phases = PhaseTracker(_device_sync(ctx.device))
     with phases.tagging():
         result = runner(ctx, spec, phases, checkpoint)
-    return replace(result, seconds=phases.seconds()) if isinstance(result, RankResult) else result
+    if not isinstance(result, RankResult):
+        return result
+    return replace(result, seconds=phases.seconds(), started=phases.started())
 
 
 def _device_sync(device: torch.device) -> Callable[[], None] | None:

@@ -193,6 +193,9 @@ def _config_problem(design: Design, tokens: tuple[str, ...], ws: int, dtype: str
     reason = config.check_world_size(ws)
     if reason:
         return reason
+    saved = config.saved_at_world_size
+    if saved is not None and config.saved_config.check_world_size(saved):
+        return f"dcp-ws{saved}: the save runs at {saved} ranks, {config.saved_config.check_world_size(saved)}"
     if config.param_dtype == dtype:
         return (f"mp-{dtype} on {dtype} masters casts nothing: FSDP2 drops a param_dtype equal to the "
                 "parameter's dtype, the gather is FSDP2's default one")

@@ -18,6 +18,7 @@ enters the design, its pairs and the coverage as it is: nothing else here names 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -45,8 +46,22 @@ CHECKPOINT_COMPONENTS: tuple[Component, ...] = (
 CHECKPOINT = Design("checkpoint", CHECKPOINT_COMPONENTS, world_sizes=(1, 2, 3, 4), scenarios=("gather",),
                     dtypes=("bf16",), configured_only=True)
 
+#: torch.compile and the step paths (steps, reshard, a checkpoint resharded into them) crossed with
+#: the other configuration tokens: every pair of them in some case (compile with a mixed-precision
+#: policy, an HSDP step, a checkpoint loaded into a re-sharded step, ...)
+STEP_PATHS_COMPONENTS: tuple[Component, ...] = (
+    Component("mp", ("", "mp-bf16", "mp-fp32")),
+    Component("raf", ("", "raf-no")),
+    Component("hsdp", ("", "hsdp-2x2")),
+    Component("dim", ("", "dim1")),
+    Component("compile", ("", "compile")),
+    Component("dcp", ("", "dcp-ws2", "dcp-ws4")),
+)
+STEP_PATHS = Design("step-paths", STEP_PATHS_COMPONENTS, world_sizes=(2, 4), scenarios=("steps", "reshard"),
+                    dtypes=("bf16", "fp32"), configured_only=True)
+
 #: every configuration design of the suite, for qgather.suite.config_coverage
-DESIGNS: tuple[Design, ...] = (FSDP, CHECKPOINT)
+DESIGNS: tuple[Design, ...] = (FSDP, CHECKPOINT, STEP_PATHS)
 
 IMPL_FORMATS = {"torchao": ("fp8_tensor",)}  # implementations that hold only some formats
 
@@ -55,11 +70,70 @@ IMPL_FORMATS = {"torchao": ("fp8_tensor",)}  # implementations that hold only so
 TORCHAO_BESIDE: Mapping[str, frozenset[str]] = MappingProxyType({"torchao": frozenset({"uneven", "zero-row", "m<ws"})})
 
 
+#: the default run holds every (scenario, configuration token) pair of a design in cases of at least
+#: this many regimes (all of them where its space has fewer): a bug that needs the pair shows on
+#: several shapes of different regimes, not on the one case a pairwise design may give it
+DEPTH = 3
+
+
 @cache
 def covering_rows(design: Design, fmt: str) -> tuple[Row, ...]:
-    """The default run's rows of one format: a covering design of its space, in factor order."""
+    """The default run's rows of one format: a covering design of its space, deepened (`DEPTH`), in
+    factor order."""
     space = rows(design, fmt)
-    return tuple(space[i] for i in cover_pairs([row.labels for row in space]))
+    picked = deepened(design, space, cover_pairs([row.labels for row in space]))
+    return tuple(space[i] for i in sorted(picked))
+
+
+def scenario_tokens(design: Design, row: Row) -> set[tuple[str, str]]:
+    """The (scenario, configuration token) pairs a row holds."""
+    names = {c.name for c in design.components}
+    return {(row.spec.scenario, value) for dimension, value in row.labels if dimension in names and value}
+
+
+def deepened(design: Design, space: Sequence[Row], picked: Iterable[int]) -> set[int]:
+    """`picked` (indices into `space`) plus rows until every (scenario, token) pair is held by DEPTH
+    cases of different shapes and regimes (or of every regime the space has for it, as far as their
+    shapes differ). Each addition serves the first short pair (sorted), preferring the row that
+    serves the most short pairs, then one that compiles only where the pair is `compile` (a compiled
+    forward costs the most), then the fewest elements."""
+    chosen = set(picked)
+    specs = {space[i].spec for i in chosen}  # two rows may ask for two regimes of one case: one case
+    pairs = [scenario_tokens(design, row) for row in space]
+    rows_of: dict[tuple[str, str], list[int]] = {}
+    for i, row_pairs in enumerate(pairs):
+        for pair in row_pairs:
+            rows_of.setdefault(pair, []).append(i)
+    held: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {pair: {} for pair in rows_of}  # regime -> shape
+
+    def serves(i: int, pair: tuple[str, str]) -> bool:
+        row = space[i]
+        return row.regime not in held[pair] and row.spec.shape not in held[pair].values()
+
+    def hold(i: int) -> None:
+        for pair in pairs[i]:
+            if serves(i, pair):
+                held[pair][space[i].regime] = space[i].spec.shape
+
+    for i in sorted(chosen):
+        hold(i)
+    want = {pair: min(DEPTH, len({space[i].regime for i in rows})) for pair, rows in rows_of.items()}
+
+    def rank(i: int, pair: tuple[str, str]) -> tuple:
+        gain = sum(1 for p in pairs[i] if len(held[p]) < want[p] and serves(i, p))
+        extra_compile = space[i].spec.config.compile and pair[1] != "compile"
+        return gain, not extra_compile, -math.prod(space[i].spec.shape), -i
+
+    for pair in sorted(want):
+        while len(held[pair]) < want[pair]:
+            candidates = [i for i in rows_of[pair] if space[i].spec not in specs and serves(i, pair)]
+            if not candidates:  # its other regimes are held only by shapes it already has
+                break
+            best = max(candidates, key=lambda i: rank(i, pair))
+            chosen.add(best)
+            specs.add(space[best].spec)
+            hold(best)
+    return chosen
 
 
 @dataclass(frozen=True)

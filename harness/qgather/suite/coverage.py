@@ -6,8 +6,8 @@ and the other two-way combinations).
 A cell is promised for every (format, world size, scenario) the run has cases of under a sweep's
 first FSDP2 configuration: each regime of qgather.suite.shape_space's space at that world size. Cells
 of other configurations are shown when hit (the configuration designs promise pairs instead). A
-`layers` case hits the cells of every weight of its module (qgather.model.layers) and promises none:
-its sweep picks a few module shapes, not the shape space.
+`layers` or `block` case hits the cells of every weight of its module (qgather.model.layers) and
+promises none: its sweep picks a few module shapes, not the shape space.
 
 `qgather coverage [--impl ..] [--formats ..] [--world-sizes ..] [--scenarios ..] [--exhaustive]`
 (qgather.cli.coverage) prints the matrix and the pairs of the suite's selection as Markdown (exit 1 if
@@ -21,9 +21,9 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from qgather.model.block import module_weights
 from qgather.model.case import CaseSpec, tensor_parallel_layout
-from qgather.model.layers import SCENARIO as LAYERS
-from qgather.model.layers import layer_weights
+from qgather.model.layers import MODULE_SCENARIOS
 from qgather.suite import config_coverage, shape_space
 from qgather.suite.config_coverage import PairCoverage
 from qgather.suite.modules import suite_sweeps
@@ -63,10 +63,12 @@ def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAUL
         if spec.scenario == "model":  # its shape is a model's hidden x ffn, not a weight's
             continue
         config = config_name(spec)
-        sharded = [_sharded(w.spec) for w in layer_weights(spec)] if spec.scenario == LAYERS else [_sharded(spec)]
-        for buffer, regime in set().union(*(shape_space.regimes(spec.fmt, *s) for s in sharded)):
+        module = spec.scenario in MODULE_SCENARIOS
+        weights = [w.spec for w in module_weights(spec)] if module else [spec]
+        for buffer, regime in set().union(*(shape_space.regimes(spec.fmt, *_sharded(w)) for w in weights
+                                            if w.fmt == spec.fmt)):  # a block's other format: not its cells
             cov.hits[(spec.fmt, buffer, regime, spec.scenario, config, spec.world_size)] += 1
-        if spec.scenario != LAYERS:
+        if not module:
             seen.add((spec.fmt, spec.world_size, spec.scenario, config))
     for fmt, ws, scenario, config in seen:
         if config in primary:

@@ -5,15 +5,18 @@ with every goal printed as measured vs goal; exit 1 when any is missed.
                                  [--device cuda] [--impl te|reference] [--reps 3] [--backend nccl|gloo]
                                  [--bus-bandwidth GB/s] [--profile]
 
-On each rank of a warm pool: the full case (golden, shard, gather, every comparison,
-qgather.scenarios.registry.run_on_rank) against the bare work (the library's quantization of the
-rank's shard, then the all-gather alone of as many bytes per rank as the case's collective moved),
-median of `--reps` after a warm-up. Goals: the case EXACT; time within 3x of the bare work (on
-NCCL: measured; with fewer GPUs than ranks, the ranks share the GPUs over gloo and the NCCL ratio
-is projected, qgather.tools.nccl_projection); peak GPU memory per rank within 3x the weight's bf16
-size. Then the case's steps (golden, twin, sharded module, hooks, collective, inspection ...) on
-its slowest rank, each against the HBM floor of the bytes it touches. The implementation defaults
-to `te` where TransformerEngine imports, else `reference`.
+On each rank of a warm pool, every run started on every rank at once (a barrier, as the pool starts
+a case): the full case (golden, shard, gather, every comparison, qgather.scenarios.registry.run_on_rank)
+after a warm-up run, against the bare work (the library's quantization of the rank's shard, its own
+sharded module build where it has a route of its own, and the all-gather alone of as many bytes per
+rank as the case's collective moved), median of `--reps`. Goals: the case EXACT in every run; the
+case (its slowest rank) within 3x of the bare work (on NCCL: measured; with fewer GPUs than ranks,
+the ranks share the GPUs over gloo and the NCCL ratio is projected, qgather.tools.nccl_projection);
+peak GPU memory per rank within 3x the weight's bf16 size over every run, warm-up included; on
+NCCL, each of qgather's own steps (golden, inspection, one-device twin, the wait before the
+collective) within 5x its HBM floor on its slowest rank (qgather.tools.bench_steps). Then the
+case's steps, each with its slowest and its fastest rank. The implementation defaults to `te`
+where TransformerEngine imports, else `reference`.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.impls.te.environment import te_import_error
 from qgather.model.case import CaseSpec
+from qgather.model.phases import Step
 from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, get_pool, shutdown_pools
 from qgather.scenarios import context, fsdp, fsdp_setup
 from qgather.scenarios.data import make_weight
+from qgather.scenarios.module import own_sharded_module
 from qgather.scenarios.registry import run_on_rank
-from qgather.tools import memory_waypoints, peak_anatomy
+from qgather.tools import bench_steps, memory_waypoints, peak_anatomy
 from qgather.tools.nccl_projection import (
     BUS_BANDWIDTH,
     BUS_BANDWIDTH_SOURCE,
@@ -61,42 +66,76 @@ MEMORY_GOAL = 3.0
 
 
 def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict:
-    """Runs on every rank: the full case, then the bare work (the library's quantization of this
-    rank's shard, then the all-gather alone of as many bytes as the case's collective moved), each
-    timed `reps` times (with `profile`: rank 0 then runs the case once more under torch.profiler
-    and returns its table)."""
+    """Runs on every rank: the full case `reps` + 1 times (the first a warm-up: kernels, allocator,
+    communicators, and what the case keeps for the next one, e.g. a golden it computed), then the
+    bare work (the library's quantization of this rank's shard, its module build where it has a
+    route of its own, and the all-gather alone of as many bytes as the case's collective moved),
+    each timed `reps` times. The peak memory is over every run, warm-up included, above what was
+    allocated before the first one: what a run keeps for the next counts. With `profile`: rank 0
+    then runs the case once more under torch.profiler and returns its table."""
     spec = CaseSpec.parse(case_id)
     cuda = ctx.device.type == "cuda"
-    result = run_on_rank(ctx, spec)  # warm-up: kernels, allocator, communicators
-    runs, peak = [], 0
-    for _ in range(reps):  # each rep measured above what the one before left once collected
-        baseline = _settle(ctx.device)
-        runs.append(_timed_result(lambda: run_on_rank(ctx, spec), cuda))
-        peak = max(peak, torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0)
-    full_s, result = sorted(runs, key=lambda run: run[0])[len(runs) // 2]  # the median rep, with its steps
-    nbytes = max(int(result.wire.collective_bytes), 1)
+    baseline = _settle(ctx.device)
+    runs = []
+    for _ in range(reps + 1):
+        dist.barrier(group=ctx.group)  # every run starts on every rank at once, as the pool starts a case
+        seconds, result = _timed_result(lambda: run_on_rank(ctx, spec), cuda)
+        runs.append({"full_s": seconds, "result": result})
+        gc.collect()  # a sharded module's reference cycles, before the next run allocates its own
+    peak = torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0
+    nbytes = max(int(runs[-1]["result"].wire.collective_bytes), 1)
     weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
-    quantize_s, collective_s, own = _bare_work(ctx, spec, weight, nbytes, reps)
+    bare = _bare_work(ctx, spec, weight, nbytes, reps)
     table = _profiled(ctx, case_id) if profile else ""
-    return {"full_s": full_s, "steps": dict(result.seconds), "quantize_s": quantize_s, "collective_s": collective_s,
-            "own_quantizer": own, "peak_bytes": peak, "weight_bytes": weight.numel() * weight.element_size(),
-            "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "result": result, "profile": table,
+    return {"runs": runs, "bare": bare, "peak_bytes": peak, "weight_bytes": weight.numel() * weight.element_size(),
+            "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "profile": table,
             "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
 
 
-def _bare_work(ctx, spec: CaseSpec, weight: torch.Tensor, nbytes: int, reps: int) -> tuple[float, float, bool]:
-    """(the library's quantization of this rank's shard, the all-gather alone of `nbytes` per rank),
-    median seconds of each, and whether the library quantized with its own quantizer."""
+@dataclass(frozen=True)
+class BareWork:
+    """The bare work on one rank, median seconds of each part; `build_s` None: the library has no
+    module build of its own (qgather's fully_shard route builds the module)."""
+
+    quantize_s: float
+    collective_s: float
+    build_s: float | None
+    own_quantizer: bool
+
+    @property
+    def total_s(self) -> float:
+        return self.quantize_s + self.collective_s + (self.build_s or 0.0)
+
+
+def _bare_work(ctx, spec: CaseSpec, weight: torch.Tensor, nbytes: int, reps: int) -> BareWork:
+    """The library's quantization of this rank's shard, its own module build (where it has one) and
+    the all-gather alone of `nbytes` per rank: median seconds of each."""
     cuda = ctx.device.type == "cuda"
-    shard = fsdp_setup.prepare(ctx, spec).master_slice(weight).contiguous()
+    setup = fsdp_setup.prepare(ctx, spec)
+    shard = setup.master_slice(weight).contiguous()
     impl, fmt = get_impl(spec.impl), FORMATS[spec.fmt]
     own = impl.own_quantization(fmt.name, shard) is not None
     # without a quantizer of its own, the harness's formats are the library's
     quantize_shard = (lambda: impl.own_quantization(fmt.name, shard)) if own else (lambda: fmt.quantize(shard))
     src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
     out = src.new_empty(nbytes * ctx.world_size)
-    return (_median_of(quantize_shard, reps, cuda),
-            _median_of(lambda: _all_gather(out, src, group=ctx.group), reps, cuda), own)
+    return BareWork(_median_of(quantize_shard, reps, cuda),
+                    _median_of(lambda: _all_gather(out, src, group=ctx.group), reps, cuda),
+                    _module_build_s(ctx, spec, weight, setup, reps), own)
+
+
+def _module_build_s(ctx, spec: CaseSpec, weight: torch.Tensor, setup, reps: int) -> float | None:
+    """Median seconds of the library's own sharded module build from the full weight (what its users
+    run: e.g. TE's modules on meta, fully_shard, reset_parameters), or None without such a route."""
+    impl, cuda = get_impl(spec.impl), ctx.device.type == "cuda"
+    if own_sharded_module(impl, ctx, spec, weight, setup) is None:
+        return None
+    times = []
+    for _ in range(reps + 1):  # the first a warm-up
+        gc.collect()  # the module before, held by FSDP2's reference cycles, is freed outside the clock
+        times.append(_timed_result(lambda: own_sharded_module(impl, ctx, spec, weight, setup), cuda)[0])
+    gc.collect()
+    return statistics.median(times[1:])
 
 
 def _median_of(fn, reps: int, cuda: bool) -> float:
@@ -260,31 +299,91 @@ def _traceback_tail(outcome, lines: int = 12) -> str:
 
 def _report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespace, backend: str) -> list[str]:
     """Every goal of one format, measured vs goal, then where the case's seconds went; the goals missed."""
-    found = classify_results([r["result"] for r in results])
-    print(f"  {fmt}: {case_id}: {found.verdict.value}" + (f" ({found.reason})" if found.reason else ""))
-    goals = [Goal("verdict", found.verdict is Verdict.EXACT, found.verdict.value, "EXACT")]
-    slow = max(results, key=lambda r: r["full_s"])
-    bare_s = slow["quantize_s"] + slow["collective_s"]
-    ratio = slow["full_s"] / bare_s if bare_s else float("inf")
-    timing = (f"full case {slow['full_s']:.4f} s vs bare {bare_s:.4f} s (shard quantization "
-              f"{slow['quantize_s'] * 1e3:.2f} ms + all-gather alone {slow['collective_s'] * 1e3:.2f} ms over "
-              f"{backend}): ratio {ratio:.2f}")
-    projection = project(slow["full_s"], slow["quantize_s"], slow["collective_s"], slow["collective_bytes"],
-                         args.world_size, args.bus_bandwidth * 1e9)
+    goals = [_verdict_goal(fmt, case_id, results)]
+    rep = _median_rep(results)
+    case_s = max(r["runs"][rep]["full_s"] for r in results)  # a case takes as long as its slowest rank
+    bare = max((r["bare"] for r in results), key=lambda b: b.total_s)
+    first = results[0]
+    nbytes = first["collective_bytes"]
+    ratio = case_s / bare.total_s if bare.total_s else float("inf")
+    print(f"    bare work, its slowest rank: {_bare_line(bare, case_id.split(':' + fmt + ':')[0], nbytes, backend)}")
+    timing = f"case {case_s * 1e3:.2f} ms (its slowest rank) vs bare {bare.total_s * 1e3:.2f} ms: ratio {ratio:.2f}"
     if backend == "nccl":
         goals.append(Goal("time", ratio <= TIME_GOAL, timing, f"ratio <= {TIME_GOAL:g}"))
     else:
         print(f"    time on {backend} (not a goal: its all-gather goes through the host): {timing}")
-        goals.append(Goal("time on NCCL (projected)", projection.ratio <= TIME_GOAL, _projection_line(projection,
-                          slow, args), f"ratio <= {TIME_GOAL:g}"))
+        projection = project(case_s, bare.total_s - bare.collective_s, bare.collective_s, nbytes,
+                             args.world_size, args.bus_bandwidth * 1e9)
+        goals.append(Goal("time on NCCL (projected)", projection.ratio <= TIME_GOAL,
+                          _projection_line(projection, nbytes, args), f"ratio <= {TIME_GOAL:g}"))
     if args.device == "cuda":
         memory = max(r["peak_bytes"] / r["weight_bf16_bytes"] for r in results)
-        goals.append(Goal("memory", memory <= MEMORY_GOAL, f"peak {memory:.2f}x the bf16 weight per rank",
-                          f"<= {MEMORY_GOAL:g}x"))
+        goals.append(Goal("memory", memory <= MEMORY_GOAL, f"peak {memory:.2f}x the bf16 weight per rank "
+                          "(every run, warm-up included)", f"<= {MEMORY_GOAL:g}x"))
+    print(f"    {_golden_line(results, rep)}")
+    ranks, last_rank = bench_steps.split_waits([_rank_steps(r["runs"][rep]["result"]) for r in results])
+    table = bench_steps.spreads(ranks)
+    floors = _floors(first, bare.own_quantizer, args) if args.device == "cuda" else {}
+    if floors and backend == "nccl":
+        goals += [Goal(f"{step} within {bench_steps.FLOOR_GOAL:g}x its HBM floor", False,
+                       f"{seconds * 1e3:.2f} ms on its slowest rank vs floor {floor * 1e3:.3f} ms: "
+                       f"{seconds / floor:.1f}x", f"<= {bench_steps.FLOOR_GOAL:g}x")
+                  for step, seconds, floor in bench_steps.floor_misses(table, floors)]
+        goals.append(Goal("qgather's own steps within their HBM floors", not bench_steps.floor_misses(table, floors),
+                          ", ".join(bench_steps.OWN_STEPS), f"each <= {bench_steps.FLOOR_GOAL:g}x its floor"))
     for goal in goals:
         print(f"    {goal.line()}")
-    _print_steps(slow, args.world_size, args.device == "cuda")
+    _print_steps(table, floors, last_rank, rep, hbm_bandwidth(first["device_name"])[1], backend)
     return [f"{fmt} {goal.name}" for goal in goals if not goal.met]
+
+
+def _verdict_goal(fmt: str, case_id: str, results: list[dict]) -> Goal:
+    """The case's verdict over the ranks in every run (warm-up included): the first one not EXACT, if any."""
+    found = [classify_results([r["runs"][i]["result"] for r in results]) for i in range(len(results[0]["runs"]))]
+    worst = next((f for f in found if f.verdict is not Verdict.EXACT), found[0])
+    print(f"  {fmt}: {case_id}: {worst.verdict.value}" + (f" ({worst.reason})" if worst.reason else "")
+          + f" ({sum(f.verdict is Verdict.EXACT for f in found)} of {len(found)} runs EXACT)")
+    return Goal("verdict", worst.verdict is Verdict.EXACT, f"{worst.verdict.value} in every run" if
+                worst.verdict is Verdict.EXACT else worst.verdict.value, "EXACT")
+
+
+def _golden_line(results: list[dict], rep: int) -> str:
+    """The golden's seconds in the warm-up run, which computed it, and in the measured run, which
+    found it kept (qgather.check.golden_cache), on their slowest ranks."""
+    def slowest(run: int) -> float:
+        return max(dict(r["runs"][run]["result"].seconds).get(Step.GOLDEN.value, 0.0) for r in results)
+
+    return (f"golden: {slowest(0) * 1e3:.2f} ms in the warm-up run, which computed it; {slowest(rep) * 1e3:.2f} ms "
+            f"in the measured runs, which find it kept for the same weight (qgather.check.golden_cache)")
+
+
+def _median_rep(results: list[dict]) -> int:
+    """The measured run (the warm-up, run 0, is not one) whose slowest rank took the median time."""
+    measured = range(1, len(results[0]["runs"]))
+    by_time = sorted(measured, key=lambda i: max(r["runs"][i]["full_s"] for r in results))
+    return by_time[len(by_time) // 2]
+
+
+def _rank_steps(result) -> bench_steps.RankSteps:
+    return bench_steps.RankSteps(result.rank, dict(result.seconds), dict(result.started))
+
+
+def _bare_line(bare: BareWork, impl: str, nbytes: int, backend: str) -> str:
+    """What the bare work includes, part by part."""
+    quantizer = "its own quantizer" if bare.own_quantizer else "qgather's reference formats: it has no quantizer"
+    build = (f"{impl}'s own sharded module build (make_sharded_module, what its users run) "
+             f"{bare.build_s * 1e3:.2f} ms" if bare.build_s is not None else
+             f"no module build ({impl} has no route of its own: qgather's fully_shard route is not bare work)")
+    return (f"{bare.total_s * 1e3:.2f} ms = {impl}'s quantization of the shard ({quantizer}) "
+            f"{bare.quantize_s * 1e3:.2f} ms + {build} + the all-gather alone of {nbytes / 1e6:.1f} MB per rank over "
+            f"{backend} {bare.collective_s * 1e3:.2f} ms")
+
+
+def _floors(first: dict, own_quantizer: bool, args: argparse.Namespace) -> dict[str, float]:
+    bandwidth, _ = hbm_bandwidth(first["device_name"])
+    floor_bytes = step_floor_bytes(first["weight_bytes"], first["collective_bytes"] * args.world_size,
+                                   args.world_size, own_quantizer)
+    return bench_steps.floor_seconds(floor_bytes, bandwidth)
 
 
 @dataclass(frozen=True)
@@ -298,26 +397,27 @@ class Goal:
         return f"{'ok    ' if self.met else 'MISSED'} {self.name}: {self.measured} (goal: {self.wanted})"
 
 
-def _projection_line(p: Projection, slow: dict, args: argparse.Namespace) -> str:
-    megabytes = slow["collective_bytes"] * args.world_size / 1e6
+def _projection_line(p: Projection, nbytes: int, args: argparse.Namespace) -> str:
+    megabytes = nbytes * args.world_size / 1e6
     return (f"case {p.case_on_nccl_s * 1e3:.2f} ms vs bare {p.bare_on_nccl_s * 1e3:.3f} ms: ratio {p.ratio:.1f} "
             f"[the measured all-gather ({p.measured_collective_s * 1e3:.1f} ms) replaced by NCCL's "
             f"{p.nccl_collective_s * 1e3:.3f} ms for {megabytes:.0f} MB at {args.bus_bandwidth:g} GB/s bus "
             f"bandwidth: {BUS_BANDWIDTH_SOURCE}]")
 
 
-def _print_steps(slow: dict, world_size: int, on_gpu: bool) -> None:
-    """The case's steps on its slowest rank (median rep): seconds, and on a GPU the HBM floor where modelled."""
-    bandwidth, source = hbm_bandwidth(slow["device_name"])
-    quantized = slow["collective_bytes"] * world_size
-    floors = step_floor_bytes(slow["weight_bytes"], quantized, world_size, slow["own_quantizer"]) if on_gpu else {}
-    print(f"    steps (rank {slow['result'].rank}, the median rep" + (
-        f"; HBM floor: the bytes a step must read and write at least, a model, at {source}):" if on_gpu else "):"))
-    for step, seconds in sorted(slow["steps"].items(), key=lambda kv: -kv[1]):
-        floor = floors.get(step)
-        extra = "" if floor is None else (f"   {floor / 1e6:8.0f} MB -> floor {floor / bandwidth * 1e3:7.3f} ms, "
-                                          f"{seconds / (floor / bandwidth):6.1f}x the floor")
-        print(f"      {step:<24} {seconds * 1e3:9.2f} ms{extra}")
+def _print_steps(table: list, floors: dict[str, float], last_rank: int | None, rep: int,
+                 bandwidth_source: str, backend: str) -> None:
+    """The case's steps over its ranks (the median run): the slowest and the fastest rank, and on a GPU
+    the HBM floor where modelled."""
+    if not floors:
+        where = "no HBM floors on the CPU"
+    else:
+        where = f"HBM floor: the bytes a step must read and write at least, a model, at {bandwidth_source}"
+        if backend != "nccl":
+            where += f"; not goals: the ranks share GPUs over {backend}"
+    print(f"    steps (run {rep}, the median; {where}):")
+    for line in bench_steps.table_lines(table, floors, last_rank):
+        print(line)
 
 
 if __name__ == "__main__":

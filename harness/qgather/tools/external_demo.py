@@ -54,8 +54,7 @@ def free_port() -> int:
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in INHERITED}
-    # the checkout's own package (harness/, the source root) and its tests, before anything installed
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "harness"), str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "harness"), env.get("PYTHONPATH")]))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.update(extra)
     return env

@@ -8,7 +8,7 @@ class's docstring says which real failure it models.
 
   table.py     ZOO: one row per mutant (bug, bug class, parameter class, verdicts, catching case, doc)
   base.py      MutantSpec (a row) and Mutant (the adapter a row builds)
-  sharding.py  wire.py  state.py   the broken behaviours, by where the bug lives
+  sharding.py  wire.py  state.py  group.py   the broken behaviours, by where the bug lives
 
 `qgather.impls` registers `FACTORIES`, so every mutant runs like any implementation:
 `qgather case mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0`.

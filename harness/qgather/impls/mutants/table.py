@@ -5,7 +5,7 @@ that shows it. `qgather list mutants` prints it; `qgather selftest` proves every
 
 from __future__ import annotations
 
-from qgather.impls.mutants import sharding, state, wire
+from qgather.impls.mutants import group, sharding, state, wire
 from qgather.impls.mutants.base import MutantSpec
 from qgather.impls.reference import QuantizedParam
 from qgather.model.verdict import Verdict as V
@@ -92,4 +92,11 @@ ZOO: tuple[MutantSpec, ...] = (
                formats=("fp8_tensor", "fp8_tensor_e5m2", "nvfp4_1d", "nvfp4_2d"),
                doc="the per-tensor amax of a step reduced over FSDP2's shard mesh: under tensor parallelism dp only, "
                    "not tp"),
+    MutantSpec("staged_wire", 25, group.StagedWireParam, V.SILENT_MISMATCH,
+               ("fp8_tensor:17x64:bf16:ws2:block:s0",), also=frozenset({V.ERROR, V.RANK_DIVERGENCE}),
+               doc="the pre-hook stages its all-gather inputs in one buffer per class: the group's next pre-hook "
+                   "overwrites them before the copy-in"),
+    MutantSpec("class_wire_plan", 26, group.ClassWirePlanParam, V.ERROR,
+               ("fp8_block:255x64:bf16:ws2:block:s0",), also=frozenset({V.SILENT_MISMATCH, V.RANK_DIVERGENCE}),
+               doc="the post-hook reads its outputs with the count and dtypes of its class's last pre-hook's inputs"),
 )

@@ -48,7 +48,7 @@ class TransformerEngineRoute(TEAdapter):
     name = "te"
     recipes = RECIPES
     formats = (*RECIPES, *NOT_ON_THIS_ROUTE)
-    scenarios = ("gather", "steps", "reshard", "model")
+    scenarios = ("gather", "steps", "reshard", "model", "block")
 
     def route_skip_reason(self, spec: CaseSpec) -> str | None:
         if spec.fmt in NOT_ON_THIS_ROUTE and spec.fmt not in self.recipes:
@@ -72,6 +72,19 @@ class TransformerEngineRoute(TEAdapter):
         with torch.enable_grad():
             module.reset_parameters()
         return module
+
+    def make_block_layer(self, ctx, spec: CaseSpec, master: torch.Tensor, setup) -> torch.nn.Module:
+        """A te.Linear of the block scenario's one fully_shard group: built on meta under
+        quantized_model_init as in make_sharded_module, but sharded by the block's fully_shard (with
+        the block's other layers and plain parameters); `materialize_block_layer` then runs its
+        reset_parameters, which writes and quantizes this rank's rows."""
+        _check_no_leaked_autocast()
+        rows = setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype)
+        return self._linear_on_meta(spec, rows, tp=setup.tp)
+
+    def materialize_block_layer(self, module: torch.nn.Module) -> None:
+        with torch.enable_grad():
+            module.reset_parameters()
 
     def config_skip_reason(self, spec: CaseSpec) -> str | None:
         if spec.config.compile:

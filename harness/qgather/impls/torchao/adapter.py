@@ -115,7 +115,7 @@ class TorchaoFloat8(Implementation):
 
     name = "torchao"
     formats = (FORMAT,)
-    scenarios = ("gather", "steps", "reshard", "layers")
+    scenarios = ("gather", "steps", "reshard", "layers", "block")
     #: whether precompute_float8_dynamic_scale_for_fsdp runs before each unshard (as a training
     #: loop calls it after each optimizer step)
     precompute = False

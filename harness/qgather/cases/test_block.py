@@ -1,0 +1,65 @@
+"""A transformer-like block: every parameter in ONE fully_shard group (the block scenario:
+qgather.scenarios.block; its parameters: qgather.model.block). A case's shape is the block's first
+quantized weight, picked as the layers suite picks it (qgather.cases.test_layers.FirstWeights:
+uneven shards that stay aligned, and shards that split a scale block, which the reference refuses:
+the case is then REJECTED after the rest of the block was judged EXACT); the block adds an aligned
+weight, a weight in another format, a 3-D experts weight and plain parameters between them, so every
+case holds three regimes and two formats in one flat buffer. Every format at 2, 3 and 4 ranks, the
+block as the root; then each configuration token the block runs (compile, mp-bf16, raf-no,
+hsdp-2x2, and `nested`: the block inside a model root with a parameter of its own, at 2 and 3
+ranks) on three formats (per tensor, blockwise, NVFP4); torchao (its own set unless --impl names
+the implementations) with and without precomputed scales, eager and compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from qgather.cases.test_layers import FirstWeights, even_first
+from qgather.model.config import FsdpConfig
+from qgather.pytest_plugin.options import settings
+from qgather.suite.sweeps import CaseSet, Sweep
+
+SCENARIO = ("block",)
+TORCHAO_IMPLS = ("torchao", "torchao:precompute")
+#: the configurations the block runs, each on three formats at the world size it needs
+CONFIGS = (
+    (FsdpConfig(compile=True), "bf16", 2),
+    (FsdpConfig(param_dtype="bf16"), "fp32", 2),
+    (FsdpConfig(reshard_after_forward=False), "bf16", 2),
+    (FsdpConfig(hsdp=(2, 2)), "bf16", 4),
+    (FsdpConfig(nested=True), "bf16", 2),
+    (FsdpConfig(nested=True), "bf16", 3),
+)
+CONFIG_FORMATS = ("fp8_tensor", "fp8_block", "nvfp4_2d")
+
+SWEEP = CaseSet([
+    Sweep(scenarios=SCENARIO, dtypes=("bf16",), world_sizes=(2, 3, 4), shapes=FirstWeights()),
+    *(Sweep(scenarios=SCENARIO, dtypes=(dtype,), world_sizes=(ws,), shapes=FirstWeights(split=False),
+            formats=CONFIG_FORMATS, configs=(config,)) for config, dtype, ws in CONFIGS),
+])
+
+TORCHAO = CaseSet([
+    Sweep(scenarios=SCENARIO, dtypes=("bf16",), world_sizes=(2,), shapes=even_first, formats=("fp8_tensor",)),
+    Sweep(scenarios=SCENARIO, dtypes=("bf16",), world_sizes=(2,), shapes=even_first, formats=("fp8_tensor",),
+          configs=(FsdpConfig(compile=True),)),
+])
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`torchao_case`: torchao's own set, when --impl does not name the implementations."""
+    if "torchao_case" not in metafunc.fixturenames:
+        return
+    options = settings(metafunc.config)
+    impls = [] if options.impls_named else list(TORCHAO_IMPLS)
+    specs = TORCHAO.cases(impls, formats=options.formats, world_sizes=options.world_sizes,
+                          scenarios=options.scenarios)
+    metafunc.parametrize("torchao_case", [pytest.param(c, id=c.id) for c in specs])
+
+
+def test_block(case, qgather):
+    qgather.check(case)
+
+
+def test_torchao_block(torchao_case, qgather):
+    qgather.check(torchao_case)

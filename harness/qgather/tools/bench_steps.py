@@ -1,0 +1,106 @@
+"""The steps of one benchmarked case across its ranks (`qgather bench gpu`): per step the slowest
+and the fastest rank, and each of qgather's own steps against its HBM floor as a goal.
+
+A collective starts only when the last rank reaches it, so a rank's "collective" seconds include
+waiting for the others. Each rank notes when it first entered the collective (RankResult.started,
+one wall clock for the ranks of a host); the wait is the time from its arrival to the last rank's,
+and the collective's own seconds are what is left (`split_waits`). The rank that arrived last is
+the one whose earlier work the others waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from qgather.model.phases import Phase, Step
+
+WAIT = "wait before the collective"
+COLLECTIVE = Phase.COLLECTIVE.value
+#: qgather's own steps (not the library's), each held to FLOOR_GOAL times its HBM floor
+OWN_STEPS = (Step.GOLDEN.value, Phase.INSPECTION.value, Step.TWIN.value, WAIT)
+FLOOR_GOAL = 5.0
+
+
+@dataclass(frozen=True)
+class RankSteps:
+    """One rank's steps in one rep: seconds per step, and the wall-clock second each first started."""
+
+    rank: int
+    seconds: Mapping[str, float]
+    started: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class StepSpread:
+    """One step over the ranks: the slowest and the fastest rank's seconds."""
+
+    step: str
+    slowest_s: float
+    slowest_rank: int
+    fastest_s: float
+    fastest_rank: int
+
+
+def split_waits(ranks: Sequence[RankSteps]) -> tuple[list[RankSteps], int | None]:
+    """Each rank's collective split into the wait for the last rank to arrive (WAIT) and the rest
+    (COLLECTIVE), and the rank that arrived last (None, and the ranks unchanged, when a rank never
+    reached a collective)."""
+    arrivals = {r.rank: r.started.get(COLLECTIVE) for r in ranks}
+    if not arrivals or any(a is None for a in arrivals.values()):
+        return list(ranks), None
+    last_rank = max(arrivals, key=lambda rank: arrivals[rank])
+    split = []
+    for r in ranks:
+        total = r.seconds.get(COLLECTIVE, 0.0)
+        wait = min(max(arrivals[last_rank] - arrivals[r.rank], 0.0), total)
+        split.append(replace(r, seconds={**r.seconds, WAIT: wait, COLLECTIVE: total - wait}))
+    return split, last_rank
+
+
+def spreads(ranks: Sequence[RankSteps]) -> list[StepSpread]:
+    """Every step any rank ran, slowest first (by its slowest rank); a rank that did not run a step
+    counts 0 s for it."""
+    steps = {step for r in ranks for step in r.seconds}
+    out = []
+    for step in steps:
+        timed = sorted(((r.seconds.get(step, 0.0), r.rank) for r in ranks), key=lambda t: (t[0], t[1]))
+        (fast_s, fast_rank), (slow_s, slow_rank) = timed[0], timed[-1]
+        out.append(StepSpread(step, slow_s, slow_rank, fast_s, fast_rank))
+    return sorted(out, key=lambda s: (-s.slowest_s, s.step))
+
+
+def floor_seconds(floor_bytes: Mapping[str, int], bandwidth: float) -> dict[str, float]:
+    """Each modelled step's HBM floor in seconds; the wait before the collective is held to the
+    collective's own floor (a rank that waits longer than the collective itself waits on another
+    rank's work, not on the bytes)."""
+    floors = {step: nbytes / bandwidth for step, nbytes in floor_bytes.items()}
+    if COLLECTIVE in floors:
+        floors[WAIT] = floors[COLLECTIVE]
+    return floors
+
+
+def floor_misses(table: Sequence[StepSpread], floors: Mapping[str, float]) -> list[tuple[str, float, float]]:
+    """(step, slowest seconds, floor seconds) of each of qgather's own steps that took more than
+    FLOOR_GOAL times its floor on its slowest rank."""
+    return [(s.step, s.slowest_s, floors[s.step]) for s in table
+            if s.step in OWN_STEPS and s.step in floors and s.slowest_s > FLOOR_GOAL * floors[s.step]]
+
+
+def table_lines(table: Sequence[StepSpread], floors: Mapping[str, float], last_rank: int | None) -> list[str]:
+    """The step table: slowest and fastest rank per step, and where modelled the floor, the slowest
+    rank's multiple of it and, for qgather's own steps, the goal."""
+    head = f"      {'step':<28} {'slowest rank':>17} {'fastest rank':>17}"
+    lines = [head + ("   HBM floor  x floor" if floors else "")]
+    for s in table:
+        line = (f"      {s.step:<28} {s.slowest_s * 1e3:9.2f} ms (r{s.slowest_rank}) "
+                f"{s.fastest_s * 1e3:9.2f} ms (r{s.fastest_rank})")
+        floor = floors.get(s.step)
+        if floor:
+            own = f"  (goal <= {FLOOR_GOAL:g}x: qgather's own)" if s.step in OWN_STEPS else ""
+            line += f"   {floor * 1e3:7.3f} ms {s.slowest_s / floor:7.1f}x{own}"
+        lines.append(line)
+    if last_rank is not None:
+        lines.append(f"      (rank {last_rank} reached the collective last: the others' wait is its earlier work; "
+                     "the collective row is what is left once it arrived)")
+    return lines

@@ -1,0 +1,55 @@
+"""`qgather bench gpu`'s step table over the ranks: a rank's wait for the last one before the
+collective is split out of its collective, every step shows its slowest and fastest rank, and each
+of qgather's own steps is held to 5x its HBM floor."""
+
+import pytest
+
+from qgather.tools.bench_steps import (
+    COLLECTIVE,
+    FLOOR_GOAL,
+    WAIT,
+    RankSteps,
+    floor_misses,
+    floor_seconds,
+    split_waits,
+    spreads,
+    table_lines,
+)
+
+
+def _ranks():
+    # rank 1 spends 0.08 s longer on its golden and reaches the collective 0.08 s after rank 0
+    return [RankSteps(0, {"golden": 0.01, COLLECTIVE: 0.09}, {"golden": 10.0, COLLECTIVE: 10.01}),
+            RankSteps(1, {"golden": 0.09, COLLECTIVE: 0.01}, {"golden": 10.0, COLLECTIVE: 10.09})]
+
+
+def test_the_wait_for_the_last_rank_is_split_out_of_the_collective():
+    split, last = split_waits(_ranks())
+    assert last == 1
+    assert split[0].seconds[WAIT] == pytest.approx(0.08) and split[0].seconds[COLLECTIVE] == pytest.approx(0.01)
+    assert split[1].seconds[WAIT] == 0.0 and split[1].seconds[COLLECTIVE] == pytest.approx(0.01)
+    table = {s.step: s for s in spreads(split)}
+    assert (table[WAIT].slowest_rank, table[WAIT].fastest_rank) == (0, 1)
+    assert (table["golden"].slowest_rank, table["golden"].slowest_s) == (1, 0.09)
+    lines = "\n".join(table_lines(spreads(split), {}, last))
+    assert "rank 1 reached the collective last" in lines and "(r0)" in lines
+
+
+def test_a_wait_never_exceeds_the_collective_and_a_rank_without_one_leaves_the_table_as_it_was():
+    skewed = [RankSteps(0, {COLLECTIVE: 0.01}, {COLLECTIVE: 0.0}), RankSteps(1, {COLLECTIVE: 0.01}, {COLLECTIVE: 5.0})]
+    assert split_waits(skewed)[0][0].seconds[WAIT] == 0.01  # clocks apart: at most the whole collective
+    failed = [RankSteps(0, {"golden": 1.0}, {"golden": 0.0}), RankSteps(1, {COLLECTIVE: 1.0}, {COLLECTIVE: 1.0})]
+    assert split_waits(failed) == (failed, None)
+
+
+def test_only_qgathers_own_steps_are_held_to_their_floor():
+    floors = floor_seconds({"golden": 1000, COLLECTIVE: 100, "sharded module": 100}, bandwidth=1e6)
+    assert floors[WAIT] == floors[COLLECTIVE] == 1e-4  # the wait is held to the collective's floor
+    split, _ = split_waits(_ranks())
+    misses = floor_misses(spreads(split), floors)
+    # golden: 0.09 s vs 5 x 1 ms; the wait: 0.08 s vs 5 x 0.1 ms; the collective is the library's
+    assert sorted(step for step, _, _ in misses) == ["golden", WAIT]
+    slow_library = [RankSteps(0, {"sharded module": 1.0}, {})]
+    assert floor_misses(spreads(slow_library), floors) == []
+    within = [RankSteps(0, {"golden": FLOOR_GOAL * 1e-3}, {})]
+    assert floor_misses(spreads(within), floors) == []

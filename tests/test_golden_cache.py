@@ -1,0 +1,109 @@
+"""A rank keeps a case's first golden for the later cases of the same weight (qgather.check.golden_cache):
+the second case reuses it, across world sizes' configurations, and judges exactly as the first did."""
+
+from __future__ import annotations
+
+import torch
+
+from qgather.check.golden import Golden
+from qgather.check.golden_cache import GoldenCache, GoldenKey
+from qgather.formats import QuantizedTensor
+from qgather.model.case import CaseSpec
+
+
+def run_twice(ctx, case_ids: list[str]) -> tuple[list, int, int]:
+    """On a pool rank: each case in turn, from a fresh golden cache; the results, its hits and misses."""
+    from qgather.check.golden_cache import kept_in
+    from qgather.scenarios.registry import run_on_rank
+
+    ctx.kept.clear()  # whatever earlier tests' cases on this pool kept
+    results = [run_on_rank(ctx, CaseSpec.parse(case_id)) for case_id in case_ids]
+    cache = kept_in(ctx.kept)
+    return results, cache.hits, cache.misses
+
+
+def test_a_second_case_of_the_same_weight_reuses_the_golden_and_judges_alike():
+    from qgather.runtime import PoolSpec, get_pool
+
+    mutant = "mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0"
+    ids = [mutant, mutant + ":mp-bf16", mutant.replace(":s0", ":s1")]  # a configuration shares it, a seed not
+    outcome = get_pool(PoolSpec("gloo", 2, "cpu")).run(run_twice, ids, timeout=120)
+    assert outcome.status == "ok", outcome.summary()
+    for results, hits, misses in outcome.results:
+        assert (hits, misses) == (1, 2)
+        first, again, other_seed = results
+        assert first.stages[0].buffer_diffs and first.stages[0].where  # the mutant's evidence
+        # the same evidence from the kept golden: which buffer, how many elements, which rows
+        assert again.stages[0].buffer_diffs == first.stages[0].buffer_diffs
+        assert again.stages[0].where == first.stages[0].where
+        assert other_seed.stages[0].digest != first.stages[0].digest
+
+
+def twins_built(ctx, case_ids: list[str]) -> tuple[list, int]:
+    """On a pool rank: each case in turn from a fresh cache; the results and the twins built."""
+    from tests._own_route_adapters import WithTwin
+
+    ctx.kept.clear()
+    before = WithTwin.twins_built
+    results = run_twice(ctx, case_ids)[0]
+    return results, WithTwin.twins_built - before
+
+
+def test_a_second_case_of_the_same_weight_and_configuration_reuses_the_twins_output():
+    from qgather.runtime import PoolSpec, get_pool
+
+    case = "tests._own_route_adapters:WithTwin:nvfp4_2d:128x64:bf16:ws2:gather:s0"
+    outcome = get_pool(PoolSpec("gloo", 2, "cpu")).run(twins_built, [case, case, case + ":mp-fp32"], timeout=120)
+    assert outcome.status == "ok", outcome.summary()
+    for results, built in outcome.results:
+        assert built == 2  # the first case's twin served the second; another compute dtype needs its own
+        first, again = (r.stages[0].module for r in results[:2])
+        assert first.output.equal and again == first, (first, again)  # the kept output, compared alike
+
+
+def _golden(nbytes: int) -> Golden:
+    return Golden(QuantizedTensor("fp8_tensor", (nbytes,), {"data": torch.zeros(nbytes, dtype=torch.uint8)}, {}),
+                  None)
+
+
+def test_the_cache_is_bounded_and_keeps_no_error():
+    spec = CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s0")
+    keys = [GoldenKey.of(spec, torch.device("cpu")), GoldenKey.of(spec, torch.device("meta")),
+            GoldenKey.of(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws4:steps:s0"), torch.device("cuda:0"))]
+    cache = GoldenCache(max_entries=2, max_bytes=100)
+    kept = cache.get(keys[0], lambda: _golden(10))
+    assert cache.get(keys[0], lambda: _golden(10)) is kept and (cache.hits, cache.misses) == (1, 1)
+    cache.get(keys[1], lambda: _golden(10))
+    cache.get(keys[2], lambda: _golden(10))  # the third entry lets the least recently used go
+    assert len(cache) == 2 and cache.get(keys[0], lambda: _golden(10)) is not kept
+    cache.get(keys[1], lambda: _golden(200))  # larger than the cache: computed, not kept
+    cache.get(keys[1], lambda: Golden(None, "cannot hold"))
+    assert cache.get(keys[1], lambda: _golden(5)).nbytes == 5
+
+
+def test_a_buffer_identical_to_the_golden_takes_the_goldens_digest_part(monkeypatch):
+    """On a device, digest fingerprints large buffers; a gathered buffer bit-identical to the golden
+    (same shape and dtype) hashes as the golden's, computed once. Here CPU buffers of 64 elements or
+    more are fingerprinted as a device's would be: the digest is the same as computed from scratch."""
+    from qgather.check.golden import golden_for
+    from qgather.check.inspection import _identical
+    from qgather.formats import FORMATS
+    from qgather.instruments import compare
+
+    monkeypatch.setattr(compare, "is_fingerprinted", lambda region: region.numel() >= 64)
+    golden = golden_for(FORMATS["nvfp4_2d"], torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))
+    got = {name: t.clone() for name, t in golden.q.buffers.items()}
+    got["columnwise_data"][3, 5] ^= 1
+    diffs = compare.compare_buffers(got, golden.q)
+    identical = _identical(got, golden, diffs)
+    assert sorted(identical) == ["columnwise_scale_inv", "rowwise_data", "rowwise_scale_inv"]  # amax: too small
+    parts = golden.digest_parts(identical)
+    assert compare.digest(got, golden.q.valid, parts) == compare.digest(got, golden.q.valid)
+    # the next case's gather, all identical: the kept parts serve it, the one missing is added
+    again = {name: t.clone() for name, t in golden.q.buffers.items()}
+    kept = golden.digest_parts(_identical(again, golden, compare.compare_buffers(again, golden.q)))
+    assert kept == parts | {"columnwise_data": compare.digest_part("columnwise_data", again["columnwise_data"],
+                                                                   golden.q.valid)}
+    assert compare.digest(again, golden.q.valid, kept) == compare.digest(again, golden.q.valid)
+    got["rowwise_data"] = got["rowwise_data"].view(torch.int8)  # same bits, another dtype: not the golden's part
+    assert "rowwise_data" not in _identical(got, golden, compare.compare_buffers(got, golden.q))

@@ -1,0 +1,85 @@
+"""The CPU standalone scripts tell what `qgather case` tells: for each id, `python FILE` (gloo ranks
+forked by the script) prints the same verdict as qgather's report and exits 1 on a failing verdict,
+0 on EXACT. One script also runs with qgather made unimportable (`sys.modules['qgather'] = None`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from qgather.impls.mutants.table import ZOO
+from qgather.model.case import CaseSpec
+from qgather.tools.standalone import UnsupportedCase, render
+from qgather.tools.standalone.generate import template_for
+
+pytestmark = pytest.mark.xdist_group("standalone")  # one qgather run for every id: one worker
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: torchao: a silent mismatch (docs/findings.md#torchao-tp-amax), a crash (#torchao-uneven-shards); the zoo on
+#: gloo, its subclass carried in the script: a silent mismatch, and a pass (issue 31's id: EXACT in gather)
+IDS = ("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2", "torchao:fp8_tensor:5x64:bf16:ws2:gather:s0",
+       "mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0",
+       "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:gather:s0")
+NO_QGATHER = "import sys; sys.modules['qgather'] = None; exec(open(sys.argv[1]).read())"
+
+
+def _verdicts(stdout: str) -> dict[str, str]:
+    """case id -> verdict, from report lines `ID: VERDICT[ - evidence]`."""
+    out = {}
+    for line in stdout.splitlines():
+        head, sep, rest = line.partition(": ")
+        if sep and head in IDS and head not in out:
+            out[head] = rest.split(" - ")[0].strip()
+    return out
+
+
+@pytest.fixture(scope="module")
+def qgather_verdicts() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "harness")}
+    result = subprocess.run([sys.executable, "-m", "qgather", "case", *IDS, "--case-timeout", "60"],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=400)
+    verdicts = _verdicts(result.stdout)
+    assert sorted(verdicts) == sorted(IDS), result.stdout + result.stderr
+    return verdicts
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_script_gives_qgathers_verdict(case_id, qgather_verdicts, tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text(render(case_id))
+    exact = qgather_verdicts[case_id] == "EXACT"  # a pass runs with qgather unimportable
+    command = [sys.executable, "-c", NO_QGATHER, str(path)] if exact else [sys.executable, str(path)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert _verdicts(result.stdout) == {case_id: qgather_verdicts[case_id]}, result.stdout + result.stderr[-3000:]
+    assert result.returncode == (0 if exact else 1), result.stdout
+
+
+def _zoo_cases() -> list[tuple[str, frozenset]]:
+    """Every zoo catching case a template covers, with the verdicts the zoo's table allows it."""
+    cases = []
+    for mutant in ZOO:
+        for case_id in mutant.catching_cases:
+            try:
+                template_for(CaseSpec.parse(case_id))
+            except UnsupportedCase:
+                continue
+            cases.append((case_id, frozenset(v.name for v in mutant.verdicts)))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case_id", "verdicts"), _zoo_cases(), ids=[c for c, _ in _zoo_cases()])
+def test_every_coverable_zoo_script_catches_its_bug(case_id, verdicts, tmp_path):
+    """The zoo on gloo, as scripts (`-m slow`: about 10 s a case): each fails with a verdict its
+    table row allows (qgather's selftest proves qgather gives one of them)."""
+    path = tmp_path / "r.py"
+    path.write_text(render(case_id))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
+                            cwd=str(tmp_path), timeout=300)
+    verdict = result.stdout.partition(f"{case_id}: ")[2].split(" - ")[0].strip()
+    assert verdict in verdicts and result.returncode == 1, result.stdout + result.stderr[-2000:]

@@ -1,0 +1,153 @@
+"""`qgather repro ID --standalone`: scripts with no qgather in them (qgather.tools.standalone).
+
+The pieces a script is made of are checked against qgather's own code (the weight, the reference
+quantizers), every template renders a script that compiles, defines every name it uses and imports
+only torch, its library and the standard library, and the CLI writes it or refuses in one line.
+Running the CPU scripts against `qgather case` is tests/test_standalone_agreement.py."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qgather.formats import FORMATS
+from qgather.model.case import CaseSpec
+from qgather.scenarios.data import make_weight
+from qgather.tools.standalone import UnsupportedCase, render
+from qgather.tools.standalone.findings import FINDINGS
+from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IDS = ("torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1", "te:fp8_tensor:128x64:fp32:ws4:gather:s2",
+       "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:gather:s0", "reference:mxfp8:64x64:fp32:ws4:gather:s1",
+       "mutant:trim_to_fit:nvfp4_1d:136x64:bf16:ws8:gather:s0",
+       *(finding.case_id for finding in FINDINGS))
+STDLIB = set(sys.stdlib_module_names)
+SHAPES = ("1x16", "5x64", "128x64", "200x256", "255x130", "3x384")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ("bf16", "fp32"))
+def test_weight_and_goldens_are_qgathers_bit_for_bit(shape, dtype):
+    spec = CaseSpec.parse(f"reference:fp8_tensor:{shape}:{dtype}:ws1:gather:s3")
+    weight = make_weight(spec, dtype=spec.torch_dtype)
+    assert torch.equal(data.make_weight(spec.shape, spec.seed, spec.torch_dtype), weight)
+    for piece, name in ((fp8_tensor, "fp8_tensor"), (fp8_block, "fp8_block")):
+        reference = FORMATS[name].quantize(weight)
+        golden = piece.quantize(weight)
+        for buffer, value in golden.items():
+            expected = reference.buffers[buffer][reference.valid[buffer]]
+            assert value.shape == expected.shape and torch.equal(value.view(torch.uint8), expected.view(torch.uint8)), (
+                name, buffer)
+        assert torch.equal(piece.dequantize(golden), FORMATS[name].dequantize(reference)), name
+
+
+def test_golden_catches_a_changed_bit():
+    weight = data.make_weight((128, 64), 0, torch.bfloat16)
+    golden = fp8_block.quantize(weight)
+    reference = FORMATS["fp8_block"].quantize(weight.clone().index_fill_(0, torch.tensor([3]), 1.0))
+    assert not torch.equal(golden["rowwise_data"], reference.buffers["rowwise_data"])
+
+
+def test_weight_of_a_3d_case_is_qgathers():
+    spec = CaseSpec.parse("reference:nvfp4_2d:3x16x64:bf16:ws2:gather:s5")
+    assert torch.equal(data.make_weight(spec.shape, spec.seed, spec.torch_dtype),
+                       make_weight(spec, dtype=spec.torch_dtype))
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4, 8))
+def test_shard_rows_are_fsdp2s_chunks(world_size):
+    for rows in (1, 5, 31, 128, 200):
+        chunks = torch.arange(rows).chunk(world_size)
+        for rank in range(world_size):
+            got = torch.arange(rows)[data.shard_rows(rows, world_size, rank)]
+            want = chunks[rank] if rank < len(chunks) else torch.arange(0)
+            assert torch.equal(got, want), (rows, world_size, rank)
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_script_imports_only_torch_its_library_and_the_stdlib(case_id, tmp_path):
+    text = render(case_id)
+    tree = ast.parse(text)
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    library = {"torchao": {"torchao"}, "te": {"transformer_engine"}}.get(case_id.split(":")[0], {"qref"})
+    assert imported - STDLIB == {"torch", *library}
+    if library == {"qref"}:  # the reference's or a mutant's subclass: qgather's modules carried as source
+        assert "'qref.impls.reference.param': r" in text and "install(SOURCES)" in text
+    path = tmp_path / "r.py"
+    path.write_text(text)
+    subprocess.run([sys.executable, "-m", "py_compile", str(path)], check=True, timeout=60)
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated", "--select", "F,E9",
+                           str(path)], capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout  # every name the script uses is defined in it
+
+
+def test_script_carries_the_case():
+    text = render("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2")
+    for line in ("SHAPE = (128, 64)", "SEED = 0", "DTYPE = torch.bfloat16", "WORLD_SIZE = 4", "TP = 2",
+                 "PRECOMPUTE = False", "def gathered("):
+        assert line in text
+
+
+@pytest.mark.parametrize("case_id", (
+    "mutant:per_rank_amax:nvfp4_2d:128x64:bf16:ws2:gather:s0",  # the bug is in the adapter's step
+    "torchao:fp8_tensor:128x64:bf16:ws2:steps:s0",
+    "te:nvfp4_2d:128x64:bf16:ws2:gather:s0",
+    "torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2-row",
+))
+def test_uncovered_cases_are_refused_naming_what_is_covered(case_id):
+    with pytest.raises(UnsupportedCase, match="no standalone template.*covered: |lives in the adapter"):
+        render(case_id)
+
+
+def qgather(*args: str, cwd: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "harness")}
+    return subprocess.run([sys.executable, "-m", "qgather", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=120)
+
+
+def test_cli_writes_the_script_and_refuses_in_one_line(tmp_path):
+    case_id = "te:fp8_block:200x256:bf16:ws2:gather:s0"
+    written = qgather("repro", case_id, "--standalone", "-o", "r.py", cwd=str(tmp_path))
+    assert written.returncode == 0, written.stderr
+    assert (tmp_path / "r.py").read_text() == render(case_id)
+    printed = qgather("repro", case_id, "--standalone", cwd=str(tmp_path))
+    assert printed.returncode == 0 and printed.stdout == render(case_id)
+    for args in (("mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:steps:s0", "--standalone"),
+                 ("not-an-id", "--standalone"), (case_id, "-o", "r.py"),
+                 (case_id, "--standalone", "-o", str(tmp_path / "missing" / "r.py"))):
+        refused = qgather("repro", *args, cwd=str(tmp_path))
+        assert refused.returncode == 4 and refused.stdout == "", args
+        assert len(refused.stderr.strip().splitlines()) == 1 and refused.stderr.startswith("qgather repro: "), args
+
+
+def _result(rank: int, label: str = "all rows", lines: tuple[str, ...] = (), digest: str = "d") -> dict:
+    return {"rank": rank, "label": label, "lines": list(lines), "digest": digest}
+
+
+def test_judge_names_the_verdict_and_groups_ranks_that_agree():
+    assert evidence.judge([_result(0), _result(1)]) == ("EXACT", [])
+    verdict, lines = evidence.judge([_result(0, lines=("data: 3 of 8 valid elements differ",)),
+                                     _result(1, lines=("data: 3 of 8 valid elements differ",))])
+    assert (verdict, lines) == ("SILENT_MISMATCH", ["ranks 0, 1: all rows: data: 3 of 8 valid elements differ"])
+    assert evidence.judge([_result(0), _result(1, digest="e")])[0] == "RANK_DIVERGENCE"
+    # different TP pieces hold different bytes: not a divergence
+    assert evidence.judge([_result(0, "tp rank 0 of 2"), _result(1, "tp rank 1 of 2", digest="e")])[0] == "EXACT"
+
+
+def test_compare_counts_valid_elements_and_names_the_rows():
+    weight = data.make_weight((200, 256), 0, torch.bfloat16)
+    want = fp8_block.quantize(weight)
+    got = fp8_block.quantize(weight.clone().index_fill_(0, torch.tensor([3, 4, 150]), 0.0))
+    lines = evidence.compare(got, want, fp8_block.dequantize(got), fp8_block.dequantize(want), row0=0)
+    assert lines[0].startswith("rowwise_data: ") and lines[0].endswith(" of 51200 valid elements differ")
+    assert lines[-1].endswith("rows 3-4, 150")
+    assert evidence.compare(want, want, fp8_block.dequantize(want), fp8_block.dequantize(want), row0=0) == []
+    assert evidence.row_ranges([0, 1, 2, 7, 9, 10]) == "0-2, 7, 9-10"
