@@ -200,7 +200,7 @@ def test_a_checkpoint_save_that_crashes_keeps_every_ranks_stacks_like_any_case(m
         def run(self, *args, **kwargs):
             return crashed
 
-    monkeypatch.setattr(checkpoint, "get_pool", lambda spec: Pool())
+    monkeypatch.setattr(checkpoint, "get_pool", lambda spec, say=None: Pool())
     spec = CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws3:gather:s0:dcp-ws2")
     path, found = checkpoint._save(spec, get_impl("reference"), RunOptions(device="cpu"), str(tmp_path))
     assert path is None and found.verdict is Verdict.CRASH

@@ -91,7 +91,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     return CaseReport(spec, found.verdict, found.reason, found.details, expectation(spec),
                       time.monotonic() - started, placement,
                       repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds,
-                      found.stage, _ran_on(spec, impl, options, found))
+                      ran_on=_ran_on(spec, impl, options, found), stage=found.stage)
 
 
 Seconds = tuple[tuple[str, float], ...]
