@@ -98,8 +98,11 @@ bench: $(SETUP)
 golden: $(SETUP)
 	$(PY) -m qgather golden
 
+# The import layers (pyproject.toml's [tool.importlinter]): lint-imports, run through $(PY) so that a
+# PY without a venv's scripts works too, on this checkout's harness/ (not an installed qgather).
 lint: $(SETUP)
 	$(PY) -m ruff check harness tests cases conftest.py setup.py
+	PYTHONPATH=harness $(PY) -c 'from importlinter.cli import lint_imports_command; lint_imports_command()' --no-cache --no-logo
 
 clean:
 	rm -rf $(VENV) .venv-torch-* $(QGATHER_LINK) *.egg-info build .pytest_cache .ruff_cache reports

@@ -1,6 +1,6 @@
 """torch.compile and the step paths (steps, reshard, checkpoint resharding) crossed pairwise with the
 other configuration tokens.
 
-Defined in qgather.suite.cases.test_step_paths, so that an installed qgather carries it."""
+Defined in qgather.cases.test_step_paths, so that an installed qgather carries it."""
 
-from qgather.suite.cases.test_step_paths import SWEEP, test_step_paths  # noqa: F401 - pytest collects them here
+from qgather.cases.test_step_paths import SWEEP, test_step_paths  # noqa: F401 - pytest collects them here

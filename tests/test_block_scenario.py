@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from qgather.cases.test_block import SWEEP, TORCHAO
 from qgather.engine.run import RunOptions, run_case
 from qgather.impls.base import Implementation
 from qgather.model.block import block_params
@@ -16,7 +17,6 @@ from qgather.model.layers import layer_weights
 from qgather.model.policy import expectation
 from qgather.model.verdict import Verdict
 from qgather.suite import coverage
-from qgather.suite.cases.test_block import SWEEP, TORCHAO
 
 CPU = RunOptions(backend="gloo", device="cpu")
 

@@ -87,7 +87,7 @@ BAD_VALUES = [
 ]
 
 
-# plain pytest parses with the same parsers (qgather.model.options): two of them there are enough
+# plain pytest parses with the same parsers (qgather.suite.options): two of them there are enough
 @pytest.mark.parametrize("how, option, value, says", [
     *(("run", *bad) for bad in BAD_VALUES), *(("pytest", *bad) for bad in BAD_VALUES[:2])])
 def test_a_bad_selection_value_is_one_line_exit_4(how, option, value, says):

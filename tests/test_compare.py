@@ -5,7 +5,7 @@ import hashlib
 import pytest
 import torch
 
-from qgather.check.compare import _fingerprint, compare_values, digest, tensor_bytes
+from qgather.instruments.compare import _fingerprint, compare_values, digest, tensor_bytes
 from qgather.model.case import CaseSpec
 from qgather.scenarios.data import make_weight, row_scales
 
@@ -59,8 +59,8 @@ def test_small_and_cpu_weights_come_from_the_cpu_generator():
 
 
 def test_differences_are_counted_in_blocks_of_rows(monkeypatch):
-    from qgather.check import compare
     from qgather.formats import QuantizedTensor
+    from qgather.instruments import compare
 
     want = torch.arange(64 * 48, dtype=torch.int32).reshape(64, 48).to(torch.uint8)
     have = want.clone()
@@ -73,8 +73,8 @@ def test_differences_are_counted_in_blocks_of_rows(monkeypatch):
 
 
 def test_buffer_differences_are_records_rendered_only_as_lines():
-    from qgather.check.compare import compare_buffers
     from qgather.formats import QuantizedTensor
+    from qgather.instruments.compare import compare_buffers
     from qgather.model.records import BufferDiff, DiffProblem
 
     want = {"data": torch.zeros(4, 8, dtype=torch.uint8), "scale": torch.ones(4, 1), "amax": torch.ones(1)}

@@ -85,10 +85,10 @@ def test_a_buffer_identical_to_the_golden_takes_the_goldens_digest_part(monkeypa
     """On a device, digest fingerprints large buffers; a gathered buffer bit-identical to the golden
     (same shape and dtype) hashes as the golden's, computed once. Here CPU buffers of 64 elements or
     more are fingerprinted as a device's would be: the digest is the same as computed from scratch."""
-    from qgather.check import compare
     from qgather.check.golden import golden_for
     from qgather.check.inspection import _identical
     from qgather.formats import FORMATS
+    from qgather.instruments import compare
 
     monkeypatch.setattr(compare, "is_fingerprinted", lambda region: region.numel() >= 64)
     golden = golden_for(FORMATS["nvfp4_2d"], torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))

@@ -274,3 +274,21 @@ def test_te_modules_import_transformer_engine_only_inside_functions(path):
     names += [n.module for n in top if isinstance(n, ast.ImportFrom) and n.module]
     te_at_top = [n for n in names if n.startswith("transformer_engine")]
     assert (te_at_top != []) is (path.name == "reference_bits.py"), te_at_top
+
+
+def test_only_a_package_module_object_name_names_a_user_adapter_module():
+    from qgather.impls import adapter_module
+
+    assert adapter_module("mypkg.adapters:MyImpl") == "mypkg.adapters"
+    builtins = ("reference", "mutant:nibble_swap", "te:delayed", "torchao:precompute")
+    assert [adapter_module(name) for name in builtins] == [None] * len(builtins)
+
+
+def test_a_rank_records_and_a_rejection_matches_by_the_one_qualified_name():
+    from qgather import errors
+    from qgather.impls import rejections
+    from qgather.runtime import outcome
+
+    assert outcome.qualified_name is rejections.qualified_name is errors.qualified_name
+    assert errors.first_line("  shard of 17 rows\n  in the hook") == "shard of 17 rows"
+    assert errors.first_line("x" * 300, 200) == "x" * 197 + "..." and errors.first_line(None) == ""

@@ -1,6 +1,6 @@
 """`pip install .` (not editable) gives a qgather that runs the whole suite and checks the golden
 corpus from any directory: the wheel carries the package harness/qgather/ as the import package
-qgather (its suite/cases/, and golden/ as qgather/golden_data/), installs no top-level `harness`, and
+qgather (its cases/, and golden/ as qgather/golden_data/), installs no top-level `harness`, and
 an installed copy finds them there, with the same case ids as cases/."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_wheel_carries_every_module_the_suite_and_the_golden_corpus(wheel: Path)
     assert sources - names == set(), "modules of harness/qgather/ missing from the wheel's qgather/"
     assert not any(n.startswith("harness/") for n in names), "the wheel installs a top-level harness"
     suite = {p.name for p in (REPO / "cases").glob("test_*.py")}
-    assert suite and {f"qgather/suite/cases/{n}" for n in suite} <= names, "the packaged suite lacks a case module"
+    assert suite and {f"qgather/cases/{n}" for n in suite} <= names, "the packaged suite lacks a case module"
     golden = {p.relative_to(REPO / "golden").as_posix() for p in (REPO / "golden").rglob("*") if p.is_file()}
     packaged = {n.removeprefix("qgather/golden_data/") for n in names if n.startswith("qgather/golden_data/")}
     assert "manifest.json" in packaged and set(_manifest_files()) <= packaged
@@ -122,7 +122,7 @@ def test_an_install_runs_the_suite_and_the_golden_check_from_any_directory(
     assert "Warning" not in collected.stdout + collected.stderr, collected.stdout[-3000:]
 
     # plain pytest: the default suite is -m 'not slow'
-    pyargs = _run(["-m", "pytest", "--pyargs", "qgather.suite.cases", "--collect-only", "-q", "-p", "no:cacheprovider",
+    pyargs = _run(["-m", "pytest", "--pyargs", "qgather.cases", "--collect-only", "-q", "-p", "no:cacheprovider",
                    "-m", "not slow", *SELECTION], elsewhere, installed)
     assert pyargs.returncode == 0, pyargs.stdout[-3000:] + pyargs.stderr[-3000:]
     assert _case_ids(pyargs.stdout) == sorted(listed.stdout.split())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from qgather.cases.test_layers import SWEEP, TORCHAO
 from qgather.engine.classify import classify_results
 from qgather.engine.run import RunOptions, run_case
 from qgather.impls import get_impl
@@ -16,7 +17,6 @@ from qgather.model.records import BufferDiff, Comparison, DiffProblem, RankResul
 from qgather.model.verdict import Verdict
 from qgather.scenarios import fsdp_setup
 from qgather.suite import coverage
-from qgather.suite.cases.test_layers import SWEEP, TORCHAO
 
 CPU = RunOptions(backend="gloo", device="cpu")
 ADAPTERS = "tests._layers_adapters"

@@ -1,4 +1,4 @@
-"""qgather.check.patches: every patch of torch.distributed or of a subclass's FSDP2 hooks puts back
+"""qgather.instruments.patches: every patch of torch.distributed or of a subclass's FSDP2 hooks puts back
 exactly what was there, on a normal exit, on an exception, and when patches nest."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qgather.check import patches
+from qgather.instruments import patches
 from qgather.model.phases import Phase, PhaseTracker
 
 

@@ -278,3 +278,13 @@ def test_exact_ids_with_glob_characters_match_only_themselves():
     case = "pkg.mod:Adapter[v2]:f:4x64:bf16:ws2:gather:s0"
     issue = baseline.KnownIssue(baseline.escape(case), "r")
     assert issue.matches(case) and not issue.matches(case.replace("[v2]", "v"))
+
+
+def test_a_case_test_is_one_whose_parameter_reads_as_a_case_id():
+    from qgather.pytest_plugin.recorder import is_case_test
+
+    assert is_case_test(f"cases/test_virtual.py::test_virtual[{FAILING}]")
+    assert is_case_test("cases/test_x.py::test_x[pkg.mod:Impl:fp8_tensor:128x64:bf16:ws2:gather:s0:dcp-ws4]")
+    assert not is_case_test("cases/test_dispatch_ops.py::test_chunk[reference:nvfp4_2d]")
+    assert not is_case_test("tests/test_x.py::test_x[a:b:c:d:ws2:e:seed]")
+    assert not is_case_test("tests/test_x.py::test_x")

@@ -11,14 +11,16 @@ import time
 
 import pytest
 
+from qgather.cli.sweep import main as sweep_main
 from qgather.engine.run import RunOptions
 from qgather.formats import FORMATS
 from qgather.impls import available
 from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
+from qgather.model.report import CaseReport
+from qgather.model.verdict import Verdict
 from qgather.runtime import shutdown_pools
 from qgather.tools import exploration as sweep
-from qgather.tools.explore import main as sweep_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FMT = "nvfp4_2d"
@@ -191,10 +193,19 @@ def test_tty_progress_is_a_bar_with_eta_and_counts():
     assert out.getvalue().endswith("\n")
 
 
-def test_signature_masks_numbers_and_the_virtual_stage():
-    real = sweep.signature("unshard 1: rowwise_data: 10 of 32 valid elements differ")
-    assert real == sweep.signature("virtual gather: rowwise_data: 7 of 64 valid elements differ")
-    assert real == "unshard #: rowwise_data: # of # valid elements differ"
+def _failed_at(stage: str, finding: str, scenario: str) -> CaseReport:
+    spec = CaseSpec("reference", "nvfp4_2d", (136, 64), "bf16", 3, scenario, 0)
+    return CaseReport(spec, Verdict.SILENT_MISMATCH, f"{stage}: {finding}", stage=stage)
+
+
+def test_signature_reads_the_stage_field_masks_numbers_and_groups_the_virtual_stage_with_the_first_unshard():
+    real = _failed_at("unshard 1", "rowwise_data: 10 of 32 valid elements differ", "gather")
+    virtual = _failed_at("virtual gather", "rowwise_data: 7 of 64 valid elements differ", "virtual")
+    assert sweep.signature(real) == sweep.signature(virtual) == "unshard #: rowwise_data: # of # valid elements differ"
+    assert virtual.finding == "rowwise_data: 7 of 64 valid elements differ"
+    # the field, not the text: a reason that merely starts like the virtual stage is not that stage
+    error = CaseReport(real.spec, Verdict.ERROR, "virtual gather: rank 0 raised ValueError: 3 rows")
+    assert sweep.signature(error) == "virtual gather: rank # raised ValueError: # rows"
 
 
 def test_candidate_rows_cover_block_edges_and_small_rows():
@@ -202,3 +213,12 @@ def test_candidate_rows_cover_block_edges_and_small_rows():
     for r in (1, 2, 3, 7, 15, 16, 17, 31, 33, 136, 128, 130):
         assert r in rows
     assert max(rows) <= 140
+
+
+def test_the_engine_reports_the_stage_a_failure_was_found_at():
+    from qgather.engine.run import run_case
+
+    virtual = run_case(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:virtual:s0"))
+    assert virtual.verdict is Verdict.SILENT_MISMATCH and virtual.stage == "virtual gather"
+    assert virtual.reason == f"virtual gather: {virtual.finding}" and virtual.finding.startswith("rowwise_data: ")
+    assert run_case(CaseSpec.parse("reference:nvfp4_2d:128x64:bf16:ws2:virtual:s0")).stage == ""

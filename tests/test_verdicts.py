@@ -183,3 +183,26 @@ def test_a_shape_the_one_device_module_cannot_run_is_a_note_on_an_exact_case():
     verdict, _, details = classify(results(with_module(ModuleCheck(Comparison(True))),
                                                          with_module(ModuleCheck(Comparison(True)))))
     assert verdict is Verdict.EXACT and any("bit-identical to the same module on one device" in d for d in details)
+
+
+def test_a_checkpoint_save_that_crashes_keeps_every_ranks_stacks_like_any_case(monkeypatch, tmp_path):
+    """engine.checkpoint judges the save's outcome with the one classify_outcome: the CRASH of the
+    save at world size A carries the ranks' stacks, as a CRASH of the case itself does."""
+    from qgather.engine import checkpoint
+    from qgather.engine.run import RunOptions
+    from qgather.impls import get_impl
+    from qgather.runtime import CaseOutcome, OutcomeStatus
+
+    stack = 'Thread 0x1 (most recent call first):\n  File "/x/mylib/hooks.py", line 7 in pre_all_gather\n'
+    crashed = CaseOutcome(OutcomeStatus.CRASH, [None, None], exit_codes={1: -11}, stacks={0: stack})
+
+    class Pool:
+        def run(self, *args, **kwargs):
+            return crashed
+
+    monkeypatch.setattr(checkpoint, "get_pool", lambda spec, say=None: Pool())
+    spec = CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws3:gather:s0:dcp-ws2")
+    path, found = checkpoint._save(spec, get_impl("reference"), RunOptions(device="cpu"), str(tmp_path))
+    assert path is None and found.verdict is Verdict.CRASH
+    assert found.reason == f"checkpoint save at world size 2: {crashed.headline()}"
+    assert found.details == ("rank 0 stack (innermost first):", "  pre_all_gather (x/mylib/hooks.py:7)")

@@ -8,6 +8,9 @@
 - `Refusal`: an implementation (or a format) refusing a shape it cannot hold, naming the constraint;
   a verdict is REJECTED only when the implementation declares the refusal's class
   (`Implementation.rejection_types`) and every rank raises it before any data moved.
+
+And how any error is named and told, in one place each: `qualified_name` (what a rank records of
+an exception's classes and what a declared rejection class is matched by) and `first_line`.
 """
 
 from __future__ import annotations
@@ -34,3 +37,28 @@ class AdapterError(QgatherError, TypeError):
 class Refusal(QgatherError, ValueError):
     """A shape refused with the constraint it violates named (a format that cannot hold it, a shard
     that is not aligned to the scale block)."""
+
+
+def qualified_name(cls: type) -> str:
+    """A class as "module.qualname": what a rank records of each class of a raised error
+    (qgather.runtime.outcome.RankError.type_qualnames) and what a declared rejection class is matched
+    by (qgather.impls.rejections). One function, so that the REJECTED rule's two sides agree.
+
+    Example:
+        >>> qualified_name(Refusal)
+        'qgather.errors.Refusal'
+    """
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def first_line(text: object, limit: int | None = None) -> str:
+    """The first line of `str(text)` (an exception, a reason), blank around it dropped; "" for none.
+    Cut to `limit` characters, the last three "...", when it is longer.
+
+    Example:
+        >>> first_line("shard of 17 rows\n  in fsdp_pre_all_gather", limit=12)
+        'shard of ...'
+    """
+    stripped = str(text or "").strip()
+    line = stripped.splitlines()[0] if stripped else ""
+    return line[: limit - 3] + "..." if limit is not None and len(line) > limit else line

@@ -1,8 +1,8 @@
 """Where the case suite and the golden corpus live.
 
-A source checkout keeps them at its top level: cases/ (thin modules over qgather.suite.cases) and
+A source checkout keeps them at its top level: cases/ (thin modules over qgather.cases) and
 golden/. An installed qgather (`pip install .`) has neither: it runs the packaged modules of
-qgather/suite/cases/ and reads the corpus that the build copies into qgather/golden_data/.
+qgather/cases/ and reads the corpus that the build copies into qgather/golden_data/.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import re
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-PACKAGED_SUITE = os.path.join("suite", "cases")
+PACKAGED_SUITE = "cases"
 PACKAGED_GOLDEN = "golden_data"  # setup.py copies golden/ here; the name is repeated there
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qgather.check import compare, host
 from qgather.check import golden as golden_module
-from qgather.check.compare import compare_buffers
+from qgather.check import host
 from qgather.formats import FORMATS
+from qgather.instruments import compare
+from qgather.instruments.compare import compare_buffers
 
 pytestmark = pytest.mark.gpu
 

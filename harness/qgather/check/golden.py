@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qgather.check import compare, host
-from qgather.check.compare import compare_buffers
+from qgather.check import host
 from qgather.errors import HarnessFault
 from qgather.formats import Format, FormatError, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation
+from qgather.instruments import compare
+from qgather.instruments.compare import compare_buffers
 from qgather.model.case import TensorParallelLayout
 from qgather.model.layout import column_block
 from qgather.model.records import BufferDiff, DiffProblem

@@ -12,13 +12,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from qgather.check import compare
-from qgather.check.compare import compare_buffers, compare_value_blocks, compare_values, digest, locate
 from qgather.check.golden import Golden
 from qgather.errors import HarnessFault
 from qgather.formats import Format, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation, NoSingleDeviceTwin
+from qgather.instruments import compare
+from qgather.instruments.compare import compare_buffers, compare_value_blocks, compare_values, digest, locate
 from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
 from qgather.model.records import Comparison, ModuleCheck, Stage
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from qgather.check.golden import Golden
-from qgather.check.patches import all_gathers_counted, pre_all_gather_observed
 from qgather.formats import Format
 from qgather.impls.base import Implementation
+from qgather.instruments.patches import all_gathers_counted, pre_all_gather_observed
 from qgather.model.case import ColumnShardLayout, ShardLayout
 from qgather.model.records import WireSummary
 from qgather.runtime import whereabouts

@@ -1,12 +1,13 @@
 """The `qgather` command line (also `python -m qgather`): a dispatch table of command groups, each a
 module whose `main(argv) -> int` parses its own arguments.
 
-A command's module is imported only when the command runs (`importlib`, from the table below), so
-that `qgather --help` stays fast and starts no torch, and a missing optional library only affects
-the command that needs it. The commands that run cases unwind through the rank pools' cleanup on
-SIGTERM and Ctrl-C. Exit status, in every command, pytest's convention (README's "Exit codes"):
-0 ok, 1 a failing verdict / a surviving mutant / a stale baseline entry, 2 interrupted (Ctrl-C,
-SIGTERM), 4 bad input (one line on stderr: a bad option value, an unknown name, an empty selection).
+A command's module is imported only when the command runs (a deferred import in its loader, which
+import-linter sees like any other), so that `qgather --help` stays fast and starts no torch, and a
+missing optional library only affects the command that needs it. The commands that run cases
+unwind through the rank pools' cleanup on SIGTERM and Ctrl-C. Exit status, in every command,
+pytest's convention (README's "Exit codes"): 0 ok, 1 a failing verdict / a surviving mutant / a
+stale baseline entry, 2 interrupted (Ctrl-C, SIGTERM), 4 bad input (one line on stderr: a bad
+option value, an unknown name, an empty selection).
 
     run        qgather.cli.run        the case suite under pytest
     case       qgather.cli.case       cases by id, their reports
@@ -18,57 +19,111 @@ SIGTERM), 4 bad input (one line on stderr: a bad option value, an unknown name, 
     golden     qgather.tools.golden   the golden corpus
     baseline   qgather.cli.baseline   the known-issues baseline
     coverage   qgather.cli.coverage   a selection's coverage matrix
-    sweep      qgather.tools.explore  shapes x world sizes of one implementation, failures shrunk
+    sweep      qgather.cli.sweep      shapes x world sizes of one implementation, failures shrunk
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from qgather.cli.common import USAGE_ERROR, OptionRefused, usage, with_cleanup_on_signals
 from qgather.errors import UsageError
 from qgather.quiet import quiet_torchao
 
+CommandMain = Callable[[Sequence[str]], int]
+
 
 @dataclass(frozen=True)
 class Command:
-    """One command: the `module:function` that runs it with the command's arguments, and its help."""
+    """One command: the loader of the function that runs it with the command's arguments, and its help."""
 
     name: str
-    target: str
+    load: Callable[[], CommandMain]
     help: str
     runs_cases: bool = False  # SIGTERM and Ctrl-C unwind through the pools' cleanup
 
     def main(self, argv: Sequence[str]) -> int:
         """Import the command's module (only now: see the module docstring) and run it."""
-        module_name, function = self.target.split(":")
-        run = getattr(importlib.import_module(module_name), function)
+        run = self.load()
         if self.runs_cases:
             return with_cleanup_on_signals(self.name, run, argv)
         return int(run(list(argv)) or 0)
 
 
+# One loader per command: each imports its module when the command runs, not when qgather starts.
+def _run() -> CommandMain:
+    from qgather.cli.run import main
+    return main
+
+
+def _case() -> CommandMain:
+    from qgather.cli.case import main_case
+    return main_case
+
+
+def _repro() -> CommandMain:
+    from qgather.cli.case import main_repro
+    return main_repro
+
+
+def _list() -> CommandMain:
+    from qgather.cli.listing import main
+    return main
+
+
+def _gpu_check() -> CommandMain:
+    from qgather.cli.gpu import main
+    return main
+
+
+def _bench() -> CommandMain:
+    from qgather.cli.bench import main
+    return main
+
+
+def _selftest() -> CommandMain:
+    from qgather.tools.selftest import main
+    return main
+
+
+def _golden() -> CommandMain:
+    from qgather.tools.golden import main
+    return main
+
+
+def _baseline() -> CommandMain:
+    from qgather.cli.baseline import main
+    return main
+
+
+def _coverage() -> CommandMain:
+    from qgather.cli.coverage import main
+    return main
+
+
+def _sweep() -> CommandMain:
+    from qgather.cli.sweep import main
+    return main
+
+
 COMMANDS = {c.name: c for c in (
-    Command("run", "qgather.cli.run:main", "run the case suite (extra arguments go to pytest)", runs_cases=True),
-    Command("case", "qgather.cli.case:main_case", "run cases by id and print their reports", runs_cases=True),
-    Command("list", "qgather.cli.listing:main",
-            "list implementations, formats, scenarios, mutants; --cases: a selection's case ids"),
-    Command("repro", "qgather.cli.case:main_repro",
-            "run one case; print its report, the environment and the command to rerun it", runs_cases=True),
-    Command("gpu-check", "qgather.cli.gpu:main", "list the GPUs, backends and optional libraries the GPU job uses"),
-    Command("bench", "qgather.cli.bench:main", "run benchmarks (formats, runtime, gpu, suite: cases/s); default: all"),
-    Command("selftest", "qgather.tools.selftest:main", "run the bug zoo and print how many mutants were caught"),
-    Command("golden", "qgather.tools.golden:main", "write (or --check) the golden corpus under golden/"),
-    Command("baseline", "qgather.cli.baseline:main", "update the known-issues baseline from a run's verdicts.json"),
-    Command("coverage", "qgather.cli.coverage:main", "print the coverage matrix (format x buffer x regime x scenario "
-            "x configuration) of a selection as Markdown"),
-    Command("sweep", "qgather.tools.explore:main",
-            "explore shapes x world sizes of one impl and format; shrink each failure group"),
+    Command("run", _run, "run the case suite (extra arguments go to pytest)", runs_cases=True),
+    Command("case", _case, "run cases by id and print their reports", runs_cases=True),
+    Command("list", _list, "list implementations, formats, scenarios, mutants; --cases: a selection's case ids"),
+    Command("repro", _repro, "run one case; print its report, the environment and the command to rerun it",
+            runs_cases=True),
+    Command("gpu-check", _gpu_check, "list the GPUs, backends and optional libraries the GPU job uses"),
+    Command("bench", _bench, "run benchmarks (formats, runtime, gpu, suite: cases/s); default: all"),
+    Command("selftest", _selftest, "run the bug zoo and print how many mutants were caught"),
+    Command("golden", _golden, "write (or --check) the golden corpus under golden/"),
+    Command("baseline", _baseline, "update the known-issues baseline from a run's verdicts.json"),
+    Command("coverage", _coverage, "print the coverage matrix (format x buffer x regime x scenario x configuration) "
+            "of a selection as Markdown"),
+    Command("sweep", _sweep, "explore shapes x world sizes of one impl and format; shrink each failure group"),
 )}
 
 

@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from qgather.cli.common import usage
 
-BENCHES = {
-    "formats": "qgather.tools.format_bench",
-    "runtime": "qgather.runtime.bench",
-    "gpu": "qgather.tools.case_bench",
-    "suite": "qgather.tools.suite_bench",
-}
+BenchMain = Callable[[Sequence[str]], int]
+
+
+# One loader per benchmark: each benchmark's own imports happen when it is asked for.
+def _formats() -> BenchMain:
+    from qgather.tools.format_bench import main
+    return main
+
+
+def _runtime() -> BenchMain:
+    from qgather.runtime.bench import main
+    return main
+
+
+def _gpu() -> BenchMain:
+    from qgather.tools.case_bench import main
+    return main
+
+
+def _suite() -> BenchMain:
+    from qgather.tools.suite_bench import main
+    return main
+
+
+BENCHES: dict[str, Callable[[], BenchMain]] = {"formats": _formats, "runtime": _runtime, "gpu": _gpu, "suite": _suite}
 
 
 def main(argv: Sequence[str]) -> int:
@@ -36,6 +54,5 @@ def main(argv: Sequence[str]) -> int:
                               "`qgather bench gpu --profile`")
     rc = 0
     for name in names or list(BENCHES):
-        module = importlib.import_module(BENCHES[name])  # each benchmark's own imports, when it is asked for
-        rc = max(rc, int(module.main(argv) or 0))
+        rc = max(rc, int(BENCHES[name]()(argv) or 0))
     return rc

@@ -66,7 +66,7 @@ def main_repro(argv: Sequence[str]) -> int:
     if options is None:
         return USAGE_ERROR
     from qgather.engine.run import run_case  # deferred: torch, once the options are checked
-    from qgather.impls import UnknownImplementationError
+    from qgather.impls import UnknownImplementationError, adapter_module
     from qgather.model.case import CaseSpec
 
     try:
@@ -80,7 +80,8 @@ def main_repro(argv: Sequence[str]) -> int:
     print()
     for line in environment_lines(options, spec.world_size):
         print(line)
-    command = repro_command(spec.id, options.backend, options.device, options.case_timeout, standalone=True)
+    command = repro_command(spec.id, options.backend, options.device, options.case_timeout, standalone=True,
+                            adapter_module=adapter_module(spec.impl))
     print(f"reproduce: {command}")
     return 0 if report.passed else 1
 

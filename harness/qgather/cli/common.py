@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from qgather.errors import QgatherError
-from qgather.model.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem
+from qgather.suite.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem
 
 if TYPE_CHECKING:  # imported when a case runs: the CLI starts without torch
     from qgather.engine.run import RunOptions
@@ -63,7 +63,7 @@ def refusing_in_one_line(command: str) -> Callable[[Callable[[Sequence[str]], in
 
 
 def add_options(parser: argparse.ArgumentParser, specs: Iterable[OptionSpec]) -> None:
-    """Add shared options (qgather.model.options) as the plugin declares them, with the same parsers."""
+    """Add shared options (qgather.suite.options) as the plugin declares them, with the same parsers."""
     for spec in specs:
         parser.add_argument(spec.flag, **spec.keywords(_for_cli))
 

@@ -9,8 +9,8 @@ import argparse
 from collections.abc import Sequence
 
 from qgather.cli.common import add_selection_options, refusing_in_one_line, usage
-from qgather.model.options import joined_impls
 from qgather.suite.coverage import markdown, measure, suite_cases
+from qgather.suite.options import joined_impls
 
 
 @refusing_in_one_line("coverage")

@@ -13,8 +13,8 @@ from qgather.formats import FORMATS
 from qgather.impls import UnknownImplementationError, available, get_impl
 from qgather.impls.mutants import MUTANTS
 from qgather.model.case import SCENARIOS, CaseSpec
-from qgather.model.options import joined_impls
 from qgather.suite.modules import suite_sweeps
+from qgather.suite.options import joined_impls
 
 SECTIONS = ("impls", "formats", "scenarios", "mutants")
 

@@ -13,8 +13,8 @@ import io
 from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, usage
-from qgather.model.options import joined_impls
 from qgather.paths import checkout_root, suite_dir
+from qgather.suite.options import joined_impls
 
 USAGE_ERROR = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest for --help
 NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED

@@ -16,11 +16,11 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from qgather.engine.classify import Classification, classify_errors, classify_results
-from qgather.impls import get_impl
+from qgather.engine.classify import Classification, classify_outcome
+from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec, saved_spec
 from qgather.model.verdict import Verdict
 from qgather.runtime import OutcomeStatus, PoolSpec, PoolSpecError, get_pool
@@ -32,6 +32,7 @@ class PoolOptions(Protocol):
     """What the save needs of the run's options (qgather.engine.run.RunOptions)."""
 
     case_timeout: float | None
+    say: Callable[[str], None] | None
 
     def backend_for(self, world_size: int) -> str:
         """The process-group backend of a pool of `world_size` ranks."""
@@ -41,39 +42,35 @@ class PoolOptions(Protocol):
 
 
 @contextlib.contextmanager
-def saved_checkpoint(spec: CaseSpec, options: PoolOptions) -> Iterator[tuple[str | None, Classification | None]]:
+def saved_checkpoint(spec: CaseSpec, impl: Implementation,
+                     options: PoolOptions) -> Iterator[tuple[str | None, Classification | None]]:
     """In the runner: (the checkpoint directory, None) once world size A saved it, or (None, the
     case's classification) when the save could not run or failed. The directory is removed on exit."""
     path = tempfile.mkdtemp(prefix=f"{POOL_DIR_PREFIX}{os.getpid()}-dcp-")
     try:
-        yield _save(spec, options, path)
+        yield _save(spec, impl, options, path)
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _save(spec: CaseSpec, options: PoolOptions, path: str) -> tuple[str | None, Classification | None]:
+def _save(spec: CaseSpec, impl: Implementation, options: PoolOptions,
+          path: str) -> tuple[str | None, Classification | None]:
     size = spec.config.saved_at_world_size
     where = f"checkpoint save at world size {size}"
     pool_spec = PoolSpec(backend=options.backend_for(size), world_size=size, device=options.device_type())
     try:
-        pool = get_pool(pool_spec.validate())
+        pool = get_pool(pool_spec.validate(), options.say)
     except PoolSpecError as exc:
         return None, Classification(Verdict.SKIPPED, f"{where}: {exc}")
     kwargs = {"case_id": f"{saved_spec(spec).id} (DCP save for {spec.id})", "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
     outcome = pool.run(save_on_rank, spec, path, **kwargs)
-    if outcome.status is OutcomeStatus.OK:
-        if not any(result.stages for result in outcome.results):
-            return path, None
-        # the weight a `-trained` save's forward gathered at A, judged like any gathered weight
-        found = classify_results(outcome.results)
-        if found.verdict is Verdict.EXACT:
-            return path, None
-        return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
-    if outcome.status is OutcomeStatus.ERROR:
-        # the adapter's own refusal rule, as for the case itself (qgather.engine.run)
-        found = classify_errors(outcome.errors, size, get_impl(spec.impl).refusal_problem)
-        return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
-    verdict = Verdict.HANG if outcome.status is OutcomeStatus.HANG else Verdict.CRASH
-    return None, Classification(verdict, f"{where}: {outcome.headline()}")
+    if outcome.status is OutcomeStatus.OK and not any(result.stages for result in outcome.results):
+        return path, None
+    # judged like the case itself (qgather.engine.run): a `-trained` save's forward gathered a weight at
+    # A, errors meet the adapter's own refusal rule, a HANG or CRASH keeps every rank's stacks
+    found = classify_outcome(outcome, size, impl.refusal_problem)
+    if found.verdict is Verdict.EXACT:
+        return path, None
+    return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)

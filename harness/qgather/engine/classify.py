@@ -1,18 +1,21 @@
-"""Decides a case's verdict from what every rank returned or raised: `classify_results` when every
-rank returned its records, `classify_errors` when some raised. The verdict policy (which verdicts
-pass) is qgather.model.policy's; this module only says what happened, with the evidence.
+"""Decides a case's verdict from what every rank returned or raised: `classify_outcome` for what a
+pool brought back (every case on a pool, a checkpoint's save included), which hands every rank's
+records to `classify_results` and errors to `classify_errors`, and turns a HANG or CRASH into its
+verdict with every rank's notes and stacks. The verdict policy (which verdicts pass) is
+qgather.model.policy's; this module only says what happened, with the evidence.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from qgather.engine.evidence import note_lines, stack_lines
 from qgather.model.phases import BEFORE_DATA_MOVED
 from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
 from qgather.model.verdict import Verdict
-from qgather.runtime.outcome import RankError, same_error_on_every_rank
+from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,9 @@ class Classification:
     verdict: Verdict
     reason: str
     details: tuple[str, ...] = ()
+    #: the stage the verdict was found at, when it was one ("unshard 1"): the reason then reads
+    #: "<stage>: <finding>" (CaseReport.finding)
+    stage: str = ""
 
 
 #: Whether an error is the implementation refusing a shape: "" when it is one of its declared
@@ -43,6 +49,24 @@ INTERNAL_ERRORS = frozenset({"AttributeError", "TypeError", "NameError", "Unboun
 # it expects): an internal fault, not a constraint being named.
 INTERNAL_MESSAGES = re.compile(r"ValueError: (not enough|too many) values to unpack")
 TRACEBACK_LINES = 6  # last lines of the first raising rank's traceback shown in an ERROR report
+
+
+def classify_outcome(outcome: CaseOutcome, world_size: int,
+                     refusal_problem: RefusalCheck = no_declared_rejections) -> Classification:
+    """The one verdict of what a pool brought back: every rank's records (classify_results), some
+    ranks' errors (classify_errors, with where the ranks that never answered were), or a HANG or
+    CRASH (the outcome's headline, with every rank's notes and stacks)."""
+    if outcome.status is OutcomeStatus.OK:
+        return classify_results(outcome.results)
+    if outcome.status is OutcomeStatus.ERROR:
+        found = classify_errors(outcome.errors, world_size, refusal_problem)
+        if not outcome.unfinished:
+            return found
+        # the ranks that never answered: where they were when the pool gave up on them
+        left = {rank: facts for rank, facts in outcome.notes.items() if rank in outcome.unfinished}
+        return replace(found, details=(*found.details, *note_lines(left)))
+    verdict = Verdict.HANG if outcome.status is OutcomeStatus.HANG else Verdict.CRASH
+    return Classification(verdict, outcome.headline(), tuple(note_lines(outcome.notes) + stack_lines(outcome.stacks)))
 
 
 def classify_errors(errors: Mapping[int, RankError], world_size: int,
@@ -105,17 +129,18 @@ def classify_results(results: Sequence[RankResult]) -> Classification:
         if any(s.refused for s in stages):
             problem = _refusal_problem(stages, results)
             if problem:
-                return Classification(Verdict.ERROR, f"{stages[0].label}: {problem}", tuple(details))
+                return Classification(Verdict.ERROR, f"{stages[0].label}: {problem}", tuple(details),
+                                      stages[0].label)
             refused.append(stages[0])
             continue
         verdict, reason = _classify_stage(stages, results, details)
         if verdict is not Verdict.EXACT:
-            return Classification(verdict, f"{stages[0].label}: {reason}", tuple(details))
+            return Classification(verdict, f"{stages[0].label}: {reason}", tuple(details), stages[0].label)
     for wire in (results[0].wire, *results[0].wires):
         degraded = _wire_verdict(wire)
         if degraded:
             where = f"{wire.label}: " if wire.label else ""
-            return Classification(Verdict.DEGRADED, where + degraded, tuple(details))
+            return Classification(Verdict.DEGRADED, where + degraded, tuple(details), wire.label)
     if results[0].quantizer:
         return Classification(Verdict.QUANTIZER_MISMATCH, "its own quantizer disagrees with the reference",
                               tuple(d.line() for d in results[0].quantizer))

@@ -4,22 +4,24 @@ and builds its one CaseReport from what came back (qgather.engine.classify decid
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from qgather.engine.checkpoint import saved_checkpoint
-from qgather.engine.classify import Classification, classify_errors, classify_results
-from qgather.engine.evidence import detail_evidence, note_lines, stack_lines, where_lines
+from qgather.engine.classify import Classification, classify_errors, classify_outcome, classify_results
+from qgather.engine.evidence import detail_evidence, where_lines
 from qgather.errors import UsageError
 from qgather.formats import FORMATS
 from qgather.impls import get_impl
+from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec
 from qgather.model.policy import expectation
 from qgather.model.report import UNPLACED, CaseReport
 from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
-from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, PoolSpecError, RankError, get_pool
+from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool
 from qgather.runtime.launch import detect_launch
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.registry import run_on_rank
@@ -37,6 +39,9 @@ class RunOptions:
     # collective fingerprint check names a mismatched collective. Costs a pool start and, when
     # nothing mismatches, a second case timeout: on for `qgather case`/`repro`, off for the suite.
     detail_on_hang: bool = False
+    # Under a launcher, where a rank other than 0 writes its own failure (None: stderr); the pytest
+    # plugin's goes past its output capture (qgather.pytest_plugin.session).
+    say: Callable[[str], None] | None = None
 
     def device_type(self) -> str:
         if self.device != "auto":
@@ -59,16 +64,18 @@ class CaseInputError(UsageError):
     """A case that cannot be run as asked (unknown format, implementation, impossible world)."""
 
 
-def check_case(spec: CaseSpec) -> None:
+def check_case(spec: CaseSpec) -> Implementation:
+    """The case's implementation, resolved once for the whole case, after checking it can run as asked."""
     if spec.fmt not in FORMATS:
         raise CaseInputError(f"case {spec.id}: unknown format {spec.fmt!r}; known: {', '.join(FORMATS)}")
-    get_impl(spec.impl)  # raises UnknownImplementationError with the list of names
+    impl = get_impl(spec.impl)  # raises UnknownImplementationError with the list of names
     if spec.scenario != "virtual" and spec.world_size > 64:
         raise CaseInputError(
             f"case {spec.id}: world size {spec.world_size} needs the virtual scenario (real pools stop at 64)"
         )
     if spec.world_size > VIRTUAL_MAX_WORLD:
         raise CaseInputError(f"case {spec.id}: world size {spec.world_size} > {VIRTUAL_MAX_WORLD}")
+    return impl
 
 
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
@@ -78,39 +85,38 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
         CaseInputError, UnknownImplementationError: a case that cannot run as asked (usage errors).
     """
     options = options or RunOptions()
-    check_case(spec)
+    impl = check_case(spec)
     started = time.monotonic()
-    found, placement, seconds = _run(spec, options)
+    found, placement, seconds = _run(spec, impl, options)
     return CaseReport(spec, found.verdict, found.reason, found.details, expectation(spec),
                       time.monotonic() - started, placement,
                       repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds,
-                      _ran_on(spec, options, found))
+                      ran_on=_ran_on(spec, impl, options, found), stage=found.stage)
 
 
 Seconds = tuple[tuple[str, float], ...]
 
 
-def _run(spec: CaseSpec, options: RunOptions) -> tuple[Classification, str, Seconds]:
-    reason = _skip_reason(spec, options)
+def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> tuple[Classification, str, Seconds]:
+    reason = _skip_reason(spec, impl, options)
     if reason:
         return Classification(Verdict.SKIPPED, reason), "", ()
     if spec.scenario == "virtual":
-        return _run_virtual(spec), "", ()
+        return _run_virtual(spec, impl), "", ()
     if spec.config.saved_at_world_size is None:
-        return _run_on_pool(spec, options)
-    with saved_checkpoint(spec, options) as (checkpoint, failure):
-        return (failure, "", ()) if failure else _run_on_pool(spec, options, checkpoint)
+        return _run_on_pool(spec, impl, options)
+    with saved_checkpoint(spec, impl, options) as (checkpoint, failure):
+        return (failure, "", ()) if failure else _run_on_pool(spec, impl, options, checkpoint)
 
 
-def _skip_reason(spec: CaseSpec, options: RunOptions) -> str:
+def _skip_reason(spec: CaseSpec, impl: Implementation, options: RunOptions) -> str:
     """Why the implementation or FSDP2 cannot run the case on this device ("" if they can)."""
-    impl = get_impl(spec.impl)
     return impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl) or ""
 
 
-def _ran_on(spec: CaseSpec, options: RunOptions, found: Classification) -> str:
+def _ran_on(spec: CaseSpec, impl: Implementation, options: RunOptions, found: Classification) -> str:
     """Where the case's ranks ran (CaseReport.ran_on)."""
-    if found.verdict is Verdict.SKIPPED and found.reason == _skip_reason(spec, options):
+    if found.verdict is Verdict.SKIPPED and found.reason == _skip_reason(spec, impl, options):
         return ""
     if spec.scenario == "virtual":
         return "virtual"
@@ -133,33 +139,37 @@ def _unplaceable(pool: PoolSpec) -> bool:
     return False
 
 
-def _run_virtual(spec: CaseSpec) -> Classification:
+def _run_virtual(spec: CaseSpec, impl: Implementation) -> Classification:
     try:
         results = run_virtual(spec)
     except Exception as exc:  # noqa: BLE001 - raised before the virtual ranks split: same on every rank
         results = [exc] * spec.world_size
     errors = {rank: RankError.from_exception(rank, r) for rank, r in enumerate(results) if isinstance(r, BaseException)}
     if errors:
-        return classify_errors(errors, spec.world_size, get_impl(spec.impl).refusal_problem)
+        return classify_errors(errors, spec.world_size, impl.refusal_problem)
     return classify_results(results)
 
 
-def _run_on_pool(spec: CaseSpec, options: RunOptions, *case_args) -> tuple[Classification, str, Seconds]:
+def _run_on_pool(spec: CaseSpec, impl: Implementation, options: RunOptions,
+                 *case_args) -> tuple[Classification, str, Seconds]:
     pool_spec = _pool_spec(spec, options)
     try:
-        pool = get_pool(pool_spec.validate())
+        pool = get_pool(pool_spec.validate(), options.say)
     except PoolSpecError as exc:  # also under torchrun/SLURM: a world size the launched job does not have
         return Classification(Verdict.SKIPPED, str(exc)), "", ()
     kwargs = {"case_id": spec.id, "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
     outcome = pool.run(run_on_rank, spec, *case_args, **kwargs)
-    found = _classify_outcome(spec, options, pool_spec, kwargs, outcome)
+    found = classify_outcome(outcome, spec.world_size, impl.refusal_problem)
+    if found.verdict is Verdict.HANG and options.detail_on_hang and not outcome.placement:
+        # not under a launcher (no local pool there): re-run it where a mismatched collective is named
+        found = replace(found, details=(*found.details, *detail_evidence(pool_spec, spec, kwargs)))
     seconds = step_seconds(outcome)
     if not outcome.placement:
         return found, "", seconds
     details = (*found.details, *where_lines(outcome))
-    return Classification(found.verdict, found.reason, details), outcome.placement, seconds
+    return replace(found, details=details), outcome.placement, seconds
 
 
 POOL_START = "pool start"
@@ -178,23 +188,3 @@ def step_seconds(outcome: CaseOutcome) -> Seconds:
     if outcome.startup_s:
         head += ((POOL_START, outcome.startup_s - outcome.lease_wait_s),)
     return head + tuple(slowest.items())
-
-
-def _classify_outcome(spec: CaseSpec, options: RunOptions, pool_spec: PoolSpec, kwargs: dict,
-                      outcome: CaseOutcome) -> Classification:
-    if outcome.status is OutcomeStatus.OK:
-        return classify_results(outcome.results)
-    if outcome.status is OutcomeStatus.ERROR:
-        found = classify_errors(outcome.errors, spec.world_size, get_impl(spec.impl).refusal_problem)
-        if not outcome.unfinished:
-            return found
-        # the ranks that never answered: where they were when the pool gave up on them
-        left = {rank: facts for rank, facts in outcome.notes.items() if rank in outcome.unfinished}
-        return Classification(found.verdict, found.reason, (*found.details, *note_lines(left)))
-    headline = outcome.headline()
-    if outcome.status is OutcomeStatus.HANG:
-        lines = note_lines(outcome.notes) + stack_lines(outcome.stacks)
-        if options.detail_on_hang and not outcome.placement:  # not under a launcher: no local pool there
-            lines += detail_evidence(pool_spec, spec, kwargs)
-        return Classification(Verdict.HANG, headline, tuple(lines))
-    return Classification(Verdict.CRASH, headline, tuple(note_lines(outcome.notes) + stack_lines(outcome.stacks)))

@@ -15,19 +15,14 @@ import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from qgather.errors import AdapterError, UsageError
+from qgather.errors import AdapterError, UsageError, first_line
 from qgather.impls.base import Implementation, missing_methods
 from qgather.impls.rejections import DeclaredRejections
 
-__all__ = ["AdapterLoadError", "UnknownImplementationError", "available", "get_impl"]
+__all__ = ["AdapterLoadError", "UnknownImplementationError", "adapter_module", "available", "get_impl"]
 
 Factory = Callable[[], Implementation]
 
-#: the modules that register the built-in adapters (each has FACTORIES: name -> adapter class).
-#: Imported on the first lookup, like entry points: every rank and scenario imports this package,
-#: and the built-ins import the scenarios' helpers in turn.
-BUILTIN_MODULES = ("qgather.impls.reference", "qgather.impls.mutants", "qgather.impls.torchao.adapter",
-                   "qgather.impls.te")
 
 
 class UnknownImplementationError(UsageError, LookupError):
@@ -41,10 +36,33 @@ class AdapterLoadError(AdapterError, UnknownImplementationError):
 
 
 def _builtin() -> dict[str, Factory]:
-    factories: dict[str, Factory] = {}
-    for module_name in BUILTIN_MODULES:
-        factories.update(importlib.import_module(module_name).FACTORIES)
-    return factories
+    """The built-in adapters by name: each module that registers some has FACTORIES (name -> class).
+    Imported on the first lookup, like entry points: the adapters (torch, TE's and torchao's glue)
+    load only when an implementation is asked for, not wherever base or rejections are."""
+    from qgather.impls import mutants, reference, te
+    from qgather.impls.torchao import adapter as torchao
+
+    return {**reference.FACTORIES, **mutants.FACTORIES, **torchao.FACTORIES, **te.FACTORIES}
+
+
+def _builtin_families() -> set[str]:
+    """The first words of the built-in names (`reference`, `mutant`, `te`, `torchao`): `mutant:x` is one
+    of the zoo, never a module `mutant` with an object `x`."""
+    return {name.partition(":")[0] for name in _builtin()}
+
+
+def adapter_module(name: str) -> str | None:
+    """The module a `package.module:object` implementation name imports (a user's adapter), or None
+    for a built-in or entry-point name.
+
+    Example:
+        >>> adapter_module("mypkg.adapters:MyImpl"), adapter_module("mutant:nibble_swap")
+        ('mypkg.adapters', None)
+    """
+    module_name, sep, _ = name.partition(":")
+    if not sep or name in _from_entry_points() or module_name in _builtin_families():
+        return None
+    return module_name
 
 
 def _from_entry_points() -> dict[str, Factory]:
@@ -63,14 +81,14 @@ def _load_object(target: str) -> Implementation:
         raise UnknownImplementationError(f"--impl {target!r}: cannot load it ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - a broken adapter module (SyntaxError, error at import)
         raise UnknownImplementationError(
-            f"--impl {target!r}: importing {module_name!r} failed ({type(exc).__name__}: {_first_line(exc)})"
+            f"--impl {target!r}: importing {module_name!r} failed ({_told(exc)})"
         ) from None
     return _instantiate(target, obj)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else "no message"
+def _told(exc: BaseException) -> str:
+    """"Type: first line of the message", for a one-line refusal."""
+    return f"{type(exc).__name__}: {first_line(exc, 200) or 'no message'}"
 
 
 def _refuse_incomplete(name: str, adapter: type[Implementation] | Implementation) -> None:
@@ -95,7 +113,7 @@ def _instantiate(name: str, obj: object) -> Implementation:
         impl = obj() if is_adapter_class else obj
     except Exception as exc:  # noqa: BLE001 - the adapter's own constructor failed
         raise UnknownImplementationError(
-            f"implementation {name!r}: constructing {obj.__name__} failed ({type(exc).__name__}: {_first_line(exc)})"
+            f"implementation {name!r}: constructing {obj.__name__} failed ({_told(exc)})"
         ) from None
     if not isinstance(impl, Implementation):
         raise UnknownImplementationError(
@@ -110,8 +128,7 @@ def _load_entry_point(name: str, load: Factory) -> object:
         return load()
     except Exception as exc:  # noqa: BLE001 - a broken plugin package
         raise UnknownImplementationError(
-            f"implementation {name!r} (qgather.impls entry point) failed to load ({type(exc).__name__}: "
-            f"{_first_line(exc)})"
+            f"implementation {name!r} (qgather.impls entry point) failed to load ({_told(exc)})"
         ) from None
 
 
@@ -121,8 +138,6 @@ def available() -> list[str]:
 
 
 _CACHE: dict[str, Implementation] = {}
-# Prefixes of built-in families, so that a misspelt `mutant:x` is "unknown", not "cannot import mutant".
-_BUILTIN_PREFIXES = ("mutant", "torchao", "te")
 
 
 def get_impl(name: str) -> Implementation:
@@ -143,7 +158,7 @@ def get_impl(name: str) -> Implementation:
         impl = _instantiate(name, builtin[name])
     elif name in plugins:
         impl = _instantiate(name, _load_entry_point(name, plugins[name]))
-    elif ":" in name and name.partition(":")[0] not in _BUILTIN_PREFIXES:
+    elif adapter_module(name) is not None:  # a misspelt `mutant:x` is unknown, not "cannot import mutant"
         impl = _load_object(name)
     else:
         raise UnknownImplementationError(

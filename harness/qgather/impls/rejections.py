@@ -22,14 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from qgather.errors import AdapterError
+from qgather.errors import AdapterError, qualified_name
 
 RejectionType = type[BaseException] | str
-
-
-def qualified_name(cls: type) -> str:
-    """A class's "module.qualname", the key a declared class is matched by."""
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _qualnames(error: object) -> tuple[str, ...]:

@@ -3,7 +3,7 @@ was raised in (`exc.qgather_phase`), so that a verdict can tell a refusal before
 (a rejection, if the implementation declares the error type) from a failure after the gather.
 
 Inside FSDP2's unshard the phase follows the subclass's own hooks: the pre-all-gather hook, then the
-collective, then the post-all-gather hook (qgather.check.patches.hooks_moving_phase moves it there).
+collective, then the post-all-gather hook (qgather.instruments.patches.hooks_moving_phase moves it there).
 """
 
 from __future__ import annotations

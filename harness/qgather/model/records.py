@@ -70,6 +70,14 @@ class ModuleCheck:
     note: str = ""  # why there is nothing to compare (the one-device module cannot run this shape either)
 
 
+#: The label of a case's first gather on a pool (qgather.scenarios.fsdp), and that of its emulation in
+#: one process (qgather.scenarios.virtual), which stands for it: a failure found at either is found at
+#: the same stage of the case (`qgather sweep` groups the two together).
+FIRST_UNSHARD = "unshard 1"
+VIRTUAL_GATHER = "virtual gather"
+STANDS_FOR = {VIRTUAL_GATHER: FIRST_UNSHARD}
+
+
 @dataclass(frozen=True)
 class Stage:
     """One gathered (unsharded) weight, compared with its golden on one rank."""

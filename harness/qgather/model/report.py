@@ -29,6 +29,8 @@ class CaseReport:
         seconds: where the case's time went, step by step (qgather.engine.run.step_seconds).
         ran_on: where its ranks ran: "nccl/cuda", "gloo/cuda", "gloo/cpu", "virtual" (one process),
             UNPLACED (no pool of its size could exist here), "" (not run: skipped before any pool).
+        stage: the stage the verdict was found at ("unshard 1"; "" when it is not a stage's, e.g. an
+            error or a hang): the reason then reads "<stage>: <finding>".
     """
 
     spec: CaseSpec
@@ -41,10 +43,16 @@ class CaseReport:
     repro: str = ""
     seconds: tuple[tuple[str, float], ...] = ()
     ran_on: str = ""
+    stage: str = ""
 
     def __post_init__(self) -> None:
         if not self.repro:
             object.__setattr__(self, "repro", repro_command(self.spec.id))
+
+    @property
+    def finding(self) -> str:
+        """What was found at the stage: the reason without its "<stage>: " (the whole reason without a stage)."""
+        return self.reason.removeprefix(f"{self.stage}: ") if self.stage else self.reason
 
     @property
     def passed(self) -> bool:

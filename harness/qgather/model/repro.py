@@ -11,11 +11,9 @@ import shlex
 import subprocess
 import sys
 
-BUILTIN_IMPLS = ("reference", "mutant", "torchao", "te")
-
 
 def repro_command(case_id: str, backend: str = "auto", device: str = "auto", case_timeout: float | None = None,
-                  *, standalone: bool = False) -> str:
+                  *, standalone: bool = False, adapter_module: str | None = None) -> str:
     """The command line that reruns `case_id` under the same options.
 
     Args:
@@ -24,6 +22,8 @@ def repro_command(case_id: str, backend: str = "auto", device: str = "auto", cas
         standalone: a command that works from a fresh shell in any directory with qgather's
             environment active (README's set-up: `source .venv/bin/activate`), with PYTHONPATH for
             modules that shell could not import (a user's adapter).
+        adapter_module: the module of the case's user adapter (`package.module:object`), as the
+            implementation registry says (qgather.impls.adapter_module); None for a built-in.
 
     Example:
         >>> repro_command("reference:fp8_tensor:128x64:bf16:ws2:gather:s0", device="cpu")
@@ -37,18 +37,12 @@ def repro_command(case_id: str, backend: str = "auto", device: str = "auto", cas
     if case_timeout is not None:
         words += ["--case-timeout", repr(case_timeout)]
     command = shlex.join(words)
-    paths = _missing_import_roots(case_id) if standalone else []
+    paths = _missing_import_roots(["qgather", *filter(None, [adapter_module])]) if standalone else []
     return f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} {command}" if paths else command
 
 
-def _missing_import_roots(case_id: str) -> list[str]:
-    """sys.path entries a fresh shell lacks for qgather and the case's own adapter module."""
-    from qgather.model.case import CaseSpec  # deferred: the CLI builds plain commands without torch
-
-    modules = ["qgather"]
-    module_name, sep, _ = CaseSpec.parse(case_id).impl.partition(":")
-    if sep and module_name not in BUILTIN_IMPLS:  # package.module:object, a user's adapter
-        modules.append(module_name)
+def _missing_import_roots(modules: list[str]) -> list[str]:
+    """sys.path entries a fresh shell lacks for `modules` (qgather and the case's own adapter module)."""
     return list(dict.fromkeys(p for p in map(_import_root, modules) if p))
 
 

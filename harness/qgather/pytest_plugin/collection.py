@@ -1,7 +1,7 @@
 """Collection: a case module's `SWEEP` becomes the `case` parametrization of its tests, narrowed by
 the session's selection (--impl, --formats, --world-sizes, --scenarios, --exhaustive).
 
-Test modules under cases/ (qgather/suite/cases/ of an install) declare
+Test modules under cases/ (qgather/cases/ of an install) declare
 `SWEEP = qgather.suite.sweeps.Sweep(...)` (or another qgather.suite.sweeps.SuiteSweep), optionally
 `IMPLS = [...]`, and one test taking `case` and `qgather`.
 """

@@ -1,4 +1,4 @@
-"""The plugin's command-line options: each declared once (qgather.model.options holds the ones the
+"""The plugin's command-line options: each declared once (qgather.suite.options holds the ones the
 CLI shares) and parsed where it is declared, so that the hooks after them only see checked values;
 `Settings` is what the session's processes read of them (`settings(config)`).
 
@@ -17,8 +17,8 @@ import pytest
 
 from qgather.engine.run import RunOptions
 from qgather.model.case_record import KnownIssue
-from qgather.model.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem, joined_impls
 from qgather.pytest_plugin.baseline import BaselineError, load
+from qgather.suite.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem, joined_impls
 
 GROUP = "quantized all-gather harness"  # `qgather run --help` finds qgather's options under this title
 

@@ -8,6 +8,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
+from qgather.errors import first_line
 from qgather.model.case_record import CaseRecord
 from qgather.model.report import UNPLACED
 
@@ -32,9 +33,9 @@ def skip_reasons(records: Sequence[CaseRecord]) -> list[tuple[int, str]]:
     for record in records:
         if record.ran_on:
             continue
-        key = _NUMBERS.sub("N", _first_line(record.reason))
+        key = _NUMBERS.sub("N", first_line(record.reason))
         groups[key] += 1
-        example.setdefault(key, _first_line(record.reason))
+        example.setdefault(key, first_line(record.reason))
     return [(count, example[key]) for key, count in groups.most_common()]
 
 
@@ -64,10 +65,6 @@ def table_lines(records: Sequence[CaseRecord]) -> list[str]:
 def as_json(records: Sequence[CaseRecord]) -> dict[str, dict[str, int]]:
     """The table for verdicts.json: world size -> column -> count."""
     return {str(size): dict(counts) for size, counts in by_world_size(records).items()}
-
-
-def _first_line(text: str) -> str:
-    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
 
 
 def _short(text: str, width: int = 110) -> str:

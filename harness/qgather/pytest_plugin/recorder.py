@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Generator
 
 import pytest
 
+from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.model.case_record import CaseRecord, Outcome
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin import placement
@@ -51,12 +51,14 @@ def report_outcome(report: pytest.TestReport) -> Outcome:
 
 
 def is_case_test(nodeid: str) -> bool:
-    """A test parametrized with one case: its id's parameter is a case id (`impl:format:...:wsN:...`)."""
-    param = nodeid.partition("[")[2]
-    return bool(CASE_PARAM.search(param))
-
-
-CASE_PARAM = re.compile(r":ws\d+:")
+    """A test parametrized with one case: its id's parameter reads as a case id (CaseSpec.parse, the
+    one reader of case ids; under xdist the controller has the node ids alone)."""
+    param = nodeid.partition("[")[2].removesuffix("]")
+    try:
+        CaseSpec.parse(param)
+    except CaseSpecError:
+        return False
+    return True
 
 
 class Recorder:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from qgather import __version__
+from qgather.errors import first_line
 from qgather.model.case_record import CaseRecord, Outcome
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin import placement
@@ -221,7 +222,7 @@ def _failures_section(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["", f"### Failures ({len(rows)})", "", "| case | verdict | reason | reproduce |", "|---|---|---|---|"]
     for row in rows[:FAILURES_SHOWN]:
         verdict = row["verdict"] + (" (baseline stale)" if row.get("known_issue") else "")
-        lines.append(f"| `{row['case']}` | {verdict} | {_cell(_first_line(row['reason']))} | `{row['repro']}` |")
+        lines.append(f"| `{row['case']}` | {verdict} | {_cell(first_line(row['reason'], 200))} | `{row['repro']}` |")
     if len(rows) > FAILURES_SHOWN:
         lines.append(f"\n... and {len(rows) - FAILURES_SHOWN} more in verdicts.json")
     return lines
@@ -245,11 +246,6 @@ def _known_section(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| `{row['case']}` | {row['verdict']} | {_cell(issue.get('reason', ''))} | "
                      f"{_cell(issue.get('link', ''))} |")
     return [*lines, "", "</details>"]
-
-
-def _first_line(text: str) -> str:
-    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
-    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def _cell(text: str) -> str:

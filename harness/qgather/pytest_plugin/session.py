@@ -6,12 +6,13 @@ and (under a launcher) one exit status for every rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 
-from qgather.model.options import output_problem
 from qgather.pytest_plugin.collection import sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.gpu_schedule import make_lease_dir, release_after, remove_lease_dir, scheduler_for
@@ -20,6 +21,7 @@ from qgather.pytest_plugin.recorder import Recorder, recorder_key
 from qgather.pytest_plugin.role import Role, role
 from qgather.runtime import external, shutdown_pools
 from qgather.runtime.launch import detect_launch
+from qgather.suite.options import output_problem
 
 RECORDER_NAME = "qgather-recorder"
 QUIET_RANK_NAME = "qgather-quiet-rank"
@@ -31,13 +33,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # also where no ini file registers it (an install): --exhaustive marks its extra cases slow
     config.addinivalue_line("markers", "slow: long sweeps (--exhaustive's extra cases); deselect with -m 'not slow'")
     options = Settings.from_config(config)
+    this = role(config)
+    if this is Role.QUIET_RANK:  # this rank's own failures go to stderr, past pytest's capture
+        options = replace(options, run=replace(options.run, say=functools.partial(_uncaptured, config)))
     config.stash[settings_key] = options
     config.stash[sweep_sizes_key] = []
-    this = role(config)
-    if this is Role.QUIET_RANK:  # one report per job: rank 0's (this rank's own failures go to stderr)
+    if this is Role.QUIET_RANK:  # one report per job: rank 0's
         config.pluginmanager.set_blocked("terminalreporter")
         config.option.xmlpath = None
-        external.say = lambda text: _uncaptured(config, text)
         config.pluginmanager.register(QuietRank(), QUIET_RANK_NAME)
     elif this is Role.REPORTER:
         make_lease_dir(config)
@@ -97,11 +100,14 @@ class QuietRank:
     """A launched job's rank other than 0: its own failures that are not a case's shared verdict, to stderr."""
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """A failed test without a case record: this rank's own, which rank 0 cannot report."""
+        """A failed test without a case record: this rank's own, which rank 0 cannot report, with what
+        it wrote to stderr (a pool the test made itself writes this rank's own failures there)."""
         if report.failed and not any(key == RECORD_KEY for key, _ in report.user_properties):
             launch = detect_launch()
             where = f"job rank {launch.rank} on {launch.host}" if launch else "this rank"
-            print(f"qgather: {where}: {report.nodeid} failed:\n{report.longreprtext}", file=sys.stderr, flush=True)
+            stderr = "".join(text for name, text in report.sections if name.startswith("Captured stderr"))
+            text = f"qgather: {where}: {report.nodeid} failed:\n{report.longreprtext}"
+            print(text + (f"\n{stderr}" if stderr else ""), file=sys.stderr, flush=True)
 
 
 def _uncaptured(config: pytest.Config, text: str) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from qgather.errors import first_line
 from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin import placement
@@ -28,7 +29,7 @@ def write(terminal: pytest.TerminalReporter, results: RunResults, verdicts: bool
                             f"(first reason: {reason}); failing the run", red=True)
     for record in results.unplaced[:FAILURES_SHOWN]:
         terminal.write_line(f"qgather: {record.case} was skipped although this host's GPUs can run it on NCCL "
-                            f"({_first_line(record.reason)}); failing the run", red=True)
+                            f"({first_line(record.reason)}); failing the run", red=True)
     if verdicts and (results.cases or results.also_ran):
         terminal.section("qgather verdicts")
         for line in verdict_lines(results):
@@ -56,7 +57,7 @@ def verdict_lines(results: RunResults) -> list[str]:
         lines.append(results.also_ran_line())
     for record in results.failures[:FAILURES_SHOWN]:
         stale = " (baseline stale)" if record.known_issue else ""
-        lines.append(f"  {record.verdict.value + stale:<16} {record.case}  ({_first_line(record.reason)[:100]})")
+        lines.append(f"  {record.verdict.value + stale:<16} {record.case}  ({first_line(record.reason)[:100]})")
         lines.append(f"    reproduce: {record.repro}")
     if len(results.failures) > FAILURES_SHOWN:
         lines.append(f"  ... and {len(results.failures) - FAILURES_SHOWN} more (--report-dir writes them all)")
@@ -68,10 +69,6 @@ def verdict_lines(results: RunResults) -> list[str]:
 def _table(rows: list[list[str]]) -> list[str]:
     width = max(len(r[0]) for r in rows)
     return ["  " + r[0].ljust(width) + "".join(f"{cell:>9}" for cell in r[1:]) for r in rows]
-
-
-def _first_line(text: str) -> str:
-    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
 
 
 def coverage_of(results: RunResults) -> Coverage | None:

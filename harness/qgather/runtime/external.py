@@ -72,7 +72,9 @@ def agree_exit_status(status: int) -> int:
 class ExternalPool:
     """Same `run` as RankPool, for a world the launcher already made."""
 
-    def __init__(self, spec: PoolSpec, world: tuple[int, int]) -> None:
+    def __init__(self, spec: PoolSpec, world: tuple[int, int], say: Callable[[str], None] | None = None) -> None:
+        """`say`: where this rank writes its own failure (ranks other than 0 print nothing else);
+        default stderr. pytest's plugin passes one that writes past its output capture."""
         rank, world_size = world
         if spec.shape_problem():
             raise PoolSpecError(f"{spec}: {spec.shape_problem()}")
@@ -80,6 +82,7 @@ class ExternalPool:
         if problem:
             raise PoolSpecError(problem)
         self.spec = spec
+        self._say = say or _to_stderr
         launch = detect_launch()
         if launch is None or (launch.rank, launch.world_size) != (rank, world_size):
             launch = Launch("torchrun", rank, world_size, 0, world_size, "0", "", "")
@@ -152,15 +155,11 @@ class ExternalPool:
             return
         what = (f"raised {error.first_line()}\n{error.traceback_text}" if error is not None
                 else f"{mine.state}" + (f"; stacks:\n{mine.stacks}" if mine.stacks else ""))
-        say(f"qgather: job rank {self.rank} on {self._world.host}: case {case_id}: {what}")
+        self._say(f"qgather: job rank {self.rank} on {self._world.host}: case {case_id}: {what}")
 
 
 def _to_stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-#: Where a rank's own failure is written; pytest's plugin points it past its output capture.
-say: Callable[[str], None] = _to_stderr
 
 
 def run_case_on_rank(pool: ExternalPool, fn: Callable[..., Any], args: tuple[Any, ...], seed: int, case_id: str,

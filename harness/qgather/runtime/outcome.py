@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from qgather.errors import qualified_name
+
 # The rank-side function that runs a case (runtime/rank.py, runtime/external.py): the thread with
 # this frame in a stack dump is the case's thread.
 CASE_FRAME = "run_case_on_rank"
@@ -69,11 +71,6 @@ class RankError:
 
     def __str__(self) -> str:
         return f"rank {self.rank} raised {self.first_line()}"
-
-
-def qualified_name(cls: type) -> str:
-    """A class as "module.qualname": what `RankError.type_qualnames` holds."""
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def same_error_on_every_rank(errors: Mapping[int, RankError], world_size: int) -> RankError | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from qgather.runtime.external import ExternalPool
 from qgather.runtime.gpu_lease import remove_own_lease_dir
@@ -18,17 +18,18 @@ _lock = threading.Lock()
 _atexit_registered = False
 
 
-def get_pool(spec: PoolSpec) -> RankPool | ExternalPool:
+def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPool | ExternalPool:
     """The pool for `spec`, created on first request (its ranks start on its first case).
 
-    Under torchrun/SLURM this is an ExternalPool bound to the launcher's world instead.
+    Under torchrun/SLURM this is an ExternalPool bound to the launcher's world instead, which writes
+    this rank's own failures with `say` (default: stderr).
     """
     global _atexit_registered
     with _lock:
         pool = _pools.get(spec)
         if pool is None:
             world = external_world()
-            pool = ExternalPool(spec, world) if world is not None else RankPool(
+            pool = ExternalPool(spec, world, say) if world is not None else RankPool(
                 spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
             _pools[spec] = pool
             if not _atexit_registered:

@@ -37,13 +37,13 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from qgather.check.compare import compare_values, digest
 from qgather.check.golden import Golden
 from qgather.check.inspection import Inspector
-from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import WireLog, record_wire, summarize_wire
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS
+from qgather.instruments.compare import compare_values, digest
+from qgather.instruments.patches import hooks_moving_phase
 from qgather.model.block import BlockParams, PlainParam, block_params
 from qgather.model.case import CaseSpec, ShardLayout
 from qgather.model.layers import LayerWeight

@@ -17,11 +17,11 @@ from dataclasses import replace
 import torch
 
 from qgather.check import host
-from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import record_wire, summarize_wire
+from qgather.instruments.patches import hooks_moving_phase
 from qgather.model.case import CaseSpec
 from qgather.model.phases import Phase, PhaseTracker, Step
-from qgather.model.records import RankResult, Stage
+from qgather.model.records import FIRST_UNSHARD, RankResult, Stage
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios import checkpoint as checkpoint_reshard
 from qgather.scenarios import fsdp_setup
@@ -70,7 +70,7 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
         with impl.gather_context(ctx.group), record_wire(param_types) as wire:
             module.unshard()
     with phases.at(Phase.INSPECTION):
-        first = inspector.judge(setup.unsharded(module.weight), golden, "unshard 1", setup.param_dtype)
+        first = inspector.judge(setup.unsharded(module.weight), golden, FIRST_UNSHARD, setup.param_dtype)
         with phases.labelled(Step.LIBRARY_FORWARD):
             checked = inspector.module_check(module, twin, setup.param_dtype)
         first = replace(first, module=checked, note=loaded)

@@ -47,10 +47,10 @@ from qgather.model.config import FsdpConfig
 from qgather.model.fsdp_rules import fsdp_skip_reason
 from qgather.model.layers import MODULE_SCENARIOS
 from qgather.model.records import Stage
+from qgather.model.tp_rank import TensorParallelRank
 from qgather.runtime.launch import detect_launch
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios import tensor_parallel
-from qgather.scenarios.tensor_parallel import TensorParallelRank
 
 #: the settings fully_shard applies here (compile and DCP: qgather.scenarios.compiled, qgather.scenarios.checkpoint;
 #: the tensor-parallel distribution before it: qgather.scenarios.tensor_parallel)

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from qgather.check.compare import compare_values, digest
 from qgather.check.golden import Golden, golden_for
 from qgather.check.inspection import Inspector
-from qgather.check.patches import hooks_moving_phase
 from qgather.check.wire import record_wire, summarize_wire
 from qgather.errors import HarnessFault
+from qgather.instruments.compare import compare_values, digest
+from qgather.instruments.patches import hooks_moving_phase
 from qgather.model.case import CaseSpec
 from qgather.model.layers import LayerWeight, layer_weights
 from qgather.model.phases import BEFORE_DATA_MOVED, Phase, PhaseTracker

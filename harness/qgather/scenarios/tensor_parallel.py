@@ -18,46 +18,14 @@ gathered piece: what the inspection compares with the golden's slice.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from qgather.errors import HarnessFault
 from qgather.impls.base import Implementation
-from qgather.model.case import TensorParallelLayout
-
-
-@dataclass(frozen=True)
-class TensorParallelRank:
-    """This rank's part in tensor parallelism: the split, its coordinate on "tp" and that mesh."""
-
-    layout: TensorParallelLayout
-    rank: int  # the coordinate on "tp"
-    mesh: DeviceMesh  # the "tp" sub-mesh
-
-    @property
-    def rowwise(self) -> bool:
-        return self.layout.dim == 1
-
-    @property
-    def label(self) -> str:
-        return self.layout.label(self.rank)
-
-    def piece(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP piece of a full (M, K) tensor (a master weight, a gradient, a layer input's K)."""
-        start, end = self.layout.piece_range(self.rank)
-        return full.narrow(self.layout.dim, start, end - start)
-
-    def input_piece(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer input this rank's piece multiplies: all of K (colwise), its K / T columns (rowwise)."""
-        if not self.rowwise:
-            return x
-        start, end = self.layout.piece_range(self.rank)
-        return x.narrow(-1, start, end - start)
-
+from qgather.model.tp_rank import TensorParallelRank
 
 #: whether this torch's parallelize_module lets each rank split its own copy (`src_data_rank=None`)
 SPLITS_LOCALLY = "src_data_rank" in inspect.signature(parallelize_module).parameters

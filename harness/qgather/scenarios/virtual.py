@@ -24,7 +24,7 @@ from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec, ShardLayout, TensorParallelLayout, shard_layout, tensor_parallel_layout
 from qgather.model.phases import Phase, PhaseTracker
-from qgather.model.records import RankResult, Stage
+from qgather.model.records import VIRTUAL_GATHER, RankResult, Stage
 from qgather.scenarios.data import make_input, make_weight
 from qgather.scenarios.emulation import (
     PLAIN,
@@ -148,7 +148,7 @@ def _post_and_inspect(inspector: Inspector, local: torch.Tensor, outputs: tuple[
         unsharded = outputs[0][: shards.dim0]
     else:
         unsharded, _ = local.fsdp_post_all_gather(outputs, metadata, dtype)
-    return inspector.judge(unsharded, golden, "virtual gather")
+    return inspector.judge(unsharded, golden, VIRTUAL_GATHER)
 
 
 def _metadata_key(metadata: Any) -> object:

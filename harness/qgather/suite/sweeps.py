@@ -1,4 +1,4 @@
-"""The case sweeps that the suite (cases/, harness/qgather/suite/cases/) runs: which shapes, world sizes
+"""The case sweeps that the suite (cases/, harness/qgather/cases/) runs: which shapes, world sizes
 and scenarios, per format.
 
 Shapes are derived from each format's row block b so that every format gets the same kinds of

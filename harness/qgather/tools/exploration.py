@@ -1,4 +1,4 @@
-"""The search behind `qgather sweep` (qgather.tools.explore): a lattice of candidate shapes and
+"""The search behind `qgather sweep` (qgather.cli.sweep): a lattice of candidate shapes and
 world sizes, explored cheap-first, failures grouped by (verdict, signature), each group shrunk to a
 minimal case.
 
@@ -23,6 +23,7 @@ from typing import TextIO
 
 from qgather.engine.run import run_case
 from qgather.model.case import CaseSpec
+from qgather.model.records import STANDS_FOR
 from qgather.model.report import CaseReport
 
 REAL_SCENARIOS = ("steps", "gather", "reshard", "hooks")
@@ -47,20 +48,20 @@ class Point:
 GroupKey = tuple[str, str]  # (verdict, signature)
 
 
-def signature(reason: str) -> str:
-    """The reason with numbers masked; the virtual scenario's stage is the first unshard's emulation,
-    so it reads as that stage and virtual and real failures of the first gather group together."""
-    masked = re.sub(r"\d+", "#", reason)
-    if masked.startswith("virtual gather:"):
-        masked = "unshard #:" + masked[len("virtual gather:"):]
-    return masked
+def signature(report: CaseReport) -> str:
+    """The report's stage and finding with numbers masked. The stage is the report's field, read as
+    the stage it stands for (the virtual scenario's emulates the first unshard: STANDS_FOR), so that
+    virtual and real failures of the first gather group together."""
+    if not report.stage:
+        return re.sub(r"\d+", "#", report.reason)
+    return re.sub(r"\d+", "#", f"{STANDS_FOR.get(report.stage, report.stage)}: {report.finding}")
 
 
 def group_key(report: CaseReport) -> GroupKey | None:
     """The failure group of a report; None when it passed (or was skipped)."""
     if report.passed:
         return None
-    return report.verdict.value, signature(report.reason)
+    return report.verdict.value, signature(report)
 
 
 # ------------------------------------------------------------------ the candidate lattice

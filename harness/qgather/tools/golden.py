@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qgather import __version__
-from qgather.check.compare import tensor_bytes
 from qgather.errors import QgatherError
 from qgather.formats import FORMATS
 from qgather.impls.te.quantizers import te_quantize
+from qgather.instruments.compare import tensor_bytes
 from qgather.model.case import DTYPES
 from qgather.paths import golden_dir
 

@@ -29,12 +29,12 @@ from dataclasses import replace
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from qgather.check.compare import compare_values, digest
-from qgather.check.patches import hooks_moving_phase
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS, FormatError
 from qgather.impls.te.environment import recipe_unavailable_reason
 from qgather.impls.te.recipes import make_recipe
+from qgather.instruments.compare import compare_values, digest
+from qgather.instruments.patches import hooks_moving_phase
 from qgather.model.case import CaseSpec, ShardLayout
 from qgather.model.phases import Phase, PhaseTracker
 from qgather.model.records import BufferDiff, Comparison, DiffProblem, RankResult, Stage

@@ -41,8 +41,7 @@ from qgather.impls.te.recipes import NOT_ON_THIS_ROUTE, RECIPES, make_recipe
 from qgather.impls.te.tensors import read_te_buffers
 from qgather.model.case import CaseSpec
 from qgather.model.records import RankResult
-from qgather.scenarios import fsdp_setup
-from qgather.scenarios.tensor_parallel import TensorParallelRank
+from qgather.model.tp_rank import TensorParallelRank
 
 
 class TransformerEngineRoute(TEAdapter):
@@ -61,12 +60,12 @@ class TransformerEngineRoute(TEAdapter):
     def run_model(self, ctx, spec: CaseSpec, phases) -> RankResult:
         return run_model_case(self, ctx, spec, phases)
 
-    def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor, setup=None) -> torch.nn.Module:
+    def make_sharded_module(self, ctx, spec: CaseSpec, master: torch.Tensor, setup) -> torch.nn.Module:
         """The case's configuration applies as a TE user writes it: `fully_shard(module, mesh=...,
         mp_policy=..., reshard_after_forward=..., shard_placement_fn=...)` before reset_parameters
-        (which reduces the amax over the mesh's "shard" dimension under HSDP)."""
+        (which reduces the amax over the mesh's "shard" dimension under HSDP). `setup` is the
+        scenario's qgather.scenarios.fsdp_setup.Setup, handed in as a value."""
         _check_no_leaked_autocast()
-        setup = setup or fsdp_setup.prepare(ctx, spec)
         rows = setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype)
         module = self._linear_on_meta(spec, rows, tp=setup.tp)
         fully_shard(module, **setup.kwargs)

@@ -3,7 +3,7 @@
 Implementations such as torchao hand float8 tensors to FSDP2's all-gather. Under gloo, the shim
 reinterprets those tensors' bytes as uint8 for the collective and leaves the output holding the
 same bytes: what the implementation computes and what arrives are untouched, only the dtype that
-the backend sees changes (the patch itself: qgather.check.patches.float8_all_gathers_as_bytes).
+the backend sees changes (the patch itself: qgather.instruments.patches.float8_all_gathers_as_bytes).
 NCCL gathers float8 natively and never needs it.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from qgather.check.patches import float8_all_gathers_as_bytes
+from qgather.instruments.patches import float8_all_gathers_as_bytes
 
 
 @contextlib.contextmanager

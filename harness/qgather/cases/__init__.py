@@ -2,5 +2,5 @@
 import from here), so that an installed qgather carries the whole suite.
 
 `qgather run` collects cases/ in a checkout and this package in an install (the case ids are the
-same); `python -m pytest --pyargs qgather.suite.cases` runs it from any directory.
+same); `python -m pytest --pyargs qgather.cases` runs it from any directory.
 """

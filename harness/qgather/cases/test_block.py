@@ -1,6 +1,6 @@
 """A transformer-like block: every parameter in ONE fully_shard group (the block scenario:
 qgather.scenarios.block; its parameters: qgather.model.block). A case's shape is the block's first
-quantized weight, picked as the layers suite picks it (qgather.suite.cases.test_layers.FirstWeights:
+quantized weight, picked as the layers suite picks it (qgather.cases.test_layers.FirstWeights:
 uneven shards that stay aligned, and shards that split a scale block, which the reference refuses:
 the case is then REJECTED after the rest of the block was judged EXACT); the block adds an aligned
 weight, a weight in another format, a 3-D experts weight and plain parameters between them, so every
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
+from qgather.cases.test_layers import FirstWeights, even_first
 from qgather.model.config import FsdpConfig
 from qgather.pytest_plugin.options import settings
-from qgather.suite.cases.test_layers import FirstWeights, even_first
 from qgather.suite.sweeps import CaseSet, Sweep
 
 SCENARIO = ("block",)
