@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from qgather.errors import QgatherError
-from qgather.model.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem
+from qgather.model.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem, joined_impls
 
 if TYPE_CHECKING:  # imported when a case runs: the CLI starts without torch
     from qgather.engine.run import RunOptions
@@ -76,6 +76,28 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 def add_selection_options(parser: argparse.ArgumentParser) -> None:
     """--impl, --formats, --world-sizes, --scenarios, --exhaustive: which cases (`list`, `coverage`, `run`)."""
     add_options(parser, SELECTION_OPTIONS)
+
+
+def selection_problem(args: argparse.Namespace, cases: Sequence[object]) -> str | None:
+    """Why the selection options (--impl, --formats, --world-sizes, --scenarios) do not say what runs
+    (None: they do): a listed value no case has, or no case at all."""
+    from qgather.suite.selection import device_type, unmatched, why_empty  # deferred: imports the registries
+
+    if cases:
+        return unmatched(cases, args.formats, args.world_sizes, args.scenarios)
+    named = list(args.impl and [n for value in args.impl for n in value] or ())
+    device = device_type(getattr(args, "device", "auto"))
+    return why_empty(named, device) or f"{selection_text(args)}: no case of the suite matches this selection"
+
+
+def selection_text(args: argparse.Namespace) -> str:
+    """The selection options as given, e.g. `--formats fp8_tensor --scenarios model`."""
+    parts = [f"--impl {','.join(joined_impls(args.impl))}"] if args.impl else []
+    for flag, value in (("--formats", args.formats), ("--world-sizes", args.world_sizes),
+                        ("--scenarios", args.scenarios)):
+        if value:
+            parts.append(f"{flag} {','.join(map(str, value))}")
+    return " ".join(parts) or "the default selection"
 
 
 def usage(command: str, message: str) -> int:

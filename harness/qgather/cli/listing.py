@@ -8,13 +8,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from qgather.cli.common import add_selection_options, refusing_in_one_line, usage
+from qgather.cli.common import add_selection_options, refusing_in_one_line, selection_problem, usage
 from qgather.formats import FORMATS
 from qgather.impls import UnknownImplementationError, available, get_impl
 from qgather.impls.mutants import MUTANTS
 from qgather.model.case import SCENARIOS, CaseSpec
 from qgather.model.options import joined_impls
-from qgather.suite.modules import suite_sweeps
+from qgather.suite.coverage import suite_cases
 
 SECTIONS = ("impls", "formats", "scenarios", "mutants")
 
@@ -75,14 +75,12 @@ _LISTERS: dict[str, Callable[[], list[str]]] = {
 
 def _list_cases(args: argparse.Namespace) -> int:
     """The ids `qgather run` would run with this selection: without --exhaustive, no sweep marked slow."""
-    count = 0
-    for _module, sweep, fixed in suite_sweeps():
-        if not args.exhaustive and "slow" in getattr(sweep, "marks", ()):
-            continue
-        for case in sweep.cases(fixed or joined_impls(args.impl), formats=args.formats, world_sizes=args.world_sizes,
-                                scenarios=args.scenarios, exhaustive=args.exhaustive):
-            print(case.id)
-            count += 1
-    if count == 0:
-        return usage("list", "the selection has no cases")
+    named = list(joined_impls(args.impl)) if args.impl else None
+    cases, _ = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
+                           args.exhaustive, named=named)
+    problem = selection_problem(args, cases)
+    if problem:
+        return usage("list", problem)
+    for case in cases:
+        print(case.id)
     return 0

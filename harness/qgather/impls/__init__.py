@@ -12,12 +12,15 @@ one line, an `AdapterLoadError` naming it and what is missing.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from qgather.errors import AdapterError, UsageError
 from qgather.impls.base import Implementation, missing_methods
 from qgather.impls.rejections import DeclaredRejections
+from qgather.model.text import clip
 
 __all__ = ["AdapterLoadError", "UnknownImplementationError", "available", "get_impl"]
 
@@ -58,7 +61,9 @@ def _load_object(target: str) -> Implementation:
             f"--impl {target!r}: external implementations are named package.module:object"
         )
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
+        obj = getattr(_import_adapter_module(module_name), attr)
+    except ModuleNotFoundError as exc:
+        raise UnknownImplementationError(f"--impl {target!r}: {_not_importable(module_name, exc)}") from None
     except (ImportError, AttributeError) as exc:
         raise UnknownImplementationError(f"--impl {target!r}: cannot load it ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - a broken adapter module (SyntaxError, error at import)
@@ -68,9 +73,37 @@ def _load_object(target: str) -> Implementation:
     return _instantiate(target, obj)
 
 
+def _import_adapter_module(module_name: str) -> object:
+    """The adapter's module: as installed (or on PYTHONPATH), else from the current directory, as pytest
+    imports test modules from its rootdir. Every rank runs in the same directory and finds it the same
+    way, so a `reproduce:` line runs as printed from where the run ran."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        here = os.getcwd()
+        if exc.name != top or here in sys.path or not _holds_module(here, top):
+            raise
+        sys.path.insert(0, here)
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)
+
+
+def _holds_module(folder: str, name: str) -> bool:
+    return os.path.isdir(os.path.join(folder, name)) or os.path.isfile(os.path.join(folder, f"{name}.py"))
+
+
+def _not_importable(module_name: str, exc: ModuleNotFoundError) -> str:
+    """One line: which module is missing and how to make the adapter importable."""
+    top = module_name.split(".")[0]
+    if exc.name != top:  # the adapter's package is there; something it imports is not
+        return f"cannot load it: importing {module_name!r} failed ({exc})"
+    return (f"cannot load it: no module {top!r} here ({os.getcwd()}) or installed: run from the folder that "
+            f"holds {top}/, put that folder on PYTHONPATH, or pip install the package")
+
+
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else "no message"
+    return clip(str(exc), 200) or "no message"
 
 
 def _refuse_incomplete(name: str, adapter: type[Implementation] | Implementation) -> None:
@@ -120,6 +153,15 @@ def available() -> list[str]:
     return sorted({*_builtin(), *_from_entry_points()})
 
 
+def _choices(names: set[str]) -> str:
+    """The names to choose from, short: the bug zoo's mutants as one entry (`qgather list mutants` lists them)."""
+    mutants = [n for n in names if n.startswith("mutant:")]
+    shown = sorted(n for n in names if not n.startswith("mutant:"))
+    if mutants:
+        shown.append(f"mutant:<bug> ({len(mutants)} mutants: qgather list mutants)")
+    return ", ".join([*shown, "or package.module:object"])
+
+
 _CACHE: dict[str, Implementation] = {}
 # Prefixes of built-in families, so that a misspelt `mutant:x` is "unknown", not "cannot import mutant".
 _BUILTIN_PREFIXES = ("mutant", "torchao", "te")
@@ -146,10 +188,8 @@ def get_impl(name: str) -> Implementation:
     elif ":" in name and name.partition(":")[0] not in _BUILTIN_PREFIXES:
         impl = _load_object(name)
     else:
-        raise UnknownImplementationError(
-            f"unknown implementation {name!r}; available: {', '.join(sorted({*builtin, *plugins}))} "
-            "(or package.module:object)"
-        )
+        known = _choices({*builtin, *plugins})
+        raise UnknownImplementationError(f"unknown implementation {name!r}; available: {known}")
     if not impl.name:
         impl.name = name
     _CACHE[name] = impl

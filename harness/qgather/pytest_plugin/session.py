@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from qgather.model.options import output_problem
-from qgather.pytest_plugin.collection import sweep_sizes_key
+from qgather.pytest_plugin.collection import impl_problems_key, sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.options import Settings, settings_key
 from qgather.pytest_plugin.recorder import Recorder, recorder_key
@@ -64,7 +64,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         plugin = config.pluginmanager.get_plugin(name)
         if plugin is not None:
             config.pluginmanager.unregister(plugin)
-    for key in (recorder_key, settings_key, sweep_sizes_key):
+    for key in (recorder_key, settings_key, sweep_sizes_key, impl_problems_key):
         if key in config.stash:
             del config.stash[key]
 
