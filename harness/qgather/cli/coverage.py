@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from qgather.cli.common import add_selection_options, refusing_in_one_line, usage
 from qgather.model.options import joined_impls
-from qgather.suite.coverage import markdown, measure, suite_cases
 
 
 @refusing_in_one_line("coverage")
@@ -19,6 +18,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qgather coverage", description=main.__doc__)
     add_selection_options(parser)
     args = parser.parse_args(argv)
+    from qgather.suite.coverage import markdown, measure, suite_cases  # after parsing: bad input starts no torch
+
     cases, primary = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
                                  args.exhaustive)
     if not cases:

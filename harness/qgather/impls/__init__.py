@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from qgather.errors import AdapterError, UsageError
 from qgather.impls.base import Implementation, missing_methods
 from qgather.impls.rejections import DeclaredRejections
+from qgather.model.names import BUILTIN_FAMILIES, impl_choices
 from qgather.model.text import clip
 
 __all__ = ["AdapterLoadError", "UnknownImplementationError", "available", "get_impl"]
@@ -153,18 +154,7 @@ def available() -> list[str]:
     return sorted({*_builtin(), *_from_entry_points()})
 
 
-def _choices(names: set[str]) -> str:
-    """The names to choose from, short: the bug zoo's mutants as one entry (`qgather list mutants` lists them)."""
-    mutants = [n for n in names if n.startswith("mutant:")]
-    shown = sorted(n for n in names if not n.startswith("mutant:"))
-    if mutants:
-        shown.append(f"mutant:<bug> ({len(mutants)} mutants: qgather list mutants)")
-    return ", ".join([*shown, "or package.module:object"])
-
-
 _CACHE: dict[str, Implementation] = {}
-# Prefixes of built-in families, so that a misspelt `mutant:x` is "unknown", not "cannot import mutant".
-_BUILTIN_PREFIXES = ("mutant", "torchao", "te")
 
 
 def get_impl(name: str) -> Implementation:
@@ -185,10 +175,10 @@ def get_impl(name: str) -> Implementation:
         impl = _instantiate(name, builtin[name])
     elif name in plugins:
         impl = _instantiate(name, _load_entry_point(name, plugins[name]))
-    elif ":" in name and name.partition(":")[0] not in _BUILTIN_PREFIXES:
+    elif ":" in name and name.partition(":")[0] not in BUILTIN_FAMILIES:
         impl = _load_object(name)
     else:
-        known = _choices({*builtin, *plugins})
+        known = impl_choices({*builtin, *plugins})
         raise UnknownImplementationError(f"unknown implementation {name!r}; available: {known}")
     if not impl.name:
         impl.name = name
