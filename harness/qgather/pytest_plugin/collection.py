@@ -92,7 +92,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return  # no case module was collected
     cases = [c for sweep_cases in per_sweep for c in sweep_cases]
     if cases:
-        problem = unmatched(cases, options.formats, options.world_sizes, options.scenarios)
+        named = options.impls if options.impls_named else None
+        problem = unmatched(cases, options.formats, options.world_sizes, options.scenarios, named,
+                            options.run.device_type())
         if problem:
             raise pytest.UsageError(problem)
         return  # the selection has cases

@@ -41,8 +41,14 @@ def runnable(cases: Iterable[CaseSpec], named: Sequence[str] | None, device: str
 
 
 def unmatched(cases: Sequence[CaseSpec], formats: Sequence[str] | None = None,
-              world_sizes: Sequence[int] | None = None, scenarios: Sequence[str] | None = None) -> str | None:
-    """One line naming the listed values no case of the selection has (None: every value has cases)."""
+              world_sizes: Sequence[int] | None = None, scenarios: Sequence[str] | None = None,
+              impls: Sequence[str] | None = None, device: str = "cpu") -> str | None:
+    """One line naming the listed values no case of the selection has (None: every value has cases);
+    `impls`: the implementations --impl named (each must have cases on `device`)."""
+    idle = [name for name in impls or () if name not in {c.impl for c in cases}]
+    if idle:
+        why = why_empty(idle, device)
+        return f"--impl {','.join(idle)}: no case of the selection" + (f" ({why})" if why else "")
     for flag, values, field, what in (("--formats", formats, "fmt", "format"),
                                       ("--world-sizes", world_sizes, "world_size", "world size"),
                                       ("--scenarios", scenarios, "scenario", "scenario")):
