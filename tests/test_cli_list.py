@@ -68,6 +68,8 @@ def test_a_listed_value_that_matches_no_case_is_refused_even_beside_one_that_doe
     result = qgather("list", "--cases", "--impl", "torchao", "--formats", "fp8_tensor,nvfp4_2d")
     assert result.returncode == 4
     assert result.stderr.strip() == "qgather list: --formats nvfp4_2d: no case of the selection has format nvfp4_2d"
+    result = qgather("list", "--cases", "--impl", "reference", "--scenarios", "model")  # te's scenario only
+    assert result.returncode == 4 and "--scenarios model" in result.stderr, result.stderr
 
 
 def test_a_named_implementation_runs_alone_in_what_it_declares(capsys):
