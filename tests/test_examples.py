@@ -62,6 +62,28 @@ def test_the_example_adapter_runs_as_readme_says(project: Path):
     assert again.returncode == 0 and ": EXACT" in again.stdout, again.stdout + again.stderr
 
 
+STRICTER = """
+from mypkg.adapters import MyImpl, MyShardAlignmentError
+
+
+class NoExperts(MyImpl):
+    def make_param(self, fmt, weight):
+        if weight.dim() > 2:
+            raise MyShardAlignmentError(f"no 3-D weights, got {tuple(weight.shape)}")
+        return super().make_param(fmt, weight)
+"""
+
+
+def test_the_declared_refusal_is_rejected_and_judged_by_the_policy(project: Path):
+    """A refusal raised with the adapter's declared rejection type is REJECTED (not ERROR); on a shape whose
+    shards are aligned the policy still wants EXACT, so the case fails, saying so."""
+    (project / "mypkg" / "strict.py").write_text(STRICTER)
+    run = _run(["-m", "qgather", "case", "mypkg.strict:NoExperts:fp8_tensor:3x1x64:bf16:ws2:gather:s0"], project)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert ": REJECTED - MyShardAlignmentError: no 3-D weights" in run.stdout, run.stdout
+    assert "expected EXACT (every shard is aligned)" in run.stdout
+
+
 def test_the_library_test_file_runs_with_plain_pytest(project: Path):
     run = _run(["-m", "pytest", "tests/test_fsdp2_gather.py", "--device", "cpu", "-p", "no:cacheprovider", "-q",
                 "-k", "ws2 and (128x64 or 31x128)"], project)
