@@ -223,3 +223,22 @@ def test_coverage_counts_only_cases_that_ran():
     assert coverage_lines(ran, interrupted=False)[0].startswith("coverage: ")
     assert coverage_lines(ran, interrupted=True) == [
         "coverage: not judged, the run was interrupted after 1 cases ran (coverage.md: their cells)"]
+
+
+def test_a_signal_during_the_pools_shutdown_does_not_kill_the_process(monkeypatch):
+    """Ctrl-C after pytest's last line (while the pools shut down) ends the command with its status."""
+    from qgather.cli import common
+
+    stopped = []
+
+    def shutdown_interrupted() -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered while the shutdown runs
+        stopped.append(True)
+
+    monkeypatch.setattr(common, "shutdown_pools", shutdown_interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rc = common.with_cleanup_on_signals("run", lambda argv: 0, [])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert stopped == [True] and rc == 2

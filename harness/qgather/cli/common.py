@@ -151,7 +151,20 @@ def with_cleanup_on_signals(command: str, run: Callable[[Sequence[str]], int], r
         rc = INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
-        shutdown_pools()
+        _shutdown_uninterrupted(received)
     if received and rc == 0:
         rc = INTERRUPTED
     return rc
+
+
+def _shutdown_uninterrupted(received: list[int]) -> None:
+    """Stop the pools; a Ctrl-C or SIGTERM that arrives meanwhile (after pytest's last line) is recorded
+    in `received`, not raised: the cleanup it asks for is already running, and must not be cut short
+    (the process would die by the signal, its exit status lost)."""
+    record = lambda signum, _frame: received.append(signum)  # noqa: E731
+    saved = {signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        shutdown_pools()
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
