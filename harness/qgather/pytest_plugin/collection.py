@@ -37,6 +37,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     fixed = getattr(metafunc.module, "IMPLS", None)
     impls = fixed or list(options.impls)
     if not _loadable(metafunc.config, impls):
+        if role(metafunc.config) is Role.XDIST_WORKER:  # it cannot stop the session: a collection error
+            raise pytest.UsageError(metafunc.config.stash[impl_problems_key][-1])
         metafunc.parametrize("case", [])
         return
     named = impls if fixed or options.impls_named else None
