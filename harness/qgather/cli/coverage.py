@@ -20,8 +20,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from qgather.suite.coverage import markdown, measure, suite_cases  # after parsing: bad input starts no torch
 
+    named = list(joined_impls(args.impl)) if args.impl else None  # as `qgather run` selects them
     cases, primary = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
-                                 args.exhaustive)
+                                 args.exhaustive, named=named)
     if not cases:
         return usage("coverage", "the selection has no cases")
     cov = measure(cases, primary)
