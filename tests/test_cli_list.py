@@ -70,6 +70,7 @@ def test_a_listed_value_that_matches_no_case_is_refused_even_beside_one_that_doe
     assert result.stderr.strip() == "qgather list: --formats nvfp4_2d: no case of the selection has format nvfp4_2d"
     result = qgather("list", "--cases", "--impl", "reference", "--scenarios", "model")  # te's scenario only
     assert result.returncode == 4 and "--scenarios model" in result.stderr, result.stderr
+    assert "(reference declares formats fp8_tensor," in result.stderr and "scenarios gather," in result.stderr
 
 
 def test_a_named_implementation_runs_alone_in_what_it_declares(capsys):

@@ -81,13 +81,14 @@ def add_selection_options(parser: argparse.ArgumentParser) -> None:
 def selection_problem(args: argparse.Namespace, cases: Sequence[object]) -> str | None:
     """Why the selection options (--impl, --formats, --world-sizes, --scenarios) do not say what runs
     (None: they do): a listed value no case has, or no case at all."""
-    from qgather.suite.selection import device_type, unmatched, why_empty  # deferred: imports the registries
+    from qgather.suite.selection import declared, device_type, unmatched, why_empty  # deferred: imports the registries
 
     named = list(args.impl and [n for value in args.impl for n in value] or ())
     device = device_type(getattr(args, "device", "auto"))
     if cases:
         return unmatched(cases, args.formats, args.world_sizes, args.scenarios, named, device)
-    return why_empty(named, device) or f"{selection_text(args)}: no case of the suite matches this selection"
+    known = f" ({declared(named)})" if named else ""
+    return why_empty(named, device) or f"{selection_text(args)}: no case of the suite matches this selection{known}"
 
 
 def selection_text(args: argparse.Namespace) -> str:

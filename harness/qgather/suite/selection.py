@@ -65,3 +65,11 @@ def why_empty(named: Sequence[str], device: str) -> str:
     devices = {n: get_impl(n).devices for n in named}
     elsewhere = [f"{n} runs on {', '.join(on)} only" for n, on in devices.items() if device not in on]
     return f"{'; '.join(elsewhere)}, and this run's device is {device}" if elsewhere else ""
+
+
+def declared(named: Sequence[str]) -> str:
+    """What the implementations declare, for a selection of them that matched no case, e.g.
+    "mylib declares formats fp8_tensor and scenarios gather, steps, reshard"."""
+    impls = {name: get_impl(name) for name in named}
+    return "; ".join(f"{name} declares formats {', '.join(i.formats)} and scenarios {', '.join(i.scenarios)}"
+                     for name, i in impls.items())
