@@ -48,7 +48,10 @@ def test_readme_shows_the_example_files_as_they_are():
 def test_the_example_adapter_runs_as_readme_says(project: Path):
     run = _run(["-m", "qgather", "run", *SELECTION, "--report-dir", "rep"], project)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    cases = json.loads((project / "rep" / "verdicts.json").read_text())["cases"]
+    data = json.loads((project / "rep" / "verdicts.json").read_text())
+    cases = data["cases"]
+    # its skips are its cases': no test of the suite without a case of it is collected as one more skip
+    assert data["pytest"]["skipped"] == sum(c["verdict"] == "SKIPPED" for c in cases), data["pytest"]
     assert len(cases) >= 6 and {c["implementation"] for c in cases} == {IMPL}, [c["case"] for c in cases]
     exact = [c for c in cases if c["verdict"] == "EXACT"]
     others = [(c["case"], c["verdict"], c["reason"]) for c in cases if c["verdict"] != "EXACT"]

@@ -80,6 +80,26 @@ def _on_job(sweep: object, sizes: list[int]) -> object:
     return sweep
 
 
+EMPTY_PARAMETER_SET = "got empty parameter set"  # pytest's skip reason for a test parametrized with nothing
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A run of named implementations leaves out the tests that have no case of them (pytest would skip
+    each one, "got empty parameter set"): deselected, as -k deselects, so that its skips are its cases'."""
+    if not settings(config).impls_named:
+        return
+    empty = [item for item in items if _parametrized_with_nothing(item)]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [item for item in items if not _parametrized_with_nothing(item)]
+
+
+def _parametrized_with_nothing(item: pytest.Item) -> bool:
+    return any(mark.name == "skip" and str(mark.kwargs.get("reason", "")).startswith(EMPTY_PARAMETER_SET)
+               for mark in item.iter_markers())
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A selection (--formats, --world-sizes, --scenarios) that matches no case of the sweeps
     collected would otherwise pass green with nothing run: a usage error."""
