@@ -30,8 +30,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev]'
 	touch $(STAMP)
 
+# make exits 2 for any failed target: the last line names qgather's own code (README's "Exit codes").
 run: $(SETUP)
-	$(PY) -m qgather run -n $(PYTEST_WORKERS)
+	@$(PY) -m qgather run -n $(PYTEST_WORKERS); rc=$$?; \
+	  [ $$rc -eq 0 ] || { echo "make: qgather exited $$rc" >&2; exit $$rc; }
 
 # pytest's exit 5 ("no tests collected") would be a broken suite: fail loudly on it.
 # --dist loadgroup: tests spread one at a time as with the default, except that an xdist_group (a module
@@ -87,7 +89,8 @@ test-multigpu: $(SETUP)
 	    $(PY) -c 'from qgather.runtime.helpers import fork_safe; print(",".join(fork_safe(["transformer_engine.pytorch"])))' \
 	    2>/dev/null); echo "forkserver preloads: $${QGATHER_FORKSERVER_PRELOAD:-torch only}";; esac; \
 	  $(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) -n $(GPU_WORKERS) \
-	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -p no:benchmark -q -rs --qgather-summary $(PYTEST_ARGS)
+	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -p no:benchmark -q -rs --qgather-summary $(PYTEST_ARGS) \
+	    || { rc=$$?; echo "make: qgather exited $$rc" >&2; exit $$rc; }
 
 selftest: $(SETUP)
 	$(PY) -m qgather selftest

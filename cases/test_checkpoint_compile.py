@@ -6,6 +6,7 @@ Defined in qgather.cases.test_checkpoint_compile, so that an installed qgather c
 # Names in definition order (not sorted): pytest runs a module's tests in the order it holds them.
 from qgather.cases.test_checkpoint_compile import (  # noqa: F401, I001 - pytest collects them (and the hook) here
     SWEEP,
+    COMPANIONS,
     pytest_generate_tests,
     test_config,
     test_torchao_config,

@@ -163,6 +163,32 @@ def test_help_and_a_bad_option_start_no_torch():
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 2, result.stderr
 
 
+BAD_NAMES = [["run", "--formats", "fp7"], ["run", "--scenarios", "explode"], ["run", "--impl", "nosuch"],
+             ["list", "--cases", "--impl", "nosuch"], ["coverage", "--formats", "fp7"],
+             ["run", "--formats", "fp8_tensor", "--world-sizes", "2", "--impl", "reference,nosuch"]]
+
+
+def test_a_bad_name_is_refused_before_torch_is_imported():
+    """Bad input is answered in well under a second on a loaded host: before torch is imported (checked
+    deterministically in the process, rather than timed)."""
+    code = ("import sys; from qgather.cli import main; "
+            f"rcs = [main(argv) for argv in {BAD_NAMES!r}]; print(rcs, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.stdout.strip().splitlines()[-1] == f"{[4] * len(BAD_NAMES)} False", result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == len(BAD_NAMES) and all(len(line) < 300 for line in lines), lines
+
+
+def test_the_name_lists_agree_with_the_registries():
+    from qgather.formats import FORMATS
+    from qgather.impls import _builtin
+    from qgather.model.names import BUILTIN_IMPLS, FORMAT_NAMES
+
+    assert tuple(FORMATS)[: len(FORMAT_NAMES)] == FORMAT_NAMES
+    assert sorted(n for n in _builtin() if not n.startswith("mutant:")) == sorted(BUILTIN_IMPLS)
+
+
 def test_the_qgather_script_runs_the_same_main():
     script = os.path.join(os.path.dirname(sys.executable), "qgather")
     if not os.path.exists(script):

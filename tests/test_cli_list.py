@@ -58,7 +58,32 @@ def _is_case_id(param: str) -> bool:
 def test_list_cases_empty_selection_is_a_usage_error():
     result = qgather("list", "--cases", "--world-sizes", "5")
     assert result.returncode == 4
-    assert result.stderr.strip() == "qgather list: the selection has no cases"
+    assert result.stderr.strip() == "qgather list: --world-sizes 5: no case of the suite matches this selection"
+
+
+def test_a_listed_value_that_matches_no_case_is_refused_even_beside_one_that_does():
+    result = qgather("list", "--cases", "--world-sizes", "2,5")
+    assert result.returncode == 4 and result.stdout == ""
+    assert result.stderr.strip() == "qgather list: --world-sizes 5: no case of the selection has world size 5"
+    result = qgather("list", "--cases", "--impl", "torchao", "--formats", "fp8_tensor,nvfp4_2d")
+    assert result.returncode == 4
+    assert result.stderr.strip() == "qgather list: --formats nvfp4_2d: no case of the selection has format nvfp4_2d"
+    result = qgather("list", "--cases", "--impl", "reference", "--scenarios", "model")  # te's scenario only
+    assert result.returncode == 4 and "--scenarios model" in result.stderr, result.stderr
+    assert "(reference declares formats fp8_tensor," in result.stderr and "scenarios gather," in result.stderr
+
+
+def test_a_named_implementation_runs_alone_in_what_it_declares(capsys):
+    from qgather.cli import main
+
+    assert main(["list", "--cases", "--impl", "reference", "--formats", "fp8_tensor,nvfp4_2d",
+                 "--world-sizes", "2,4"]) == 0
+    ids = capsys.readouterr().out.split()
+    assert ids and {CaseSpec.parse(c).impl for c in ids} == {"reference"}  # no torchao companion rows
+    assert not [c for c in ids if ":model:" in c]  # reference declares no model scenario: not collected
+    assert main(["list", "--cases", "--formats", "fp8_tensor", "--world-sizes", "2"]) == 0
+    default = {CaseSpec.parse(c).impl for c in capsys.readouterr().out.split()}
+    assert {"reference", "torchao", "torchao:precompute"} <= default  # the default run keeps them
 
 
 def test_a_closed_pipe_ends_the_listing_quietly():

@@ -11,11 +11,15 @@ import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 
 import pytest
 
 from qgather.cli import COMMANDS
 from qgather.cli.run import default_markers
+from qgather.model.case_record import CaseRecord
+from qgather.pytest_plugin.results import RunResults
+from qgather.pytest_plugin.summary import coverage_lines, coverage_of
 from qgather.suite.coverage import Coverage, promise_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,3 +191,54 @@ def test_an_interrupted_run_exits_2_and_says_what_ran(tmp_path, signum):
     assert data["incomplete"] is True and len(data["cases"]) == int(match[1])
     assert sum(data["outcomes"].values()) == int(match[1])  # the cases that did not run are counted nowhere
     assert "**incomplete (interrupted)**" in (out / "verdicts.md").read_text()
+    # a JUnit reader takes it: every testcase named (pytest writes a nameless one for the test cut short)
+    assert all(case.get("name") for case in ET.parse(out / "junit.xml").getroot().iter("testcase"))
+    assert "coverage: not judged, the run was interrupted after" in stdout and "promised cells hit" not in stdout
+
+
+def test_a_run_that_ran_nothing_leaves_the_last_reports_as_they_were(tmp_path):
+    out = tmp_path / "reports"
+    out.mkdir()
+    for name in ("verdicts.json", "verdicts.md", "junit.xml"):
+        (out / name).write_text("the last run's\n")
+    result = qgather("run", "--formats", "fp8_tensor", "--world-sizes", "2", "-k", "nothing_matches",
+                     "--report-dir", str(out), cwd=str(tmp_path))
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "reports written" not in result.stdout
+    assert sorted(os.listdir(out)) == ["junit.xml", "verdicts.json", "verdicts.md"]
+    assert all((out / name).read_text() == "the last run's\n" for name in os.listdir(out))
+
+
+def _record(case: str, verdict: str) -> CaseRecord:
+    return CaseRecord.from_dict({"case": case, "verdict": verdict, "passed": verdict != "FAILED"})
+
+
+def test_coverage_counts_only_cases_that_ran():
+    skipped = RunResults(cases=(_record("reference:nvfp4_2d:128x64:bf16:ws2:gather:s0", "SKIPPED"),), also_ran=(),
+                         rows={}, other_tests=0)
+    assert coverage_of(skipped) is None
+    assert coverage_lines(skipped, interrupted=False) == ["coverage: nothing hit, no case ran (every case was SKIPPED)"]
+    ran = RunResults(cases=(_record("reference:nvfp4_2d:128x64:bf16:ws2:gather:s0", "EXACT"),), also_ran=(),
+                     rows={}, other_tests=0)
+    assert coverage_lines(ran, interrupted=False)[0].startswith("coverage: ")
+    assert coverage_lines(ran, interrupted=True) == [
+        "coverage: not judged, the run was interrupted after 1 cases ran (coverage.md: their cells)"]
+
+
+def test_a_signal_during_the_pools_shutdown_does_not_kill_the_process(monkeypatch):
+    """Ctrl-C after pytest's last line (while the pools shut down) ends the command with its status."""
+    from qgather.cli import common
+
+    stopped = []
+
+    def shutdown_interrupted() -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered while the shutdown runs
+        stopped.append(True)
+
+    monkeypatch.setattr(common, "shutdown_pools", shutdown_interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rc = common.with_cleanup_on_signals("run", lambda argv: 0, [])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert stopped == [True] and rc == 2

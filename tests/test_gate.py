@@ -23,17 +23,28 @@ SELECT = ["cases/test_alignment.py", "--formats", "fp8_tensor", "--world-sizes",
           "--device", "cpu"]
 
 
+SKIPS_ALL = "tests._skip_adapters:SkipsEverything"
+
+
 def pytest_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", *SELECT, *args], capture_output=True, text=True,
                           cwd=REPO, timeout=300)
 
 
 def test_an_implementation_with_every_case_skipped_fails_the_run():
-    # te runs on CUDA only, so on --device cpu every te case is SKIPPED.
-    result = pytest_run("--impl", "reference,te")
+    # the adapter skips every case it declares (its library is missing): it tested nothing
+    result = pytest_run("--impl", f"reference,{SKIPS_ALL}")
     assert result.returncode == 1, result.stdout[-2000:]
-    assert "every te case was skipped" in result.stdout and "te does not run on cpu" in result.stdout
+    assert f"every {SKIPS_ALL} case was skipped" in result.stdout, result.stdout[-2000:]
+    assert "this adapter's library is not installed here" in result.stdout
     assert "passed" in result.stdout.splitlines()[-1]  # the reference cases themselves passed
+
+
+def test_an_implementation_of_another_device_is_refused_before_anything_runs():
+    # te runs on CUDA only: on --device cpu it has no case, which is bad input, not a run of skips
+    result = pytest_run("--impl", "reference,te")
+    assert result.returncode == 4, result.stdout[-2000:]
+    assert "--impl te: no case of the selection (te runs on cuda only, and this run's device is cpu)" in result.stderr
 
 
 def test_the_default_selection_is_not_affected():

@@ -145,3 +145,16 @@ def test_an_install_runs_cases_and_the_sweep_from_any_directory(installed: Path,
                   "--world-sizes", "1,2", "--max-rows", "34", "--budget-s", "60", "--device", "cpu"],
                  tmp_path, installed)
     assert sweep.returncode == 1 and "SILENT_MISMATCH" in sweep.stdout, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+
+
+def test_an_install_runs_readme_s_adapter_from_its_folder(installed: Path, tmp_path: Path):
+    """README's adapter (examples/) from `pip install .`, as README says: from the folder that holds mypkg/."""
+    project = tmp_path / "adp"
+    shutil.copytree(REPO / "examples", project, ignore=shutil.ignore_patterns("__pycache__"))
+    run = _run(["-m", "qgather", "run", "--impl", "mypkg.adapters:MyImpl", "--world-sizes", "2", "--scenarios",
+                "gather", "-k", "128x64 or 31x128", "--report-dir", "rep"], project, installed)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cases = json.loads((project / "rep" / "verdicts.json").read_text())["cases"]
+    assert cases and {c["implementation"] for c in cases} == {"mypkg.adapters:MyImpl"}
+    assert any(c["verdict"] == "EXACT" for c in cases)
+    assert all(c["verdict"] in ("EXACT", "SKIPPED") and "does not implement" not in c["reason"] for c in cases)

@@ -23,6 +23,7 @@ from qgather.formats import FORMATS
 from qgather.model.config import FsdpConfig
 from qgather.pytest_plugin.options import settings
 from qgather.suite.config_sweep import CHECKPOINT, ConfigSweep
+from qgather.suite.selection import runnable
 from qgather.suite.sweeps import CaseSet, K, Sweep, alignment_shapes
 
 COMPILE = FsdpConfig(compile=True)
@@ -89,6 +90,9 @@ def _asked_for_slow(config: pytest.Config) -> bool:
     expr = config.getoption("markexpr", "") or ""
     return "slow" in expr and "not slow" not in expr
 
+#: torchao's own set, run beside the default run's cases (no --impl): `qgather list --cases` lists it too
+COMPANIONS = (TORCHAO, TORCHAO_IMPLS)
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case` (torchao's own sets, when --impl is not given) and `exhaustive_case` (the full
@@ -106,6 +110,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             impls = [] if impls else list(TORCHAO_IMPLS)
         specs = cases.cases(impls or ["reference"] if name == "exhaustive_case" else impls,
                             formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
+        specs = runnable(specs, None, options.run.device_type())  # what each implementation declares
         marks = [getattr(pytest.mark, m) for m in cases.marks]
         metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=marks) for c in specs])
 

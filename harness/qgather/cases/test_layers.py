@@ -81,6 +81,9 @@ TORCHAO = CaseSet([
           configs=(COMPILE,)),
 ])
 
+#: torchao's own set, run beside the default run's cases (no --impl): `qgather list --cases` lists it too
+COMPANIONS = (TORCHAO, TORCHAO_IMPLS)
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case`: torchao's own set, when --impl does not name the implementations."""

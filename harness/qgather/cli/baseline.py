@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from qgather.cli.common import usage
 from qgather.model.case_record import CaseRecord, RecordError
 from qgather.pytest_plugin.baseline import DEFAULT_FILE, BaselineError, Update, dumps, load_findings, update
+from qgather.pytest_plugin.baseline_text import updated_text
 
 
 def main(argv: Sequence[str]) -> int:
@@ -28,8 +29,12 @@ def main(argv: Sequence[str]) -> int:
         result = update(findings, read_run(args.source))
     except BaselineError as exc:
         return usage("baseline", str(exc))
-    text = dumps(result.findings, os.path.basename(args.file))
-    if not os.path.exists(args.file) or _read(args.file) != text:
+    if not os.path.exists(args.file):
+        text, old = dumps(result.findings, os.path.basename(args.file)), None
+    else:
+        old = _read(args.file)
+        text = updated_text(old, findings, result, os.path.basename(args.file))
+    if text != old:
         with open(args.file, "w") as fh:
             fh.write(text)
     _print(args.file, result)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from qgather.errors import QgatherError
-from qgather.suite.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem
+from qgather.suite.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem, joined_impls
 
 if TYPE_CHECKING:  # imported when a case runs: the CLI starts without torch
     from qgather.engine.run import RunOptions
@@ -78,6 +78,29 @@ def add_selection_options(parser: argparse.ArgumentParser) -> None:
     add_options(parser, SELECTION_OPTIONS)
 
 
+def selection_problem(args: argparse.Namespace, cases: Sequence[object]) -> str | None:
+    """Why the selection options (--impl, --formats, --world-sizes, --scenarios) do not say what runs
+    (None: they do): a listed value no case has, or no case at all."""
+    from qgather.suite.selection import declared, device_type, unmatched, why_empty  # deferred: imports the registries
+
+    named = list(args.impl and [n for value in args.impl for n in value] or ())
+    device = device_type(getattr(args, "device", "auto"))
+    if cases:
+        return unmatched(cases, args.formats, args.world_sizes, args.scenarios, named, device)
+    known = f" ({declared(named)})" if named else ""
+    return why_empty(named, device) or f"{selection_text(args)}: no case of the suite matches this selection{known}"
+
+
+def selection_text(args: argparse.Namespace) -> str:
+    """The selection options as given, e.g. `--formats fp8_tensor --scenarios model`."""
+    parts = [f"--impl {','.join(joined_impls(args.impl))}"] if args.impl else []
+    for flag, value in (("--formats", args.formats), ("--world-sizes", args.world_sizes),
+                        ("--scenarios", args.scenarios)):
+        if value:
+            parts.append(f"{flag} {','.join(map(str, value))}")
+    return " ".join(parts) or "the default selection"
+
+
 def usage(command: str, message: str) -> int:
     """Print `qgather <command>: <message>` to stderr, one line; the usage-error exit status."""
     print(f"qgather {command}: {message}", file=sys.stderr)
@@ -129,7 +152,20 @@ def with_cleanup_on_signals(command: str, run: Callable[[Sequence[str]], int], r
         rc = INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
-        shutdown_pools()
+        _shutdown_uninterrupted(received)
     if received and rc == 0:
         rc = INTERRUPTED
     return rc
+
+
+def _shutdown_uninterrupted(received: list[int]) -> None:
+    """Stop the pools; a Ctrl-C or SIGTERM that arrives meanwhile (after pytest's last line) is recorded
+    in `received`, not raised: the cleanup it asks for is already running, and must not be cut short
+    (the process would die by the signal, its exit status lost)."""
+    record = lambda signum, _frame: received.append(signum)  # noqa: E731
+    saved = {signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        shutdown_pools()
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

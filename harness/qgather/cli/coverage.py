@@ -9,7 +9,6 @@ import argparse
 from collections.abc import Sequence
 
 from qgather.cli.common import add_selection_options, refusing_in_one_line, usage
-from qgather.suite.coverage import markdown, measure, suite_cases
 from qgather.suite.options import joined_impls
 
 
@@ -19,8 +18,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qgather coverage", description=main.__doc__)
     add_selection_options(parser)
     args = parser.parse_args(argv)
+    from qgather.suite.coverage import markdown, measure, suite_cases  # after parsing: bad input starts no torch
+
+    named = list(joined_impls(args.impl)) if args.impl else None  # as `qgather run` selects them
     cases, primary = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
-                                 args.exhaustive)
+                                 args.exhaustive, named=named)
     if not cases:
         return usage("coverage", "the selection has no cases")
     cov = measure(cases, primary)

@@ -4,17 +4,9 @@ case ids a selection runs (`--cases`, the same selection options as `qgather run
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import torch
-
-from qgather.cli.common import add_selection_options, refusing_in_one_line, usage
-from qgather.formats import FORMATS
-from qgather.impls import UnknownImplementationError, available, get_impl
-from qgather.impls.mutants import MUTANTS
-from qgather.model.case import SCENARIOS, CaseSpec
-from qgather.suite.modules import suite_sweeps
-from qgather.suite.options import joined_impls
+from qgather.cli.common import add_selection_options, refusing_in_one_line
 
 SECTIONS = ("impls", "formats", "scenarios", "mutants")
 
@@ -27,62 +19,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--cases", action="store_true", help="print the case ids the selection below would run")
     add_selection_options(parser)
     args = parser.parse_args(argv)
+    from qgather.cli import inventory  # after parsing: a bad option is refused before torch is imported
+
     if args.cases:
-        return _list_cases(args)
+        return inventory.list_cases(args)
     for section in SECTIONS if args.what == "all" else (args.what,):
         print(f"{section}:")
-        for line in _LISTERS[section]():
+        for line in inventory.LISTERS[section]():
             print(f"  {line}")
-    return 0
-
-
-def impl_status(name: str) -> str:
-    """'available' or why the implementation cannot run here (probed on its first format)."""
-    try:
-        impl = get_impl(name)
-    except UnknownImplementationError as exc:
-        return f"unavailable: {exc}"
-    if not impl.formats:
-        return "no formats"
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type not in impl.devices:
-        return f"unavailable here: runs on {', '.join(impl.devices)} only, and this host has no GPU"
-    probe = CaseSpec(name, impl.formats[0], (64, 64), "bf16", 2, impl.scenarios[0], 0)
-    reason = impl.skip_reason(probe, device)
-    return f"unavailable here: {reason}" if reason else "available"
-
-
-def _list_impls() -> list[str]:
-    return [f"{name:<32} {impl_status(name)}" for name in available() if not name.startswith("mutant:")]
-
-
-def _list_formats() -> list[str]:
-    return [f"{name:<20} row block {fmt.row_block}" for name, fmt in FORMATS.items()]
-
-
-def _list_scenarios() -> list[str]:
-    return list(SCENARIOS)
-
-
-def _list_mutants() -> list[str]:
-    return [f"{m.name:<36} bug class {m.bug_class}  expected {m.expected.value}" for m in MUTANTS]
-
-
-_LISTERS: dict[str, Callable[[], list[str]]] = {
-    "impls": _list_impls, "formats": _list_formats, "scenarios": _list_scenarios, "mutants": _list_mutants,
-}
-
-
-def _list_cases(args: argparse.Namespace) -> int:
-    """The ids `qgather run` would run with this selection: without --exhaustive, no sweep marked slow."""
-    count = 0
-    for _module, sweep, fixed in suite_sweeps():
-        if not args.exhaustive and "slow" in getattr(sweep, "marks", ()):
-            continue
-        for case in sweep.cases(fixed or joined_impls(args.impl), formats=args.formats, world_sizes=args.world_sizes,
-                                scenarios=args.scenarios, exhaustive=args.exhaustive):
-            print(case.id)
-            count += 1
-    if count == 0:
-        return usage("list", "the selection has no cases")
     return 0

@@ -12,7 +12,7 @@ import contextlib
 import io
 from collections.abc import Sequence
 
-from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, usage
+from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, selection_problem, usage
 from qgather.paths import checkout_root, suite_dir
 from qgather.suite.options import joined_impls
 
@@ -60,30 +60,16 @@ def _given(args: list[str], name: str) -> bool:
 
 
 def _selection_problem(args: argparse.Namespace) -> str | None:
-    """Why the selection (--impl, --formats, --world-sizes, --scenarios) has no case of the suite
-    (None: it has some). Checked here too: under xdist the plugin's own check cannot stop the session."""
+    """Why the selection does not say what runs (qgather.cli.common.selection_problem; None: it does).
+    Checked here too: under xdist the plugin's own check cannot stop the session."""
     if not (args.formats or args.world_sizes or args.scenarios or args.impl):
         return None
     from qgather.suite.coverage import suite_cases  # deferred: the suite imports torch
 
+    named = list(joined_impls(args.impl)) if args.impl else None
     cases, _ = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
-                           args.exhaustive)
-    if cases:
-        return None
-    if args.world_sizes and not suite_cases(list(joined_impls(args.impl)), world_sizes=args.world_sizes)[0]:
-        return f"--world-sizes {','.join(map(str, sorted(args.world_sizes)))}: no case in the selected suite has " \
-               "that world size"
-    return f"{selection_text(args)}: no case of the suite matches this selection"
-
-
-def selection_text(args: argparse.Namespace) -> str:
-    """The selection options as given, e.g. `--formats fp8_tensor --scenarios model`."""
-    parts = [f"--impl {','.join(joined_impls(args.impl))}"] if args.impl else []
-    for flag, value in (("--formats", args.formats), ("--world-sizes", args.world_sizes),
-                        ("--scenarios", args.scenarios)):
-        if value:
-            parts.append(f"{flag} {','.join(map(str, value))}")
-    return " ".join(parts)
+                           args.exhaustive, named=named, device=args.device)
+    return selection_problem(args, cases)
 
 
 def suite_pytest_args() -> list[str]:

@@ -12,12 +12,15 @@ one line, an `AdapterLoadError` naming it and what is missing.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from qgather.errors import AdapterError, UsageError, first_line
 from qgather.impls.base import Implementation, missing_methods
 from qgather.impls.rejections import DeclaredRejections
+from qgather.model.names import impl_choices
 
 __all__ = ["AdapterLoadError", "UnknownImplementationError", "adapter_module", "available", "get_impl"]
 
@@ -76,7 +79,9 @@ def _load_object(target: str) -> Implementation:
             f"--impl {target!r}: external implementations are named package.module:object"
         )
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
+        obj = getattr(_import_adapter_module(module_name), attr)
+    except ModuleNotFoundError as exc:
+        raise UnknownImplementationError(f"--impl {target!r}: {_not_importable(module_name, exc)}") from None
     except (ImportError, AttributeError) as exc:
         raise UnknownImplementationError(f"--impl {target!r}: cannot load it ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - a broken adapter module (SyntaxError, error at import)
@@ -89,6 +94,35 @@ def _load_object(target: str) -> Implementation:
 def _told(exc: BaseException) -> str:
     """"Type: first line of the message", for a one-line refusal."""
     return f"{type(exc).__name__}: {first_line(exc, 200) or 'no message'}"
+
+
+def _import_adapter_module(module_name: str) -> object:
+    """The adapter's module: as installed (or on PYTHONPATH), else from the current directory, as pytest
+    imports test modules from its rootdir. Every rank runs in the same directory and finds it the same
+    way, so a `reproduce:` line runs as printed from where the run ran."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        here = os.getcwd()
+        if exc.name != top or here in sys.path or not _holds_module(here, top):
+            raise
+        sys.path.insert(0, here)
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)
+
+
+def _holds_module(folder: str, name: str) -> bool:
+    return os.path.isdir(os.path.join(folder, name)) or os.path.isfile(os.path.join(folder, f"{name}.py"))
+
+
+def _not_importable(module_name: str, exc: ModuleNotFoundError) -> str:
+    """One line: which module is missing and how to make the adapter importable."""
+    top = module_name.split(".")[0]
+    if exc.name != top:  # the adapter's package is there; something it imports is not
+        return f"cannot load it: importing {module_name!r} failed ({exc})"
+    return (f"cannot load it: no module {top!r} here ({os.getcwd()}) or installed: run from the folder that "
+            f"holds {top}/, put that folder on PYTHONPATH, or pip install the package")
 
 
 def _refuse_incomplete(name: str, adapter: type[Implementation] | Implementation) -> None:
@@ -161,10 +195,8 @@ def get_impl(name: str) -> Implementation:
     elif adapter_module(name) is not None:  # a misspelt `mutant:x` is unknown, not "cannot import mutant"
         impl = _load_object(name)
     else:
-        raise UnknownImplementationError(
-            f"unknown implementation {name!r}; available: {', '.join(sorted({*builtin, *plugins}))} "
-            "(or package.module:object)"
-        )
+        known = impl_choices({*builtin, *plugins})
+        raise UnknownImplementationError(f"unknown implementation {name!r}; available: {known}")
     if not impl.name:
         impl.name = name
     _CACHE[name] = impl

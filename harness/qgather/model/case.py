@@ -16,10 +16,10 @@ import torch
 
 from qgather.errors import UsageError
 from qgather.model.config import DEFAULT, ConfigError, FsdpConfig
+from qgather.model.names import SCENARIOS
 
 _SEED = re.compile(r"s\d+")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SCENARIOS = ("gather", "steps", "reshard", "hooks", "virtual", "model", "layers", "block")
 
 
 class CaseSpecError(UsageError):

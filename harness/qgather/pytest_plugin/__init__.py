@@ -17,7 +17,11 @@ from qgather.quiet import quiet_torchao
 
 quiet_torchao()  # before torchao is first imported (the imports below reach it)
 
-from qgather.pytest_plugin.collection import pytest_collection_finish, pytest_generate_tests  # noqa: E402
+from qgather.pytest_plugin.collection import (  # noqa: E402
+    pytest_collection_finish,
+    pytest_collection_modifyitems,
+    pytest_generate_tests,
+)
 from qgather.pytest_plugin.fixture import QgatherFixture, qgather  # noqa: E402
 from qgather.pytest_plugin.options import pytest_addoption  # noqa: E402
 from qgather.pytest_plugin.session import (  # noqa: E402
@@ -32,6 +36,7 @@ __all__ = [
     "QgatherFixture",
     "pytest_addoption",
     "pytest_collection_finish",
+    "pytest_collection_modifyitems",
     "pytest_configure",
     "pytest_generate_tests",
     "pytest_runtest_teardown",

@@ -100,21 +100,28 @@ def _tomllib():
 
 def load_findings(path: str) -> list[Finding]:
     """The findings of a baseline file; BaselineError (one line naming the file) when it cannot be read."""
-    tomllib = _tomllib()
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            text = fh.read().decode("utf-8", errors="replace")
     except OSError as exc:
         raise BaselineError(f"baseline {path}: cannot read it ({exc.strerror or exc})") from None
+    return findings_of_text(text, f"baseline {path}")
+
+
+def findings_of_text(text: str, where: str = "baseline") -> list[Finding]:
+    """The findings of a baseline file's text; BaselineError (one line starting with `where`) when it is not one."""
+    tomllib = _tomllib()
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise BaselineError(f"baseline {path}: not valid TOML: {str(exc).splitlines()[0]}") from None
+        raise BaselineError(f"{where}: not valid TOML: {str(exc).splitlines()[0]}") from None
     unknown = sorted(set(data) - {"issue"})
     if unknown:
-        raise BaselineError(f"baseline {path}: unknown top-level key {unknown[0]!r}; entries are [[issue]] tables")
+        raise BaselineError(f"{where}: unknown top-level key {unknown[0]!r}; entries are [[issue]] tables")
     entries = data.get("issue", [])
     if not isinstance(entries, list):
-        raise BaselineError(f"baseline {path}: `issue` must be an array of tables ([[issue]])")
-    return [_finding(f"baseline {path}: issue #{n}", entry) for n, entry in enumerate(entries, 1)]
+        raise BaselineError(f"{where}: `issue` must be an array of tables ([[issue]])")
+    return [_finding(f"{where}: issue #{n}", entry) for n, entry in enumerate(entries, 1)]
 
 
 def load(path: str) -> list[KnownIssue]:
@@ -169,8 +176,13 @@ def escape(case_id: str) -> str:
 def dumps(findings: Iterable[Finding | KnownIssue], name: str = DEFAULT_FILE) -> str:
     """The baseline file's text in its one canonical layout: the header, then one [[issue]] per finding
     (a KnownIssue is written as a finding of one pattern titled by its reason)."""
+    return HEADER.format(name=name, untriaged=UNTRIAGED) + "\n" + dump_tables(findings)
+
+
+def dump_tables(findings: Iterable[Finding | KnownIssue]) -> str:
+    """One [[issue]] table per finding, each followed by a blank line (what `dumps` writes after its header)."""
     # json.dumps writes a valid TOML basic string (the escapes it emits are TOML's too).
-    blocks = [HEADER.format(name=name, untriaged=UNTRIAGED)]
+    blocks = []
     for finding in findings:
         if isinstance(finding, KnownIssue):
             finding = Finding.of(finding)

@@ -12,13 +12,18 @@ import dataclasses
 
 import pytest
 
+from qgather.impls import UnknownImplementationError, get_impl
+from qgather.model.case import CaseSpec
 from qgather.pytest_plugin.options import settings
 from qgather.pytest_plugin.role import Role, role
 from qgather.runtime.launch import default_world_sizes, detect_launch
+from qgather.suite.selection import runnable, unmatched, why_empty
 from qgather.suite.sweeps import CaseSet, Sweep
 
-# How many cases each parametrized sweep yielded (a --world-sizes that no sweep has selects none).
-sweep_sizes_key = pytest.StashKey[list[int]]()
+# The cases each parametrized sweep yielded (a listed value that no sweep has selects none).
+sweep_sizes_key = pytest.StashKey[list[list[CaseSpec]]]()
+# Why a case module's IMPLS cannot be loaded (one line each): the session stops with the first.
+impl_problems_key = pytest.StashKey[list[str]]()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -29,21 +34,40 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if sweep is None:
         return
     options = settings(metafunc.config)
-    impls = getattr(metafunc.module, "IMPLS", None) or list(options.impls)
+    fixed = getattr(metafunc.module, "IMPLS", None)
+    impls = fixed or list(options.impls)
+    if not _loadable(metafunc.config, impls):
+        if role(metafunc.config) is Role.XDIST_WORKER:  # it cannot stop the session: a collection error
+            raise pytest.UsageError(metafunc.config.stash[impl_problems_key][-1])
+        metafunc.parametrize("case", [])
+        return
+    named = impls if fixed or options.impls_named else None
+    device = options.run.device_type()
     launch = detect_launch()
     # Under a launcher the job's sizes, not a one-host pool's; --world-sizes selects as it does without one.
     if launch is not None and not options.world_sizes:
         sweep = _on_job(sweep, default_world_sizes(launch.world_size))
     selection = dict(formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
-    cases = sweep.cases(impls, **selection)
+    cases = runnable(sweep.cases(impls, **selection), named, device)
     default = {c.id for c in cases}
     if options.exhaustive:
-        cases = sweep.cases(impls, exhaustive=True, **selection)
-    metafunc.config.stash.setdefault(sweep_sizes_key, []).append(len(cases))
+        cases = runnable(sweep.cases(impls, exhaustive=True, **selection), named, device)
+    metafunc.config.stash.setdefault(sweep_sizes_key, []).append(cases)
     marks = [getattr(pytest.mark, m) for m in sweep.marks]
     slow = [*marks, pytest.mark.slow]
     params = [pytest.param(c, id=c.id, marks=marks if c.id in default else slow) for c in cases]
     metafunc.parametrize("case", params)
+
+
+def _loadable(config: pytest.Config, impls: list[str]) -> bool:
+    """Whether every implementation loads; else its one-line reason is kept for the session's end."""
+    for name in impls:
+        try:
+            get_impl(name)
+        except UnknownImplementationError as exc:
+            config.stash.setdefault(impl_problems_key, []).append(str(exc))
+            return False
+    return True
 
 
 def _on_job(sweep: object, sizes: list[int]) -> object:
@@ -56,19 +80,53 @@ def _on_job(sweep: object, sizes: list[int]) -> object:
     return sweep
 
 
+EMPTY_PARAMETER_SET = "got empty parameter set"  # pytest's skip reason for a test parametrized with nothing
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A run of named implementations leaves out the tests that have no case of them (pytest would skip
+    each one, "got empty parameter set"): deselected, as -k deselects, so that its skips are its cases'."""
+    if not settings(config).impls_named:
+        return
+    empty = [item for item in items if _parametrized_with_nothing(item)]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [item for item in items if not _parametrized_with_nothing(item)]
+
+
+def _parametrized_with_nothing(item: pytest.Item) -> bool:
+    return any(mark.name == "skip" and str(mark.kwargs.get("reason", "")).startswith(EMPTY_PARAMETER_SET)
+               for mark in item.iter_markers())
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A selection (--formats, --world-sizes, --scenarios) that matches no case of the sweeps
     collected would otherwise pass green with nothing run: a usage error."""
     if role(session.config) is Role.XDIST_WORKER:
         return  # an xdist worker cannot stop the session cleanly; `qgather run` checks before pytest starts
+    problems = session.config.stash.get(impl_problems_key, None)
+    if problems:
+        raise pytest.UsageError(problems[0])
     options = settings(session.config)
-    counts = session.config.stash.get(sweep_sizes_key, None)
-    if counts is None or sum(counts):
+    per_sweep = session.config.stash.get(sweep_sizes_key, None)
+    if not per_sweep:
+        return  # no case module was collected
+    cases = [c for sweep_cases in per_sweep for c in sweep_cases]
+    if cases:
+        named = options.impls if options.impls_named else None
+        problem = unmatched(cases, options.formats, options.world_sizes, options.scenarios, named,
+                            options.run.device_type())
+        if problem:
+            raise pytest.UsageError(problem)
         return  # the selection has cases
+    reason = why_empty(options.impls, options.run.device_type()) if options.impls_named else ""
+    if reason:
+        raise pytest.UsageError(reason)
     if options.world_sizes:
         raise pytest.UsageError(f"--world-sizes {','.join(map(str, options.world_sizes))}: no case in the selected "
                                 "suite has that world size")
     given = [f"{flag} {','.join(map(str, value))}" for flag, value in (
         ("--formats", options.formats), ("--scenarios", options.scenarios)) if value]
-    if given and counts:  # sweeps were collected, none with a case of this selection
+    if given:  # sweeps were collected, none with a case of this selection
         raise pytest.UsageError(f"{' '.join(given)}: no case of the suite matches this selection")

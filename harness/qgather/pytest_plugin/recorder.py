@@ -23,8 +23,8 @@ from qgather.pytest_plugin import placement
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.options import Settings
 from qgather.pytest_plugin.reports import build as build_reports
+from qgather.pytest_plugin.reports import drop_nameless_testcases, write_text
 from qgather.pytest_plugin.reports import write as write_reports
-from qgather.pytest_plugin.reports import write_text
 from qgather.pytest_plugin.results import Row, RunResults
 from qgather.pytest_plugin.summary import coverage_of
 from qgather.pytest_plugin.summary import write as write_summary
@@ -123,9 +123,14 @@ class Recorder:
         a launched job's ranks agree on that exit status). After them: write the reports."""
         self.interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
         self._gate(session)
+        if self.settings.report_dir and not self._writes_reports():
+            self._keep_last_junit()
         yield
         self._write_json(force=True)
-        if self.settings.report_dir and not self.config.option.collectonly:
+        xml = self.config.option.xmlpath
+        if self.interrupted and xml and os.path.isfile(xml):
+            drop_nameless_testcases(xml)
+        if self._writes_reports():
             results = self.results()
             data = build_reports(results, self.settings, session)
             data["incomplete"] = self.interrupted
@@ -157,7 +162,7 @@ class Recorder:
     def report_files(self) -> list[str]:
         """The report directory and the files this session writes there ([] without --report-dir)."""
         directory = self.settings.report_dir
-        if not directory or self.config.option.collectonly:
+        if not self._writes_reports():
             return []
         files = ["verdicts.md", "verdicts.json"]
         xml = self.config.option.xmlpath
@@ -166,6 +171,25 @@ class Recorder:
         if self._checked or self._also_ran:
             files += ["coverage.md", "timings.md"]
         return [directory.rstrip("/") + "/", *files]
+
+    def _writes_reports(self) -> bool:
+        """Whether this session writes the report directory: asked for, and some test ran (a run
+        that ran nothing, e.g. a -k that matches nothing, leaves the last run's reports as they were)."""
+        if not self.settings.report_dir or self.config.option.collectonly:
+            return False
+        return bool(self._checked or self._also_ran or any(sum(c.values()) for c in self._rows.values()))
+
+    def _keep_last_junit(self) -> None:
+        """Stop pytest's junitxml from writing the report directory's junit.xml over the last run's."""
+        from _pytest.junitxml import xml_key  # pytest's own key for its LogXML plugin (pytest >= 7)
+
+        xml = self.config.stash.get(xml_key, None)
+        inside = xml is not None and os.path.dirname(os.path.abspath(xml.logfile)) == os.path.abspath(
+            self.settings.report_dir)
+        if inside:  # this hook call already holds junitxml's sessionfinish: it writes, to nowhere
+            xml.logfile = os.devnull
+            self.config.pluginmanager.unregister(xml)
+            del self.config.stash[xml_key]
 
     # ------------------------------------------------------------------ records
     def results(self) -> RunResults:

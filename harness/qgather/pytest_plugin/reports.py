@@ -265,3 +265,21 @@ def write_text(path: str, text: str) -> None:
     with open(partial, "w") as fh:
         fh.write(text)
     os.replace(partial, path)
+
+
+def drop_nameless_testcases(path: str) -> int:
+    """Remove the `<testcase>` elements without a name that pytest's junitxml writes for the test an
+    interrupt cut short (JUnit readers reject them; pytest's `tests` count leaves them out already);
+    how many went."""
+    import xml.etree.ElementTree as ET  # deferred: only an interrupted run's junit.xml is read back
+
+    tree = ET.parse(path)
+    dropped = 0
+    for suite in tree.getroot().iter("testsuite"):
+        nameless = [case for case in suite.findall("testcase") if not case.get("name")]
+        for case in nameless:
+            suite.remove(case)
+        dropped += len(nameless)
+    if dropped:
+        tree.write(path, encoding="utf-8", xml_declaration=True)
+    return dropped

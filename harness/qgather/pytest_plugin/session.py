@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from qgather.pytest_plugin.collection import sweep_sizes_key
+from qgather.pytest_plugin.collection import impl_problems_key, sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.gpu_schedule import make_lease_dir, release_after, remove_lease_dir, scheduler_for
 from qgather.pytest_plugin.options import Settings, settings_key
@@ -70,7 +70,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         if plugin is not None:
             config.pluginmanager.unregister(plugin)
     remove_lease_dir(config)
-    for key in (recorder_key, settings_key, sweep_sizes_key):
+    for key in (recorder_key, settings_key, sweep_sizes_key, impl_problems_key):
         if key in config.stash:
             del config.stash[key]
 

@@ -12,6 +12,7 @@ import pytest
 
 from qgather.errors import first_line
 from qgather.model.case import CaseSpec, CaseSpecError
+from qgather.model.text import clip
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin import placement
 from qgather.pytest_plugin.results import RunResults
@@ -38,10 +39,8 @@ def write(terminal: pytest.TerminalReporter, results: RunResults, verdicts: bool
             terminal.write_line(line)
     if interrupted:
         terminal.write_line(interrupted, red=True)
-    cov = coverage_of(results)
-    if cov is not None:
-        for line in promise_lines(cov):
-            terminal.write_line(line, red=line.lstrip().startswith("MISSING"))
+    for line in coverage_lines(results, bool(interrupted)):
+        terminal.write_line(line, red=line.lstrip().startswith("MISSING"))
     if reports:
         terminal.write_line(f"reports written to {reports[0]}: {', '.join(reports[1:])}")
 
@@ -57,7 +56,7 @@ def verdict_lines(results: RunResults) -> list[str]:
         lines.append(results.also_ran_line())
     for record in results.failures[:FAILURES_SHOWN]:
         stale = " (baseline stale)" if record.known_issue else ""
-        lines.append(f"  {record.verdict.value + stale:<16} {record.case}  ({first_line(record.reason)[:100]})")
+        lines.append(f"  {record.verdict.value + stale:<16} {record.case}  ({clip(record.reason, 100)})")
         lines.append(f"    reproduce: {record.repro}")
     if len(results.failures) > FAILURES_SHOWN:
         lines.append(f"  ... and {len(results.failures) - FAILURES_SHOWN} more (--report-dir writes them all)")
@@ -71,11 +70,27 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + r[0].ljust(width) + "".join(f"{cell:>9}" for cell in r[1:]) for r in rows]
 
 
+def coverage_lines(results: RunResults, interrupted: bool) -> list[str]:
+    """The summary's coverage lines: the promises of the cases that ran, or why there are none to
+    judge (an interrupted run hit only what it reached; a run whose every case was SKIPPED hit nothing)."""
+    records = (*results.cases, *results.also_ran)
+    cov = coverage_of(results)
+    if cov is None:
+        return ["coverage: nothing hit, no case ran (every case was SKIPPED)"] if records else []
+    if interrupted:
+        ran = sum(1 for r in records if r.verdict is not Verdict.SKIPPED)
+        return [f"coverage: not judged, the run was interrupted after {ran} cases ran (coverage.md: their cells)"]
+    return promise_lines(cov)
+
+
 def coverage_of(results: RunResults) -> Coverage | None:
-    """The coverage of the cases this session ran (None: no case id); `qgather coverage` prints a
-    selection's whole matrix, the report directory holds this session's (coverage.md)."""
+    """The coverage of the cases this session ran, SKIPPED ones left out (None: none ran);
+    `qgather coverage` prints a selection's whole matrix, the report directory holds this session's
+    (coverage.md)."""
     specs = []
     for record in (*results.cases, *results.also_ran):
+        if record.verdict is Verdict.SKIPPED:
+            continue
         try:
             specs.append(CaseSpec.parse(record.case))  # coverage reads the shape, which only the spec holds
         except CaseSpecError:

@@ -26,7 +26,8 @@ from qgather.model.case import CaseSpec, tensor_parallel_layout
 from qgather.model.layers import MODULE_SCENARIOS
 from qgather.suite import config_coverage, shape_space
 from qgather.suite.config_coverage import PairCoverage
-from qgather.suite.modules import suite_sweeps
+from qgather.suite.modules import suite_companions, suite_sweeps
+from qgather.suite.selection import device_type, runnable
 
 DEFAULT_CONFIG = "default"
 
@@ -145,16 +146,22 @@ def promise_lines(cov: Coverage, limit: int = 10) -> list[str]:
 
 
 def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None,
-                exhaustive: bool = False) -> tuple[list[CaseSpec], set[str]]:
+                exhaustive: bool = False, named: list[str] | None = None,
+                device: str = "auto") -> tuple[list[CaseSpec], set[str]]:
     """The suite's selected cases (as `qgather run` runs them: without `exhaustive`, no sweep marked
-    slow) and the configuration tokens promised in full (each sweep's first)."""
+    slow; only the implementations `named`, None for the default run, in what each declares on `device`:
+    qgather.suite.selection) and the configuration tokens promised in full (each sweep's first)."""
     cases, primary = [], set()
+    on = device_type(device)
     for _module, sweep, fixed in suite_sweeps():
         if not exhaustive and "slow" in getattr(sweep, "marks", ()):
             continue
-        cases += sweep.cases(fixed or impls, formats=formats, world_sizes=world_sizes, scenarios=scenarios,
-                             exhaustive=exhaustive)
+        generated = sweep.cases(fixed or impls, formats=formats, world_sizes=world_sizes, scenarios=scenarios,
+                                exhaustive=exhaustive)
+        cases += runnable(generated, fixed or named, on)
         configs = getattr(sweep, "configs", None)  # sweeps built on the shape space promise its regimes
         if configs:
             primary.add(configs[0].token or DEFAULT_CONFIG)
+    for sweep, own in () if named else suite_companions():
+        cases += runnable(sweep.cases(own, formats=formats, world_sizes=world_sizes, scenarios=scenarios), None, on)
     return cases, primary

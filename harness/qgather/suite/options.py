@@ -21,6 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from qgather.errors import UsageError
+from qgather.model.names import (
+    BUILTIN_IMPLS,
+    FORMAT_NAMES,
+    SCENARIOS,
+    impl_choices,
+    is_unknown_impl,
+    plugin_names,
+    unknown_names,
+)
 
 DEFAULT_IMPLS = ("reference",)
 AUTO = "auto"
@@ -39,23 +48,33 @@ def split_names(text: str) -> tuple[str, ...]:
 
 def parse_impls(text: str) -> tuple[str, ...]:
     """--impl: implementation names, each one the registry can load (an adapter is imported here)."""
-    # deferred: the registry imports torch and the adapters, which the CLI's --help must not
-    from qgather.impls import UnknownImplementationError, get_impl
-
     names = split_names(text)
     if not names:
         raise OptionError("--impl: no implementation named")
+    for name in names:  # a name nothing could load is refused before torch is imported
+        if is_unknown_impl(name):
+            known = impl_choices((*BUILTIN_IMPLS, *plugin_names("qgather.impls")))
+            raise OptionError(f"--impl: unknown implementation {name!r}; available: {known}")
+    # deferred: the registry imports torch and the adapters, which the CLI's --help must not
+    from qgather.impls import UnknownImplementationError, get_impl
+
     for name in names:
         try:
             get_impl(name)
         except UnknownImplementationError as exc:
-            raise OptionError(f"--impl: {exc}") from None
+            message = str(exc)  # an external adapter's already names the option
+            raise OptionError(message if message.startswith("--impl") else f"--impl: {message}") from None
     return names
 
 
 def parse_formats(text: str) -> tuple[str, ...]:
     """--formats: format names the registry knows (entry-point formats included)."""
-    from qgather.formats import FORMATS  # deferred: the formats import torch
+    names = split_names(text)
+    if unknown_names(names, FORMAT_NAMES, "qgather.formats"):  # refused before torch is imported
+        return _known_names("--formats", "format", text, (*FORMAT_NAMES, *plugin_names("qgather.formats")))
+    if all(name in FORMAT_NAMES for name in names):
+        return names  # built-in names: known without importing the formats (torch)
+    from qgather.formats import FORMATS  # deferred: the formats import torch (an entry point's loads here)
 
     return _known_names("--formats", "format", text, FORMATS)
 
@@ -73,8 +92,6 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
 
 def parse_scenarios(text: str) -> tuple[str, ...]:
     """--scenarios: scenario names."""
-    from qgather.model.case import SCENARIOS  # deferred: the case model imports torch
-
     return _known_names("--scenarios", "scenario", text, SCENARIOS)
 
 
