@@ -46,6 +46,10 @@ TORCHAO = CaseSet([
 ])
 
 
+#: torchao's own set, run beside the default run's cases (no --impl): `qgather list --cases` lists it too
+COMPANIONS = (TORCHAO, TORCHAO_IMPLS)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case`: torchao's own set, when --impl does not name the implementations."""
     if "torchao_case" not in metafunc.fixturenames:
