@@ -10,7 +10,7 @@ import torch
 
 from qgather.model.records import RankResult
 from qgather.model.verdict import Verdict
-from qgather.tools import case_bench
+from qgather.tools import bench_report, case_bench
 
 
 def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
@@ -50,7 +50,7 @@ def test_without_a_gpu_it_skips_in_one_line(capsys):
 
 
 def test_every_goal_is_printed_and_a_missed_one_fails(capsys, monkeypatch):
-    monkeypatch.setattr(case_bench, "TIME_GOAL", 1e-9)  # no case is within a billionth of its bare work
+    monkeypatch.setattr(bench_report, "TIME_GOAL", 1e-9)  # no case is within a billionth of its bare work
     rc = case_bench.main(["--device", "cpu", "--shape", "128x64", "--impl", "reference", "--reps", "1",
                           "--formats", "fp8_tensor"])
     out = capsys.readouterr().out
@@ -63,7 +63,7 @@ def test_every_goal_is_printed_and_a_missed_one_fails(capsys, monkeypatch):
 def _gpu_results(golden_s):
     """Two ranks' records of one warm-up and one measured run, as measure_on_rank returns them from
     an H100 (0.47 GB bf16 weight, 0.24 GB gathered per rank)."""
-    bare = case_bench.BareWork(quantize_s=1e-3, collective_s=2e-3, build_s=5e-3, own_quantizer=True)
+    bare = bench_report.BareWork(quantize_s=1e-3, collective_s=2e-3, build_s=5e-3, own_quantizer=True)
     results = []
     for rank in (0, 1):
         seconds = {"golden": golden_s, "collective": 1e-3, "inspection": 1e-3}
@@ -76,17 +76,17 @@ def _gpu_results(golden_s):
 
 
 def test_on_nccl_each_of_qgathers_own_steps_is_a_goal_against_its_floor(capsys, monkeypatch):
-    monkeypatch.setattr(case_bench, "classify_results", lambda results: SimpleNamespace(verdict=Verdict.EXACT,
+    monkeypatch.setattr(bench_report, "classify_results", lambda results: SimpleNamespace(verdict=Verdict.EXACT,
                                                                                           reason=""))
     args = case_bench._parse(["--device", "cuda", "--world-size", "2"])
-    missed = case_bench._report("fp8_block", "te:fp8_block:8192x28672:bf16:ws2:gather:s0", _gpu_results(0.5e-3),
+    missed = bench_report.report("fp8_block", "te:fp8_block:8192x28672:bf16:ws2:gather:s0", _gpu_results(0.5e-3),
                                 args, "nccl")
     out = capsys.readouterr().out
     assert missed == [], out
     assert "ok     time: case 20.00 ms (its slowest rank) vs bare 8.00 ms: ratio 2.50" in out
     assert "te's own sharded module build (make_sharded_module, what its users run) 5.00 ms" in out
     assert "ok     qgather's own steps within their HBM floors" in out and "ok     memory: peak 2.00x" in out
-    missed = case_bench._report("fp8_block", "te:fp8_block:8192x28672:bf16:ws2:gather:s0", _gpu_results(0.2),
+    missed = bench_report.report("fp8_block", "te:fp8_block:8192x28672:bf16:ws2:gather:s0", _gpu_results(0.2),
                                 args, "nccl")
     out = capsys.readouterr().out
     assert missed == ["fp8_block golden within 5x its HBM floor", "fp8_block qgather's own steps within their HBM "

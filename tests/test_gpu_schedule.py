@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from qgather.pytest_plugin.gpu_schedule import CHUNK, FREE, case_of, gpu_need, unit_needs
+from qgather.pytest_plugin.collection import case_in
+from qgather.pytest_plugin.gpu_schedule import CHUNK, FREE, gpu_need, unit_needs
 from qgather.pytest_plugin.gpu_scheduler import GpuScheduling
 from qgather.runtime import gpu_lease
 
@@ -111,7 +112,7 @@ def run_worker(node: Node, sched: GpuScheduling, cond: threading.Condition, host
 
 
 def sizes_of(nodeid: str, gpus: int) -> list[int]:
-    case = case_of(nodeid)
+    case = case_in(nodeid)
     return [s for s in case.pool_sizes if s <= gpus] if case else []
 
 
@@ -164,7 +165,7 @@ def test_units_hold_cases_of_one_gpu_need_in_collection_order():
     for nodeid in nodeids:
         members.setdefault(units[nodeid][0], []).append(nodeid)
     for unit, nodes in members.items():
-        needs = {gpu_need(case_of(n), 4) if case_of(n) else FREE for n in nodes}
+        needs = {gpu_need(case_in(n), 4) if case_in(n) else FREE for n in nodes}
         assert len(needs) == 1 and len(nodes) <= CHUNK, unit
     assert units[nodeids[-1]][1] == FREE  # not a case
     ws8 = next(n for n in nodeids if ":ws8:" in n)

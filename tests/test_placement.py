@@ -40,3 +40,16 @@ def test_skip_reasons_group_across_numbers():
 def test_a_case_the_gpus_could_run_but_did_not_fails_the_gpu_job():
     assert [r.world_size for r in placement.unplaced_on_gpus(RECORDS, 4)] == [4]
     assert placement.unplaced_on_gpus(RECORDS, 2) == []  # 4 ranks on 2 GPUs: not this host's to run on NCCL
+
+
+def test_the_engine_says_where_a_case_ran_and_when_no_pool_of_its_size_can_exist():
+    from qgather.engine.run import RunOptions, run_case
+    from qgather.model.case import CaseSpec
+
+    spec = CaseSpec.parse("reference:fp8_tensor:64x64:bf16:ws2:gather:s0")
+    assert run_case(spec, RunOptions(backend="gloo", device="cpu")).ran_on == "gloo/cpu"
+    # NCCL on a host without a GPU: the pool cannot exist, the case is SKIPPED and says so
+    report = run_case(spec, RunOptions(backend="nccl", device="cuda"))
+    assert (report.verdict, report.ran_on) == (Verdict.SKIPPED, UNPLACED), report.render()
+    virtual = CaseSpec.parse("reference:fp8_tensor:64x64:bf16:ws4:virtual:s0")
+    assert run_case(virtual, RunOptions(backend="gloo", device="cpu")).ran_on == "virtual"

@@ -17,7 +17,7 @@ import pytest
 
 from qgather.cases.test_layers import FirstWeights, even_first
 from qgather.model.config import FsdpConfig
-from qgather.pytest_plugin.options import settings
+from qgather.pytest_plugin.collection import parametrize_companion
 from qgather.suite.sweeps import CaseSet, Sweep
 
 SCENARIO = ("block",)
@@ -52,13 +52,8 @@ COMPANIONS = (TORCHAO, TORCHAO_IMPLS)
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case`: torchao's own set, when --impl does not name the implementations."""
-    if "torchao_case" not in metafunc.fixturenames:
-        return
-    options = settings(metafunc.config)
-    impls = [] if options.impls_named else list(TORCHAO_IMPLS)
-    specs = TORCHAO.cases(impls, formats=options.formats, world_sizes=options.world_sizes,
-                          scenarios=options.scenarios)
-    metafunc.parametrize("torchao_case", [pytest.param(c, id=c.id) for c in specs])
+    if "torchao_case" in metafunc.fixturenames:
+        parametrize_companion(metafunc, "torchao_case", TORCHAO, TORCHAO_IMPLS)
 
 
 def test_block(case, qgather):

@@ -21,6 +21,7 @@ import pytest
 
 from qgather.formats import FORMATS
 from qgather.model.config import FsdpConfig
+from qgather.pytest_plugin.collection import parametrize_companion
 from qgather.pytest_plugin.options import settings
 from qgather.suite.config_sweep import CHECKPOINT, ConfigSweep
 from qgather.suite.selection import runnable
@@ -97,22 +98,20 @@ COMPANIONS = (TORCHAO, TORCHAO_IMPLS)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case` (torchao's own sets, when --impl is not given) and `exhaustive_case` (the full
     product, marked slow, for the session's implementations)."""
+    if "torchao_case" in metafunc.fixturenames:
+        parametrize_companion(metafunc, "torchao_case", TORCHAO, TORCHAO_IMPLS)
+    if "exhaustive_case" not in metafunc.fixturenames:
+        return
     config = metafunc.config
+    if not _asked_for_slow(config):
+        metafunc.parametrize("exhaustive_case", [])  # one skipped test: `make test` passes no -m slow
+        return
     options = settings(config)
-    for name, cases in (("torchao_case", TORCHAO), ("exhaustive_case", EXHAUSTIVE)):
-        if name not in metafunc.fixturenames:
-            continue
-        impls = list(options.impls) if options.impls_named else None
-        if name == "exhaustive_case" and not _asked_for_slow(config):
-            metafunc.parametrize(name, [])  # one skipped test: `make test` passes no -m slow
-            continue
-        if name == "torchao_case":
-            impls = [] if impls else list(TORCHAO_IMPLS)
-        specs = cases.cases(impls or ["reference"] if name == "exhaustive_case" else impls,
-                            formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
-        specs = runnable(specs, None, options.run.device_type())  # what each implementation declares
-        marks = [getattr(pytest.mark, m) for m in cases.marks]
-        metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=marks) for c in specs])
+    specs = EXHAUSTIVE.cases(list(options.impls) if options.impls_named else ["reference"],
+                             formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
+    specs = runnable(specs, None, options.run.device_type())  # what each implementation declares
+    marks = [getattr(pytest.mark, m) for m in EXHAUSTIVE.marks]
+    metafunc.parametrize("exhaustive_case", [pytest.param(c, id=c.id, marks=marks) for c in specs])
 
 
 def test_config(case, qgather):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -87,56 +88,44 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseReport:
     options = options or RunOptions()
     impl = check_case(spec)
     started = time.monotonic()
-    found, placement, seconds = _run(spec, impl, options)
+    ran = _run(spec, impl, options)
+    found = ran.found
     return CaseReport(spec, found.verdict, found.reason, found.details, expectation(spec),
-                      time.monotonic() - started, placement,
-                      repro_command(spec.id, options.backend, options.device, options.case_timeout), seconds,
-                      ran_on=_ran_on(spec, impl, options, found), stage=found.stage)
+                      time.monotonic() - started, ran.placement,
+                      repro_command(spec.id, options.backend, options.device, options.case_timeout), ran.seconds,
+                      ran_on=ran.ran_on, stage=found.stage)
 
 
 Seconds = tuple[tuple[str, float], ...]
 
 
-def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> tuple[Classification, str, Seconds]:
-    reason = _skip_reason(spec, impl, options)
+class _Ran(NamedTuple):
+    """What running a case gave: its classification, where it ran (CaseReport.placement, .ran_on), its steps."""
+
+    found: Classification
+    ran_on: str = ""
+    placement: str = ""
+    seconds: Seconds = ()
+
+
+def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> _Ran:
+    reason = impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl)
     if reason:
-        return Classification(Verdict.SKIPPED, reason), "", ()
+        return _Ran(Classification(Verdict.SKIPPED, reason))
     if spec.scenario == "virtual":
-        return _run_virtual(spec, impl), "", ()
+        return _Ran(_run_virtual(spec, impl), "virtual")
     if spec.config.saved_at_world_size is None:
         return _run_on_pool(spec, impl, options)
     with saved_checkpoint(spec, impl, options) as (checkpoint, failure):
-        return (failure, "", ()) if failure else _run_on_pool(spec, impl, options, checkpoint)
-
-
-def _skip_reason(spec: CaseSpec, impl: Implementation, options: RunOptions) -> str:
-    """Why the implementation or FSDP2 cannot run the case on this device ("" if they can)."""
-    return impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl) or ""
-
-
-def _ran_on(spec: CaseSpec, impl: Implementation, options: RunOptions, found: Classification) -> str:
-    """Where the case's ranks ran (CaseReport.ran_on)."""
-    if found.verdict is Verdict.SKIPPED and found.reason == _skip_reason(spec, impl, options):
-        return ""
-    if spec.scenario == "virtual":
-        return "virtual"
-    pool = _pool_spec(spec, options)
-    if found.verdict is Verdict.SKIPPED and pool.shape_problem() == "" and _unplaceable(pool):
-        return UNPLACED
-    return f"{pool.backend}/{pool.device}"
+        if failure:
+            pool = _pool_spec(spec, options)
+            return _Ran(failure, f"{pool.backend}/{pool.device}")
+        return _run_on_pool(spec, impl, options, checkpoint)
 
 
 def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:
     return PoolSpec(backend=options.backend_for(spec.world_size), world_size=spec.world_size,
                     device=options.device_type())
-
-
-def _unplaceable(pool: PoolSpec) -> bool:
-    try:
-        pool.validate()
-    except PoolSpecError:
-        return True
-    return False
 
 
 def _run_virtual(spec: CaseSpec, impl: Implementation) -> Classification:
@@ -151,12 +140,14 @@ def _run_virtual(spec: CaseSpec, impl: Implementation) -> Classification:
 
 
 def _run_on_pool(spec: CaseSpec, impl: Implementation, options: RunOptions,
-                 *case_args) -> tuple[Classification, str, Seconds]:
+                 *case_args) -> _Ran:
     pool_spec = _pool_spec(spec, options)
+    ran_on = f"{pool_spec.backend}/{pool_spec.device}"
     try:
         pool = get_pool(pool_spec.validate(), options.say)
     except PoolSpecError as exc:  # also under torchrun/SLURM: a world size the launched job does not have
-        return Classification(Verdict.SKIPPED, str(exc)), "", ()
+        unplaced = UNPLACED if not pool_spec.shape_problem() else ran_on
+        return _Ran(Classification(Verdict.SKIPPED, str(exc)), unplaced)
     kwargs = {"case_id": spec.id, "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
@@ -167,9 +158,9 @@ def _run_on_pool(spec: CaseSpec, impl: Implementation, options: RunOptions,
         found = replace(found, details=(*found.details, *detail_evidence(pool_spec, spec, kwargs)))
     seconds = step_seconds(outcome)
     if not outcome.placement:
-        return found, "", seconds
+        return _Ran(found, ran_on, "", seconds)
     details = (*found.details, *where_lines(outcome))
-    return replace(found, details=details), outcome.placement, seconds
+    return _Ran(replace(found, details=details), ran_on, outcome.placement, seconds)
 
 
 POOL_START = "pool start"

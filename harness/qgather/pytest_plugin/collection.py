@@ -9,11 +9,12 @@ Test modules under cases/ (qgather/cases/ of an install) declare
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 
 from qgather.impls import UnknownImplementationError, get_impl
-from qgather.model.case import CaseSpec
+from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.pytest_plugin.options import settings
 from qgather.pytest_plugin.role import Role, role
 from qgather.runtime.launch import default_world_sizes, detect_launch
@@ -57,6 +58,28 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     slow = [*marks, pytest.mark.slow]
     params = [pytest.param(c, id=c.id, marks=marks if c.id in default else slow) for c in cases]
     metafunc.parametrize("case", params)
+
+
+def case_in(nodeid: str) -> CaseSpec | None:
+    """The case a test node checks, read from its parametrize id with CaseSpec.parse (the one reader
+    of case ids; under xdist the controller has the node ids alone); None for a test of no one case."""
+    try:
+        return CaseSpec.parse(nodeid.partition("[")[2].removesuffix("]"))
+    except CaseSpecError:
+        return None
+
+
+def parametrize_companion(metafunc: pytest.Metafunc, name: str, cases: CaseSet, impls: Sequence[str]) -> None:
+    """Parametrize `name` with a module's companion set (e.g. torchao's own cases beside the default
+    run's): every case of `impls` the selection keeps, or none when --impl names the implementations
+    (a named run gets its cases from the module's SWEEP)."""
+    options = settings(metafunc.config)
+    chosen = [] if options.impls_named else list(impls)
+    specs = cases.cases(chosen, formats=options.formats, world_sizes=options.world_sizes,
+                        scenarios=options.scenarios)
+    specs = runnable(specs, None, options.run.device_type())  # what each implementation declares
+    marks = [getattr(pytest.mark, m) for m in cases.marks]
+    metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=marks) for c in specs])
 
 
 def _loadable(config: pytest.Config, impls: list[str]) -> bool:

@@ -20,14 +20,14 @@ The run's controller makes the lease directory that every worker shares (QGATHER
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections import Counter
 from typing import Any
 
 import pytest
 
-from qgather.model.case import CaseSpec, CaseSpecError
+from qgather.model.case import CaseSpec
+from qgather.pytest_plugin.collection import case_in
 from qgather.runtime import gpu_lease
 from qgather.runtime.registry import release_gpu_pools
 from qgather.runtime.spec import PoolSpec, visible_gpus
@@ -35,23 +35,11 @@ from qgather.runtime.spec import PoolSpec, visible_gpus
 CHUNK = 16  # cases a worker is handed at once; its pool stays warm across them
 FREE = 0  # the GPU need of a unit whose cases lease no GPU
 lease_dir_key = pytest.StashKey[str]()
-_PARAM_ID = re.compile(r"\[(.+)\]$")
 
 
 def gpu_need(case: CaseSpec, gpus: int) -> int:
     """GPUs the case's largest NCCL pool leases on a host with `gpus` GPUs (FREE: none)."""
     return max((size for size in case.pool_sizes if size <= gpus), default=FREE)
-
-
-def case_of(nodeid: str) -> CaseSpec | None:
-    """The case a test node checks, from its parametrize id (None for a test that is not one case)."""
-    found = _PARAM_ID.search(nodeid)
-    if not found:
-        return None
-    try:
-        return CaseSpec.parse(found.group(1))
-    except CaseSpecError:
-        return None
 
 
 def make_lease_dir(config: pytest.Config) -> None:
@@ -93,7 +81,7 @@ def unit_needs(nodeids: list[str], gpus: int) -> dict[str, tuple[str, int]]:
     seen: Counter[int] = Counter()
     units = {}
     for nodeid in nodeids:
-        case = case_of(nodeid)
+        case = case_in(nodeid)
         need = gpu_need(case, gpus) if case is not None else FREE
         units[nodeid] = (f"qgather-gpus{need}-{seen[need] // CHUNK}", need)
         seen[need] += 1

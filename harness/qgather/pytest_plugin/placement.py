@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from qgather.errors import first_line
 from qgather.model.case_record import CaseRecord
 from qgather.model.report import UNPLACED
+from qgather.model.text import clip
 
 SKIPPED = "skipped"
 COLUMNS = ("nccl/cuda", "gloo/cuda", "gloo/cpu", "virtual", UNPLACED, SKIPPED)
 REASONS_SHOWN = 8
+REASON_WIDTH = 110
 _NUMBERS = re.compile(r"\d+")
 
 
@@ -55,7 +57,7 @@ def table_lines(records: Sequence[CaseRecord]) -> list[str]:
     reasons = skip_reasons(records)
     if reasons:
         lines.append("  skipped, by reason:")
-        lines += [f"  {count:>8}  {_short(reason)}" for count, reason in reasons[:REASONS_SHOWN]]
+        lines += [f"  {count:>8}  {clip(reason, REASON_WIDTH)}" for count, reason in reasons[:REASONS_SHOWN]]
         if len(reasons) > REASONS_SHOWN:
             rest = reasons[REASONS_SHOWN:]
             lines.append(f"  {sum(count for count, _ in rest):>8}  ({len(rest)} other reasons)")
@@ -65,9 +67,3 @@ def table_lines(records: Sequence[CaseRecord]) -> list[str]:
 def as_json(records: Sequence[CaseRecord]) -> dict[str, dict[str, int]]:
     """The table for verdicts.json: world size -> column -> count."""
     return {str(size): dict(counts) for size, counts in by_world_size(records).items()}
-
-
-def _short(text: str, width: int = 110) -> str:
-    if len(text) <= width:
-        return text
-    return text[:width].rsplit(" ", 1)[0] + " ..."

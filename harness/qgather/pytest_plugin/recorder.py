@@ -16,10 +16,10 @@ from collections.abc import Generator
 
 import pytest
 
-from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.model.case_record import CaseRecord, Outcome
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin import placement
+from qgather.pytest_plugin.collection import case_in
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.options import Settings
 from qgather.pytest_plugin.reports import build as build_reports
@@ -51,14 +51,8 @@ def report_outcome(report: pytest.TestReport) -> Outcome:
 
 
 def is_case_test(nodeid: str) -> bool:
-    """A test parametrized with one case: its id's parameter reads as a case id (CaseSpec.parse, the
-    one reader of case ids; under xdist the controller has the node ids alone)."""
-    param = nodeid.partition("[")[2].removesuffix("]")
-    try:
-        CaseSpec.parse(param)
-    except CaseSpecError:
-        return False
-    return True
+    """A test parametrized with one case."""
+    return case_in(nodeid) is not None
 
 
 class Recorder:

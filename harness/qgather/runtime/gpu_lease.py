@@ -69,6 +69,8 @@ def make_lease_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{LEASE_DIR_PREFIX}{os.getpid()}-gpus-")
 
 
+# A process's own lease dir, when no run shares one: per process by nature (a runtime module that
+# knows no pytest), like the registry's pools, and removed with them (registry.shutdown_pools).
 _own_dir: str | None = None
 
 

@@ -55,7 +55,7 @@ def fork_safe(modules: list[str]) -> list[str]:
         pid = os.fork()
         if pid == 0:
             try:
-                import torch
+                import torch  # the runtime's helpers import no torch: the runner may not have it loaded
 
                 torch.zeros(1, device="cuda").add_(1)
                 torch.cuda.synchronize()

@@ -51,7 +51,7 @@ from qgather.model.phases import Phase, PhaseTracker
 from qgather.model.records import BufferDiff, DiffProblem, RankResult, Stage, WireSummary
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios import fsdp_setup
-from qgather.scenarios.compiled import CountingBackend, backend_name
+from qgather.scenarios.compiled import CaseForward
 from qgather.scenarios.context import RankCase
 from qgather.scenarios.judging import judged_in_forward
 from qgather.scenarios.layers import (
@@ -273,17 +273,10 @@ class _BlockRun:
         self._in_root = [p.module for p in plains if p.param.in_root]  # gathered by the root's group only
         self.param_types = tuple(dict.fromkeys(type(local_shard(layer.module)) for layer in layers))
         self.twin: list[torch.Tensor] | None = None
-        self.counting: CountingBackend | None = None
-        self.forward = model
-        if case.spec.config.compile:
-            # A warm rank runs many cases through the same code: Dynamo's caches start empty for each.
-            torch._dynamo.reset()
-            self.counting = CountingBackend(backend_name())
-            self.forward = torch.compile(model, backend=self.counting)
+        self.forward = CaseForward(case, model)
 
     def close(self) -> None:
-        if self.counting is not None:
-            torch._dynamo.reset()
+        self.forward.close()
 
     # the stages of every parameter -----------------------------------------------------------
     def _judge(self, module: torch.nn.Module, goldens: dict[int, Golden], point: int, what: str) -> Stage:
@@ -358,8 +351,8 @@ class _BlockRun:
         with phases.at(Phase.FORWARD), hooks_moving_phase(phases, self.param_types), \
                 impl.gather_context(case.ctx.group), impl.forward_context(case.spec), \
                 judged_in_forward(judged, lambda m: self._judge(m, by_module, point, f"{when}, the forward"),
-                                  phases, stages, compiled=self.counting is not None):
-            outputs = self.forward(case.x.to(case.spec.torch_dtype))
+                                  phases, stages, compiled=self.forward.compiled):
+            outputs = self.forward.call(case.x.to(case.spec.torch_dtype))
         stages += self._outputs_stage(when, point, outputs)
         with phases.at(Phase.STEP), hooks_moving_phase(phases, self.param_types), impl.gather_context(case.ctx.group):
             self.block.unshard()
@@ -369,16 +362,11 @@ class _BlockRun:
         return stages
 
     def _outputs_stage(self, when: str, point: int, outputs: list[torch.Tensor]) -> list[Stage]:
+        """The outputs and loss against the one-device module's (nothing when there is none to compare
+        with), or the error of a compile that captured no graph."""
         label = f"{when}: the model's outputs and loss against the same model on one device"
-        if self.counting is not None and self.counting.graphs == 0:
-            return [Stage(label, forward_error="torch.compile captured no graph (Dynamo ran the whole forward "
-                                               "eagerly): nothing compiled")]
-        if self.twin is None:
-            return []
-        got = _flat(outputs)
-        note = f"model forward: torch.compile backend {self.counting.name}, FSDP2 hooks eager" if self.counting else ""
-        return [Stage(label, output=compare_values(got, self.twin[point].to(got.device)),
-                      output_digest=digest({"output": got}, {}), note=note)]
+        expected = self.twin[point] if self.twin is not None else None
+        return self.forward.outputs_stage(label, "model", _flat(outputs), expected)
 
     def requantize(self, point: int) -> None:
         """Every shard re-quantized (or, plain, copied) from its rows of the masters at `point` (0:

@@ -61,6 +61,42 @@ class CountingBackend:
         return self.backend(gm, example_inputs)
 
 
+NO_GRAPH = "torch.compile captured no graph (Dynamo ran the whole forward eagerly): nothing compiled"
+
+
+class CaseForward:
+    """A whole module's forward as a case runs it (the layers and block scenarios): eager, or under
+    `compile` torch.compile with a backend that counts its graphs. `close` clears what Dynamo cached."""
+
+    def __init__(self, case: RankCase, module: torch.nn.Module) -> None:
+        self.counting: CountingBackend | None = None
+        self.call = module
+        if case.spec.config.compile:
+            # A warm rank runs many cases through the same code: Dynamo's caches start empty for each.
+            torch._dynamo.reset()
+            self.counting = CountingBackend(backend_name())
+            self.call = torch.compile(module, backend=self.counting)
+
+    @property
+    def compiled(self) -> bool:
+        return self.counting is not None
+
+    def close(self) -> None:
+        if self.counting is not None:
+            torch._dynamo.reset()
+
+    def outputs_stage(self, label: str, what: str, got: torch.Tensor, expected: torch.Tensor | None) -> list[Stage]:
+        """The flattened outputs `got` against the one-device `expected` (nothing when there is none to
+        compare with), or the error of a compile that captured no graph; `what` names the module."""
+        if self.counting is not None and self.counting.graphs == 0:
+            return [Stage(label, forward_error=NO_GRAPH)]
+        if expected is None:
+            return []
+        note = f"{what} forward: torch.compile backend {self.counting.name}, FSDP2 hooks eager" if self.counting else ""
+        return [Stage(label, output=compare_values(got, expected.to(got.device)),
+                      output_digest=digest({"output": got}, {}), note=note)]
+
+
 def compiled_stages(case: RankCase, module: torch.nn.Module, golden: Golden, when: str = "") -> list[Stage]:
     """The module's eager forward, then its compiled forward, each on the case's input in the masters'
     dtype after a reshard (FSDP2's own unshard gathers the weight for it): each gathered weight judged
@@ -97,8 +133,7 @@ def compiled_stages(case: RankCase, module: torch.nn.Module, golden: Golden, whe
     finally:
         torch._dynamo.reset()
     if counting.graphs == 0:
-        return [*stages, Stage(label, forward_error="torch.compile captured no graph (Dynamo ran the whole forward "
-                                                    "eagerly): nothing compiled")]
+        return [*stages, Stage(label, forward_error=NO_GRAPH)]
     return [*stages, Stage(label, output=_compare(compiled, eager), output_digest=digest({"output": compiled}, {}),
                            note=f"compiled forward: torch.compile backend {name}, {counting.graphs} graph(s), "
                                 "FSDP2 hooks eager")]

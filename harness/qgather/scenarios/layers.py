@@ -36,7 +36,6 @@ from qgather.check.golden import Golden, golden_for
 from qgather.check.inspection import Inspector
 from qgather.check.wire import record_wire, summarize_wire
 from qgather.errors import HarnessFault
-from qgather.instruments.compare import compare_values, digest
 from qgather.instruments.patches import hooks_moving_phase
 from qgather.model.case import CaseSpec
 from qgather.model.layers import LayerWeight, layer_weights
@@ -45,7 +44,7 @@ from qgather.model.policy import refusal_accepted
 from qgather.model.records import BufferDiff, RankResult, Stage, WireSummary
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios import fsdp_setup
-from qgather.scenarios.compiled import CountingBackend, backend_name
+from qgather.scenarios.compiled import CaseForward
 from qgather.scenarios.context import RankCase
 from qgather.scenarios.data import make_gradient, make_weight
 from qgather.scenarios.judging import judged_in_forward
@@ -272,17 +271,10 @@ class _Iteration:
     def __init__(self, case: RankCase, module: Layers, layers: list[Layer], twin: list[torch.Tensor] | None) -> None:
         self.case, self.module, self.layers, self.twin = case, module, layers, twin
         self.param_types = tuple(dict.fromkeys(type(local_shard(layer.module)) for layer in layers))
-        self.counting: CountingBackend | None = None
-        self.forward = module
-        if case.spec.config.compile:
-            # A warm rank runs many cases through the same code: Dynamo's caches start empty for each.
-            torch._dynamo.reset()
-            self.counting = CountingBackend(backend_name())
-            self.forward = torch.compile(module, backend=self.counting)
+        self.forward = CaseForward(case, module)
 
     def close(self) -> None:
-        if self.counting is not None:
-            torch._dynamo.reset()
+        self.forward.close()
 
     def run(self, point: int, goldens: list[Golden]) -> list[Stage]:
         """The stages of one iteration at `point` (0: before step 1, k: after step k)."""
@@ -299,24 +291,17 @@ class _Iteration:
         with phases.at(Phase.FORWARD), hooks_moving_phase(phases, self.param_types), \
                 impl.gather_context(case.ctx.group), impl.forward_context(case.spec), \
                 judged_in_forward([layer.module for layer in self.layers], judge, phases, stages,
-                                  compiled=self.counting is not None):
-            outputs = self.forward(case.x.to(case.spec.torch_dtype))
+                                  compiled=self.forward.compiled):
+            outputs = self.forward.call(case.x.to(case.spec.torch_dtype))
         stages += self._outputs_stage(when, point, outputs)
         return stages + self._backward_unshards(when, goldens)
 
     def _outputs_stage(self, when: str, point: int, outputs: list[torch.Tensor]) -> list[Stage]:
         """The outputs and loss against the one-device module's (nothing when there is none to compare
-        with: a note says so), or the error of a compile that captured no graph."""
+        with), or the error of a compile that captured no graph."""
         label = f"{when}: the module's outputs and loss against the same module on one device"
-        if self.counting is not None and self.counting.graphs == 0:
-            return [Stage(label, forward_error="torch.compile captured no graph (Dynamo ran the whole forward "
-                                               "eagerly): nothing compiled")]
-        if self.twin is None:
-            return []
-        got = _flat(outputs)
-        note = f"module forward: torch.compile backend {self.counting.name}, FSDP2 hooks eager" if self.counting else ""
-        return [Stage(label, output=compare_values(got, self.twin[point].to(got.device)),
-                      output_digest=digest({"output": got}, {}), note=note)]
+        expected = self.twin[point] if self.twin is not None else None
+        return self.forward.outputs_stage(label, "module", _flat(outputs), expected)
 
     def _backward_unshards(self, when: str, goldens: list[Golden]) -> list[Stage]:
         """Every layer re-gathered in reverse, as the backward's pre-hooks do, from whatever the forward left."""

@@ -31,7 +31,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,30 +38,21 @@ from torch.distributed.fsdp import FSDPModule
 from torch.profiler import ProfilerActivity, profile
 
 from qgather.check import golden, inspection
-from qgather.engine.classify import classify_results
 from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.impls.te.environment import te_import_error
 from qgather.model.case import CaseSpec
-from qgather.model.phases import Step
-from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, get_pool, shutdown_pools
 from qgather.scenarios import context, fsdp, fsdp_setup
 from qgather.scenarios.data import make_weight
 from qgather.scenarios.module import own_sharded_module
 from qgather.scenarios.registry import run_on_rank
-from qgather.tools import bench_steps, memory_waypoints, peak_anatomy
+from qgather.tools import memory_waypoints, peak_anatomy
+from qgather.tools.bench_report import BareWork, report
 from qgather.tools.nccl_projection import (
     BUS_BANDWIDTH,
     BUS_BANDWIDTH_SOURCE,
-    Projection,
-    hbm_bandwidth,
-    project,
-    step_floor_bytes,
 )
-
-TIME_GOAL = 3.0
-MEMORY_GOAL = 3.0
 
 
 def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict:
@@ -90,21 +80,6 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     return {"runs": runs, "bare": bare, "peak_bytes": peak, "weight_bytes": weight.numel() * weight.element_size(),
             "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "profile": table,
             "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
-
-
-@dataclass(frozen=True)
-class BareWork:
-    """The bare work on one rank, median seconds of each part; `build_s` None: the library has no
-    module build of its own (qgather's fully_shard route builds the module)."""
-
-    quantize_s: float
-    collective_s: float
-    build_s: float | None
-    own_quantizer: bool
-
-    @property
-    def total_s(self) -> float:
-        return self.quantize_s + self.collective_s + (self.build_s or 0.0)
 
 
 def _bare_work(ctx, spec: CaseSpec, weight: torch.Tensor, nbytes: int, reps: int) -> BareWork:
@@ -278,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(_traceback_tail(outcome))
                 missed.append(f"{fmt}: did not run")
                 continue
-            missed += _report(fmt, case_id, outcome.results, args, backend)
+            missed += report(fmt, case_id, outcome.results, args, backend)
             if args.profile:
                 print(outcome.results[0]["profile"])
     finally:
@@ -295,129 +270,6 @@ def _traceback_tail(outcome, lines: int = 12) -> str:
     if first is None or not first.traceback_text:
         return ""
     return "\n".join("    " + line for line in first.traceback_text.rstrip().splitlines()[-lines:])
-
-
-def _report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespace, backend: str) -> list[str]:
-    """Every goal of one format, measured vs goal, then where the case's seconds went; the goals missed."""
-    goals = [_verdict_goal(fmt, case_id, results)]
-    rep = _median_rep(results)
-    case_s = max(r["runs"][rep]["full_s"] for r in results)  # a case takes as long as its slowest rank
-    bare = max((r["bare"] for r in results), key=lambda b: b.total_s)
-    first = results[0]
-    nbytes = first["collective_bytes"]
-    ratio = case_s / bare.total_s if bare.total_s else float("inf")
-    print(f"    bare work, its slowest rank: {_bare_line(bare, case_id.split(':' + fmt + ':')[0], nbytes, backend)}")
-    timing = f"case {case_s * 1e3:.2f} ms (its slowest rank) vs bare {bare.total_s * 1e3:.2f} ms: ratio {ratio:.2f}"
-    if backend == "nccl":
-        goals.append(Goal("time", ratio <= TIME_GOAL, timing, f"ratio <= {TIME_GOAL:g}"))
-    else:
-        print(f"    time on {backend} (not a goal: its all-gather goes through the host): {timing}")
-        projection = project(case_s, bare.total_s - bare.collective_s, bare.collective_s, nbytes,
-                             args.world_size, args.bus_bandwidth * 1e9)
-        goals.append(Goal("time on NCCL (projected)", projection.ratio <= TIME_GOAL,
-                          _projection_line(projection, nbytes, args), f"ratio <= {TIME_GOAL:g}"))
-    if args.device == "cuda":
-        memory = max(r["peak_bytes"] / r["weight_bf16_bytes"] for r in results)
-        goals.append(Goal("memory", memory <= MEMORY_GOAL, f"peak {memory:.2f}x the bf16 weight per rank "
-                          "(every run, warm-up included)", f"<= {MEMORY_GOAL:g}x"))
-    print(f"    {_golden_line(results, rep)}")
-    ranks, last_rank = bench_steps.split_waits([_rank_steps(r["runs"][rep]["result"]) for r in results])
-    table = bench_steps.spreads(ranks)
-    floors = _floors(first, bare.own_quantizer, args) if args.device == "cuda" else {}
-    if floors and backend == "nccl":
-        goals += [Goal(f"{step} within {bench_steps.FLOOR_GOAL:g}x its HBM floor", False,
-                       f"{seconds * 1e3:.2f} ms on its slowest rank vs floor {floor * 1e3:.3f} ms: "
-                       f"{seconds / floor:.1f}x", f"<= {bench_steps.FLOOR_GOAL:g}x")
-                  for step, seconds, floor in bench_steps.floor_misses(table, floors)]
-        goals.append(Goal("qgather's own steps within their HBM floors", not bench_steps.floor_misses(table, floors),
-                          ", ".join(bench_steps.OWN_STEPS), f"each <= {bench_steps.FLOOR_GOAL:g}x its floor"))
-    for goal in goals:
-        print(f"    {goal.line()}")
-    _print_steps(table, floors, last_rank, rep, hbm_bandwidth(first["device_name"])[1], backend)
-    return [f"{fmt} {goal.name}" for goal in goals if not goal.met]
-
-
-def _verdict_goal(fmt: str, case_id: str, results: list[dict]) -> Goal:
-    """The case's verdict over the ranks in every run (warm-up included): the first one not EXACT, if any."""
-    found = [classify_results([r["runs"][i]["result"] for r in results]) for i in range(len(results[0]["runs"]))]
-    worst = next((f for f in found if f.verdict is not Verdict.EXACT), found[0])
-    print(f"  {fmt}: {case_id}: {worst.verdict.value}" + (f" ({worst.reason})" if worst.reason else "")
-          + f" ({sum(f.verdict is Verdict.EXACT for f in found)} of {len(found)} runs EXACT)")
-    return Goal("verdict", worst.verdict is Verdict.EXACT, f"{worst.verdict.value} in every run" if
-                worst.verdict is Verdict.EXACT else worst.verdict.value, "EXACT")
-
-
-def _golden_line(results: list[dict], rep: int) -> str:
-    """The golden's seconds in the warm-up run, which computed it, and in the measured run, which
-    found it kept (qgather.check.golden_cache), on their slowest ranks."""
-    def slowest(run: int) -> float:
-        return max(dict(r["runs"][run]["result"].seconds).get(Step.GOLDEN.value, 0.0) for r in results)
-
-    return (f"golden: {slowest(0) * 1e3:.2f} ms in the warm-up run, which computed it; {slowest(rep) * 1e3:.2f} ms "
-            f"in the measured runs, which find it kept for the same weight (qgather.check.golden_cache)")
-
-
-def _median_rep(results: list[dict]) -> int:
-    """The measured run (the warm-up, run 0, is not one) whose slowest rank took the median time."""
-    measured = range(1, len(results[0]["runs"]))
-    by_time = sorted(measured, key=lambda i: max(r["runs"][i]["full_s"] for r in results))
-    return by_time[len(by_time) // 2]
-
-
-def _rank_steps(result) -> bench_steps.RankSteps:
-    return bench_steps.RankSteps(result.rank, dict(result.seconds), dict(result.started))
-
-
-def _bare_line(bare: BareWork, impl: str, nbytes: int, backend: str) -> str:
-    """What the bare work includes, part by part."""
-    quantizer = "its own quantizer" if bare.own_quantizer else "qgather's reference formats: it has no quantizer"
-    build = (f"{impl}'s own sharded module build (make_sharded_module, what its users run) "
-             f"{bare.build_s * 1e3:.2f} ms" if bare.build_s is not None else
-             f"no module build ({impl} has no route of its own: qgather's fully_shard route is not bare work)")
-    return (f"{bare.total_s * 1e3:.2f} ms = {impl}'s quantization of the shard ({quantizer}) "
-            f"{bare.quantize_s * 1e3:.2f} ms + {build} + the all-gather alone of {nbytes / 1e6:.1f} MB per rank over "
-            f"{backend} {bare.collective_s * 1e3:.2f} ms")
-
-
-def _floors(first: dict, own_quantizer: bool, args: argparse.Namespace) -> dict[str, float]:
-    bandwidth, _ = hbm_bandwidth(first["device_name"])
-    floor_bytes = step_floor_bytes(first["weight_bytes"], first["collective_bytes"] * args.world_size,
-                                   args.world_size, own_quantizer)
-    return bench_steps.floor_seconds(floor_bytes, bandwidth)
-
-
-@dataclass(frozen=True)
-class Goal:
-    name: str
-    met: bool
-    measured: str
-    wanted: str
-
-    def line(self) -> str:
-        return f"{'ok    ' if self.met else 'MISSED'} {self.name}: {self.measured} (goal: {self.wanted})"
-
-
-def _projection_line(p: Projection, nbytes: int, args: argparse.Namespace) -> str:
-    megabytes = nbytes * args.world_size / 1e6
-    return (f"case {p.case_on_nccl_s * 1e3:.2f} ms vs bare {p.bare_on_nccl_s * 1e3:.3f} ms: ratio {p.ratio:.1f} "
-            f"[the measured all-gather ({p.measured_collective_s * 1e3:.1f} ms) replaced by NCCL's "
-            f"{p.nccl_collective_s * 1e3:.3f} ms for {megabytes:.0f} MB at {args.bus_bandwidth:g} GB/s bus "
-            f"bandwidth: {BUS_BANDWIDTH_SOURCE}]")
-
-
-def _print_steps(table: list, floors: dict[str, float], last_rank: int | None, rep: int,
-                 bandwidth_source: str, backend: str) -> None:
-    """The case's steps over its ranks (the median run): the slowest and the fastest rank, and on a GPU
-    the HBM floor where modelled."""
-    if not floors:
-        where = "no HBM floors on the CPU"
-    else:
-        where = f"HBM floor: the bytes a step must read and write at least, a model, at {bandwidth_source}"
-        if backend != "nccl":
-            where += f"; not goals: the ranks share GPUs over {backend}"
-    print(f"    steps (run {rep}, the median; {where}):")
-    for line in bench_steps.table_lines(table, floors, last_rank):
-        print(line)
 
 
 if __name__ == "__main__":
