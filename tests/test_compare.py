@@ -92,3 +92,51 @@ def test_buffer_differences_are_records_rendered_only_as_lines():
     assert BufferDiff("w", DiffProblem.HELD_ONLY, detail="on one GPU").line() == "w: held only on one GPU"
     assert BufferDiff("w", DiffProblem.VALUES, n_diff=2, max_abs=0.5).line() == \
         "w: 2 dequantized values differ, max |diff| 0.5"
+
+
+def _q(buffers):
+    from qgather.formats import QuantizedTensor
+    return QuantizedTensor("fp8_block", (64, 64), buffers, {n: tuple(slice(None) for _ in t.shape)
+                                                            for n, t in buffers.items()})
+
+
+@pytest.mark.parametrize("numel", [4096, 4095, 4094, 4093])  # read as 8-, 1-, 2- and 1-byte words
+def test_word_compare_counts_every_differing_element_not_word(numel):
+    from qgather.instruments.compare import compare_buffers
+    want = torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    got = want.clone()
+    got[[8, 9, 10, numel - 1]] ^= 1  # three bytes of one 8-byte word, and the last byte
+    assert compare_buffers({"d": want.clone()}, _q({"d": want})) == []
+    (diff,) = compare_buffers({"d": got}, _q({"d": want}))
+    assert (diff.name, diff.n_diff, diff.n_valid) == ("d", 4, numel)
+
+
+def test_a_transposed_view_of_a_golden_buffer_compares_as_its_contiguous_copy():
+    from qgather.instruments.compare import compare_buffers
+    rowwise = torch.randint(0, 256, (96, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    got = rowwise.t().contiguous()
+    assert compare_buffers({"c": got}, _q({"c": rowwise.t()})) == []
+    got[3, 7] ^= 0x80
+    (diff,) = compare_buffers({"c": got}, _q({"c": rowwise.t()}))
+    assert (diff.n_diff, diff.n_valid) == (1, 96 * 40)
+
+
+def test_value_blocks_are_made_again_only_to_size_a_difference():
+    from qgather.instruments.compare import compare_value_blocks
+    want = [torch.randn(4, 8, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    made = []
+
+    def pairs(got):
+        made.append(True)
+        return zip(got, want)
+
+    same = compare_value_blocks(lambda: pairs([w.clone() for w in want]))
+    assert (same.equal, same.n_diff, len(made)) == (True, 0, 1)
+    made.clear()
+    got = [w.clone() for w in want]
+    got[2][1, 3] += 0.5
+    got[0][0, 0] = float("nan")
+    differ = compare_value_blocks(lambda: pairs(got))
+    assert (differ.equal, differ.n_diff, differ.max_abs, len(made)) == (False, 2, float("inf"), 2)
+    shape = compare_value_blocks(lambda: zip([torch.zeros(4, 7)], want))
+    assert (shape.equal, shape.n_diff) == (False, -1)

@@ -489,3 +489,11 @@ def test_cuda_matches_cpu(name):
     qg = fmt.quantize(x.cuda())
     assert qg.device.type == "cuda"
     assert qc.mismatches(qg.to("cpu")) == []
+
+
+def test_packed_e2m1_pairs_read_as_the_unpacked_codes_values():
+    from qgather.formats import numerics as nx
+
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    expected = nx.e2m1_values(nx.unpack_nibbles(every_byte))
+    assert torch.equal(nx.e2m1_pair_values(every_byte).view(torch.int32), expected.view(torch.int32))  # -0.0 too

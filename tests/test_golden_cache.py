@@ -107,3 +107,21 @@ def test_a_buffer_identical_to_the_golden_takes_the_goldens_digest_part(monkeypa
     assert compare.digest(again, golden.q.valid, kept) == compare.digest(again, golden.q.valid)
     got["rowwise_data"] = got["rowwise_data"].view(torch.int8)  # same bits, another dtype: not the golden's part
     assert "rowwise_data" not in _identical(got, golden, compare.compare_buffers(got, golden.q))
+
+
+def test_a_kept_golden_holds_a_derived_buffer_as_a_view_only_where_its_bits_agree():
+    from qgather.check.golden import golden_for
+    from qgather.formats import FORMATS
+
+    fmt = FORMATS["fp8_block"]
+    golden = golden_for(fmt, torch.randn(256, 384, generator=torch.Generator().manual_seed(3)))
+    rowwise = golden.q.buffers["rowwise_data"]
+    golden.keep_on_device()
+    assert golden.q.buffers["columnwise_data"].data_ptr() == rowwise.data_ptr()  # one copy
+    assert golden.q.buffers["columnwise_data"].equal(rowwise.t())
+
+    broken = golden_for(fmt, torch.randn(256, 384, generator=torch.Generator().manual_seed(3)))
+    broken.q.buffers["columnwise_data"][5, 9] ^= 1  # e.g. an own quantizer's columnwise copy that differs
+    broken.keep_on_device()
+    assert broken.q.buffers["columnwise_data"].data_ptr() != broken.q.buffers["rowwise_data"].data_ptr()
+    assert int(broken.q.buffers["columnwise_data"][5, 9]) != int(broken.q.buffers["rowwise_data"][9, 5])

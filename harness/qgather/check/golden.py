@@ -87,6 +87,21 @@ class Golden:
         if not self._away:
             self._device = None
 
+    def keep_on_device(self) -> None:
+        """Back on the device for good, as one copy: parked (Golden.park) only while it was computed
+        and cross-checked, a kept golden is read by every inspection where it is, with no copy from
+        the host; each buffer the format derives from another is then held as a view of it where
+        their bits agree (Format.derived_views)."""
+        self.unpark()
+        self._host.clear()
+        if self.q is None:
+            return
+        for name, view in self.fmt.derived_views(self.q).items():
+            held = self.q.buffers[name]
+            if held.shape == view.shape and held.dtype == view.dtype and not compare_buffers(
+                    {name: held}, QuantizedTensor(self.q.format, self.q.shape, {name: view}, self.q.valid)):
+                self.q.buffers[name] = view
+
     def replace_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """Let `buffers` (where the golden's buffers are now) stand for the golden's own."""
         for name, tensor in buffers.items():

@@ -9,9 +9,11 @@ is deterministic, so a kept golden holds the bits a recomputed one would. The on
 output (qgather.check.inspection.TwinOutput: a few rows of layer output, or why there is none) is kept
 the same way, by the golden's key, the configuration and the dtype the layer computes in.
 
-A kept golden stays where its last case left it (a large one parked in host memory,
-qgather.check.host): the cache adds no device memory to the next case. It holds at most
-`MAX_ENTRIES` goldens and `MAX_BYTES` of their buffers, the least recently used let go first.
+A kept golden stays on the device, as one copy (Golden.keep_on_device): every inspection reads it
+where it is, since bringing a large one back from host memory costs more than the checks
+themselves (8.6 ms of a 24 ms inspection of an 8192x28672 FP8 blockwise weight on an H200). It
+holds at most `MAX_ENTRIES` goldens and `MAX_BYTES` of their buffers, the least recently used let
+go first.
 """
 
 from __future__ import annotations

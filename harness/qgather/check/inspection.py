@@ -7,7 +7,7 @@ already made stay part of the verdict.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -88,9 +88,8 @@ class Inspector:
         # comparison below: the golden is dequantized (and a parked one brought over) once, not twice
         outputs = _GoldenOutputBlocks(self.x.to(param.dtype), len(blocks)) \
             if len(blocks) > 1 and len(golden.q.shape) == 2 else None
-        own = impl.own_dequantize_blocks(param, fmt, blocks)
-        own_dequantized = None if own is None else \
-            compare_value_blocks(_paired_with_golden(impl, own, golden, len(blocks), outputs))
+        own = _own_blocks_against_golden(impl, fmt, param, golden, blocks, outputs)
+        own_dequantized = None if own is None else compare_value_blocks(own)
         output, output_digest, forward_error = self._forward(param, golden, outputs)
         return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
@@ -127,8 +126,8 @@ class Inspector:
             return buffers_digest, diffs, None, ()
         golden.unpark()  # `locate` reads every buffer of both
         gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
-        dequantized = compare_value_blocks((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
-                                           for rows, want in golden.dequantized_blocks())
+        dequantized = compare_value_blocks(lambda: ((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
+                                                    for rows, want in golden.dequantized_blocks()))
         return buffers_digest, diffs, dequantized, tuple(locate(fmt, gathered, golden.q, self.shards))
 
     def _forward(self, param: torch.Tensor, golden: Golden, outputs: _GoldenOutputBlocks | None = None
@@ -237,6 +236,27 @@ class _GoldenOutputBlocks:
         return torch.cat(self._blocks, dim=-1)
 
 
+def _own_blocks_against_golden(impl: Implementation, fmt: Format, param: torch.Tensor, golden: Golden,
+                               blocks: list[tuple[int, int]], outputs: _GoldenOutputBlocks | None
+                               ) -> Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """What compare_value_blocks reads for the implementation's own dequantization: a maker of
+    (own block, golden block) pairs, the first pairs also handing the golden blocks to `outputs`;
+    None when the implementation has no dequantization of its own."""
+    first = impl.own_dequantize_blocks(param, fmt, blocks)
+    if first is None:
+        return None
+    made: list[bool] = []
+
+    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if made:  # made again, for the largest difference: the outputs have their blocks
+            return _paired_with_golden(impl, impl.own_dequantize_blocks(param, fmt, blocks), golden,
+                                       len(blocks))
+        made.append(True)
+        return _paired_with_golden(impl, first, golden, len(blocks), outputs)
+
+    return pairs
+
+
 def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden, n_blocks: int,
                         outputs: _GoldenOutputBlocks | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(own block, golden block) pairs (each golden block also handed to `outputs`); an
@@ -258,7 +278,7 @@ def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golde
 
 def _against_golden(values: torch.Tensor, golden: Golden) -> Comparison:
     """`values` (the flattened (M, K) weight) against the golden's, block of rows by block."""
-    return compare_value_blocks((values[rows], want) for rows, want in golden.dequantized_blocks())
+    return compare_value_blocks(lambda: ((values[rows], want) for rows, want in golden.dequantized_blocks()))
 
 
 def _one_line(exc: BaseException) -> str:

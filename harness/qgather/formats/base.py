@@ -251,6 +251,12 @@ class Format:
         self._check_layout("glob", glob, self.glob_specs())
         return self._from_rows(rows, glob, shape)
 
+    def derived_views(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        """The buffers of q whose bytes the format lays out as another buffer's, rearranged: each as
+        a view of that buffer (e.g. fp8_block's columnwise data, its rowwise data transposed), so
+        that a holder of q may keep one copy where its bits agree. None by default."""
+        return {}
+
     def row_specs(self, shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Expected (shape, dtype) of each tensor of to_rows()'s first dict for a tensor of `shape`."""
         raise NotImplementedError

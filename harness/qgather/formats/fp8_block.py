@@ -78,6 +78,9 @@ class Fp8Block2DFormat(Format):
             data = data[:m, :k].contiguous()
         return self._assemble(shape, data, scale_inv)
 
+    def derived_views(self, q):
+        return {"columnwise_data": q.buffers["rowwise_data"].t()}
+
     def _dequant(self, data, tile_scale_inv):
         rows, cols = data.shape
         rt, ct = tile_scale_inv.shape

@@ -13,6 +13,8 @@ or reference quantizers (see /work/shared/docs/formats.md):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_E4M3_MAX = 448.0
@@ -184,6 +186,21 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of E2M1 codes (uint8 0..15)."""
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
     return lut[codes.to(torch.int64)]
+
+
+def e2m1_pair_values(packed: torch.Tensor) -> torch.Tensor:
+    """float32 values of packed E2M1 codes, (..., n) uint8 -> (..., 2n), the low nibble first
+    (pack_nibbles): e2m1_values(unpack_nibbles(packed)) in one lookup of each byte's two values,
+    without the unpacked codes or 8-byte indices (a large weight's temporaries)."""
+    pairs = torch.nn.functional.embedding(packed.to(torch.int32), _e2m1_pairs(packed.device))
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+@functools.cache
+def _e2m1_pairs(device: torch.device) -> torch.Tensor:
+    """(256, 2) float32: each byte's low-nibble and high-nibble E2M1 values."""
+    return torch.tensor([(E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]) for b in range(256)], dtype=torch.float32,
+                        device=device)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -21,11 +21,11 @@ MAP_WIDTH = 64  # block rows per text-map line
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """An integer view with the same bytes, so that comparisons are bitwise (NaN == NaN, -0 != 0)."""
-    t = t.detach().contiguous()
+    """An integer view with the same bytes, so that comparisons are bitwise (NaN == NaN, -0 != 0).
+    A view of the same element size: no copy, whatever the strides (a transposed golden buffer)."""
+    t = t.detach()
     if t.dtype.is_floating_point:
-        size = t.element_size()
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
     return t
 
 
@@ -113,39 +113,79 @@ def _multipliers(start: int, n: int, salt: int, device: torch.device) -> torch.T
 
 def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> list[BufferDiff]:
     """Each of the golden's buffers that `got` lacks, holds in another shape or element size, or
-    whose valid region differs in any bit (padding is never compared)."""
-    diffs = []
+    whose valid region differs in any bit (padding is never compared). Every region is compared
+    where the gathered buffer lives, in one pass, and only the counts come back to the host, all
+    at once; a region that differs is counted again element by element for the report."""
+    diffs, pending = [], []
     for name, want in golden.buffers.items():
         have = got.get(name)
         if have is None:
             diffs.append(BufferDiff(name, DiffProblem.MISSING, detail="(the implementation has no such buffer)"))
-            continue
-        if tuple(have.shape) != tuple(want.shape):
+        elif tuple(have.shape) != tuple(want.shape):
             shapes = f"{tuple(have.shape)} != golden {tuple(want.shape)}"
             diffs.append(BufferDiff(name, DiffProblem.SHAPE, detail=shapes))
-            continue
-        if have.dtype != want.dtype and have.element_size() != want.element_size():
+        elif have.dtype != want.dtype and have.element_size() != want.element_size():
             diffs.append(BufferDiff(name, DiffProblem.DTYPE, detail=f"{have.dtype} != golden {want.dtype}"))
-            continue
-        region = golden.valid[name]
-        # on the gathered buffer's device; a golden waiting on the host comes over block by block
-        a, b = _bits(have[region]), _bits(want[region]).view(_bits(have).dtype)
-        n_diff = _count_differing(a, b)
-        if n_diff:
-            diffs.append(BufferDiff(name, DiffProblem.BITS, n_diff=n_diff, n_valid=a.numel()))
-    return diffs
+        else:
+            region = golden.valid[name]
+            a, b = _bits(have[region]), _bits(want[region]).view(_bits(have).dtype)
+            pending.append((name, a, b, _differing_words(a, b)))
+    for (name, a, b, _), words in zip(pending, _to_host([w for *_, w in pending])):
+        if words:  # the word count says only that the region differs: the report counts elements
+            diffs.append(BufferDiff(name, DiffProblem.BITS, n_diff=int(_count_differing(a, b)), n_valid=a.numel()))
+    order = list(golden.buffers)
+    return sorted(diffs, key=lambda d: order.index(d.name))
 
 
-def _count_differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Elements whose bits differ, counted in blocks of rows: the boolean mask of a large buffer
-    would be as large as the buffer itself."""
+def _to_host(counts: list[torch.Tensor]) -> list[int]:
+    """Device counts as ints, with one copy (one wait) per device instead of one per count."""
+    values: dict[int, int] = {}
+    by_device: dict[torch.device, list[int]] = {}
+    for i, count in enumerate(counts):
+        by_device.setdefault(count.device, []).append(i)
+    for indexes in by_device.values():
+        for i, value in zip(indexes, torch.stack([counts[i] for i in indexes]).tolist()):
+            values[i] = value
+    return [values[i] for i in range(len(counts))]
+
+
+def _differing_words(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many words of the two regions' bytes differ, on a's device, without waiting: the
+    widest integer view both contiguous regions allow (a large buffer is read as 8-byte words,
+    so the comparison's temporary is an eighth of it); element by element where one is a strided
+    view or on another device. Zero exactly when every bit agrees."""
+    if a.dim() == 0 or b.device != a.device or not (a.is_contiguous() and b.is_contiguous()):
+        return _count_differing(a, b)  # a golden waiting on the host comes over block by block
+    wa, wb = _widest(a), _widest(b)
+    total = torch.zeros((), dtype=torch.int64, device=a.device)
+    for start in range(0, wa.numel(), _WORD_CHUNK):
+        total += (wa[start:start + _WORD_CHUNK] != wb[start:start + _WORD_CHUNK]).sum()
+    return total
+
+
+_WORD_CHUNK = 1 << 26  # words per pass: bounds the comparison's boolean temporary to 64 MiB
+
+
+def _widest(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous tensor's bytes as the widest integer words that divide them, flat."""
+    flat = t.reshape(-1).view(torch.uint8)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = torch.empty((), dtype=dtype).element_size()
+        if flat.numel() % size == 0 and flat.data_ptr() % size == 0:
+            return flat.view(dtype)
+    return flat
+
+
+def _count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elements whose bits differ (a 0-dim tensor on a's device: read it when needed), counted in
+    blocks of rows: the boolean mask of a large buffer would be as large as the buffer itself."""
     if a.dim() == 0 or a.numel() <= _DEVICE_CHUNK:
-        return int((a != b.to(a.device)).sum())
+        return (a != b.to(a.device)).sum()
     step = max(1, _DEVICE_CHUNK // max(1, a[0].numel()))
     total = torch.zeros((), dtype=torch.int64, device=a.device)
     for start in range(0, a.shape[0], step):
         total += (a[start:start + step] != b[start:start + step].to(a.device)).sum()
-    return int(total)
+    return total
 
 
 def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> Comparison:
@@ -153,11 +193,9 @@ def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None 
     (for outputs computed by another kernel than the golden's), differences up to
     rel_tol * max|want| count as equal, and the tolerance is part of the result. Runs on `want`'s
     device; only the counts leave it."""
-    got, want = got.detach().to(want.device), want.detach()
     if got.shape != want.shape:
-        return Comparison(False, -1, float("inf"), detail=f"shape {tuple(got.shape)}")
-    if got.dtype != want.dtype or not got.dtype.is_floating_point:
-        got, want = got.float(), want.float()
+        return _shape_mismatch(got)
+    got, want = _aligned(got, want)
     differ = _bits(got) != _bits(want)  # same dtype: equal bits <=> equal float32 values, as before
     n_diff = int(differ.sum())
     max_abs = float((got[differ].float() - want[differ].float()).abs().nan_to_num(float("inf")).max()) \
@@ -168,16 +206,34 @@ def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None 
     return Comparison(max_abs <= bound, n_diff, max_abs, f"|diff| <= {rel_tol:g} * max|golden| = {bound:.3g}")
 
 
-def compare_value_blocks(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Comparison:
+def _aligned(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(got, want) of one shape on want's device, in one dtype."""
+    got, want = got.detach().to(want.device), want.detach()
+    if got.dtype != want.dtype or not got.dtype.is_floating_point:
+        got, want = got.float(), want.float()
+    return got, want
+
+
+def _shape_mismatch(got: torch.Tensor) -> Comparison:
+    return Comparison(False, -1, float("inf"), detail=f"shape {tuple(got.shape)}")
+
+
+def compare_value_blocks(pairs: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]) -> Comparison:
     """compare_values over (got, want) blocks of one tensor, as one comparison (bitwise; the
-    first block of another shape decides)."""
-    n_diff, max_abs = 0, 0.0
-    for got, want in pairs:
-        block = compare_values(got, want)
-        if block.n_diff < 0:
-            return block
-        n_diff, max_abs = n_diff + block.n_diff, max(max_abs, block.max_abs)
-    return Comparison(n_diff == 0, n_diff, max_abs)
+    first block of another shape decides). `pairs` makes the blocks; each block's count stays on
+    the device and they come back together, once. Only when some differ are the blocks made again
+    (`pairs()` once more), for the largest difference."""
+    counts = []
+    for got, want in pairs():
+        if got.shape != want.shape:
+            return _shape_mismatch(got)
+        got, want = _aligned(got, want)
+        counts.append((_bits(got) != _bits(want)).sum())
+    n_diff = sum(_to_host(counts))
+    if not n_diff:
+        return Comparison(True, 0, 0.0)
+    max_abs = max(compare_values(got, want).max_abs for got, want in pairs())
+    return Comparison(False, n_diff, max_abs)
 
 
 def locate(

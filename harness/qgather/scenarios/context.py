@@ -61,16 +61,16 @@ class RankCase:
         return piece
 
     def first_golden(self, weight: torch.Tensor) -> Golden:
-        """`golden(weight, parked=True)` of the case's own weight (make_weight's, before any step),
-        kept for the later cases of this rank process with the same implementation, format, shape,
-        dtype and seed (qgather.check.golden_cache). Under tensor parallelism each TP rank's piece is
-        cut anew (a golden of the piece is not kept)."""
+        """`golden(weight, parked=True)` of the case's own weight (make_weight's, before any step), then
+        back on the device for good (Golden.keep_on_device) and kept for the later cases of this rank
+        process with the same implementation, format, shape, dtype and seed (qgather.check.golden_cache).
+        Under tensor parallelism each TP rank's piece is cut anew (a golden of the piece is not kept)."""
         if self.setup.tp is not None:
             return self.golden(weight, parked=True)
         cache = golden_cache.kept_in(self.ctx.kept)
         golden = cache.get(golden_cache.GoldenKey.of(self.spec, self.ctx.device),
                            lambda: golden_for(self.fmt, weight, self.impl, parked=True))
-        golden.park()  # a kept golden that an earlier case brought back waits on the host again
+        golden.keep_on_device()  # parked only while computed: the inspection reads it with no host copy
         return golden
 
     def kept_twin(self) -> TwinOutput | None:
