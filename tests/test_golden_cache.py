@@ -125,3 +125,15 @@ def test_a_kept_golden_holds_a_derived_buffer_as_a_view_only_where_its_bits_agre
     broken.keep_on_device()
     assert broken.q.buffers["columnwise_data"].data_ptr() != broken.q.buffers["rowwise_data"].data_ptr()
     assert int(broken.q.buffers["columnwise_data"][5, 9]) != int(broken.q.buffers["rowwise_data"][9, 5])
+
+
+def test_a_golden_kept_as_one_copy_is_not_compared_again(monkeypatch):
+    from qgather.check import golden as golden_module
+    from qgather.formats import FORMATS
+
+    golden = golden_module.golden_for(FORMATS["fp8_block"], torch.randn(256, 128))
+    golden.keep_on_device()
+    calls = []
+    monkeypatch.setattr(golden_module, "compare_buffers", lambda *a: calls.append(a) or [])
+    golden.keep_on_device()  # the next case of this weight: the view is already held
+    assert calls == []
