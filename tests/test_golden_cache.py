@@ -137,3 +137,20 @@ def test_a_golden_kept_as_one_copy_is_not_compared_again(monkeypatch):
     monkeypatch.setattr(golden_module, "compare_buffers", lambda *a: calls.append(a) or [])
     golden.keep_on_device()  # the next case of this weight: the view is already held
     assert calls == []
+
+
+def test_the_golden_layer_output_is_kept_for_the_same_input_only():
+    from qgather.check.golden import golden_for
+    from qgather.formats import FORMATS
+
+    golden = golden_for(FORMATS["nvfp4_2d"], torch.randn(64, 64))
+    x, y = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64)
+    golden.keep_output(x, False, y)
+    assert golden.kept_output(x.clone(), False) is not None
+    assert golden.kept_output(x, True) is None  # computed block by block: other GEMM shapes
+    assert golden.kept_output(x.float(), False) is None
+    other = x.clone()
+    other[3, 5] += 1
+    assert golden.kept_output(other, False) is None
+    golden.replace_buffers({"amax_rowwise": golden.q.buffers["amax_rowwise"] * 2})  # other values
+    assert golden.kept_output(x, False) is None

@@ -42,6 +42,7 @@ class Golden:
     _digest_parts: dict[str, bytes] = field(default_factory=dict, repr=False)
     _host: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # each buffer's host copy, once made
     _away: set[str] = field(default_factory=set, repr=False)  # the buffers waiting on the host now
+    _output: tuple[torch.Tensor, bool, torch.Tensor] | None = field(default=None, repr=False)  # kept_output's
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +105,22 @@ class Golden:
                     {name: held}, QuantizedTensor(self.q.format, self.q.shape, {name: view}, self.q.valid)):
                 self.q.buffers[name] = view
 
+    def kept_output(self, x: torch.Tensor, blocks: bool) -> torch.Tensor | None:
+        """The golden layer's output for input `x` (computed whole, or block of rows by block with
+        `blocks`) as an earlier inspection kept it (keep_output), or None: the golden's values do not
+        change, so a later case of a kept golden with the same input reads it instead of dequantizing
+        and multiplying the whole golden again."""
+        if self._output is None:
+            return None
+        kept_x, kept_blocks, output = self._output
+        same = kept_blocks == blocks and kept_x.dtype == x.dtype and kept_x.shape == x.shape \
+            and kept_x.device == x.device and torch.equal(kept_x, x)
+        return output if same else None
+
+    def keep_output(self, x: torch.Tensor, blocks: bool, output: torch.Tensor) -> None:
+        """Keep the golden layer's output for input `x` (the last one only: a few rows of output)."""
+        self._output = (x.detach().clone(), blocks, output.detach())
+
     def replace_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """Let `buffers` (where the golden's buffers are now) stand for the golden's own."""
         for name, tensor in buffers.items():
@@ -112,6 +129,7 @@ class Golden:
             if name in self._away:
                 self._host[name] = tensor
         self._digest_parts = {k: v for k, v in self._digest_parts.items() if k not in buffers}
+        self._output = None  # of other values
 
     def digest_parts(self, identical: dict[str, torch.Tensor]) -> dict[str, bytes]:
         """compare.digest_part of each of the `identical` buffers (gathered buffers whose valid regions

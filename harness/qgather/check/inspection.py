@@ -86,8 +86,9 @@ class Inspector:
         blocks = fmt.row_blocks(golden.q.shape)
         # the golden layer's output blocks, from the golden's row blocks as they pass by for the
         # comparison below: the golden is dequantized (and a parked one brought over) once, not twice
-        outputs = _GoldenOutputBlocks(self.x.to(param.dtype), len(blocks)) \
-            if len(blocks) > 1 and len(golden.q.shape) == 2 else None
+        x = self.x.to(param.dtype)
+        outputs = _GoldenOutputBlocks(x, len(blocks)) \
+            if len(blocks) > 1 and len(golden.q.shape) == 2 and golden.kept_output(x, True) is None else None
         own = _own_blocks_against_golden(impl, fmt, param, golden, blocks, outputs)
         own_dequantized = None if own is None else compare_value_blocks(own)
         output, output_digest, forward_error = self._forward(param, golden, outputs)
@@ -139,8 +140,11 @@ class Inspector:
             y, blocks = self._output(param, x, golden)
         except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
             return None, "", _one_line(exc)
-        y_ref = outputs.output() if blocks and outputs is not None and outputs.complete else \
-            _golden_output(x, golden, param.dtype, blocks)
+        y_ref = golden.kept_output(x, blocks)
+        if y_ref is None:
+            y_ref = outputs.output() if blocks and outputs is not None and outputs.complete else \
+                _golden_output(x, golden, param.dtype, blocks)
+            golden.keep_output(x, blocks, y_ref)
         return compare_values(y, y_ref, self.impl.output_tolerance(self.fmt.name)), digest({"output": y}, {}), ""
 
     def _output(self, param: torch.Tensor, x: torch.Tensor, golden: Golden) -> tuple[torch.Tensor, bool]:

@@ -84,9 +84,9 @@ class Fp8Block2DFormat(Format):
     def _dequant(self, data, tile_scale_inv):
         rows, cols = data.shape
         rt, ct = tile_scale_inv.shape
-        vals = nx.pad2d(nx.fp8_values(data, FP8), rt * BLOCK, ct * BLOCK)
-        out = vals.reshape(rt, BLOCK, ct, BLOCK) * tile_scale_inv.reshape(rt, 1, ct, 1)
-        return out.view(rt * BLOCK, ct * BLOCK)[:rows, :cols]
+        vals = nx.pad2d(nx.fp8_values(data, FP8), rt * BLOCK, ct * BLOCK)  # a new tensor: scaled in place
+        vals.view(rt, BLOCK, ct, BLOCK).mul_(tile_scale_inv.reshape(rt, 1, ct, 1))
+        return vals.view(rt * BLOCK, ct * BLOCK)[:rows, :cols]
 
     def _dequantize(self, q):
         sinv = q.buffers["rowwise_scale_inv"][q.valid["rowwise_scale_inv"]]

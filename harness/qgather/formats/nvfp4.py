@@ -74,9 +74,9 @@ class _Nvfp4Base(Format):
         """float32 (R, C) from packed (R, C/2) codes and per-1x16 scale bits (R, C/16)."""
         r = packed.shape[0]
         c = packed.shape[1] * 2
-        vals = nx.e2m1_pair_values(packed).view(r, c // BLOCK, BLOCK)
-        factor = nx.nvfp4_dequant_factor(scales, amax).reshape(r, c // BLOCK, 1)
-        return (vals * factor).view(r, c)
+        vals = nx.e2m1_pair_values(packed).view(r, c // BLOCK, BLOCK)  # a new tensor: scaled in place
+        vals.mul_(nx.nvfp4_dequant_factor(scales, amax).reshape(r, c // BLOCK, 1))
+        return vals.view(r, c)
 
     def _dequantize(self, q):
         b, v = q.buffers, q.valid

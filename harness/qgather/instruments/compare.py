@@ -8,7 +8,9 @@ and the rank whose shard held those rows.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -178,7 +180,10 @@ def _widest(t: torch.Tensor) -> torch.Tensor:
 
 def _count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elements whose bits differ (a 0-dim tensor on a's device: read it when needed), counted in
-    blocks of rows: the boolean mask of a large buffer would be as large as the buffer itself."""
+    blocks of rows: the boolean mask of a large buffer would be as large as the buffer itself. A
+    large strided pair on a GPU (a transposed golden view) is counted by one compiled kernel."""
+    if _fusable(a, b):
+        return _fused_count(a, b)
     if a.dim() == 0 or a.numel() <= _DEVICE_CHUNK:
         return (a != b.to(a.device)).sum()
     step = max(1, _DEVICE_CHUNK // max(1, a[0].numel()))
@@ -186,6 +191,39 @@ def _count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for start in range(0, a.shape[0], step):
         total += (a[start:start + step] != b[start:start + step].to(a.device)).sum()
     return total
+
+
+#: A strided pair of at least this many elements on a GPU is compared by a compiled kernel: read
+#: element by element through a transposed view, the eager comparison ran at about a tenth of the
+#: HBM bandwidth (3.5 ms for 235 M bytes on an H200); torch.compile reads it in tiles.
+FUSED_MIN_ELEMENTS = 1 << 22
+
+
+def _fusable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device.type == "cuda" and b.device == a.device and a.numel() >= FUSED_MIN_ELEMENTS
+            and not (a.is_contiguous() and b.is_contiguous()) and not _FUSED_BROKEN)
+
+
+_FUSED_BROKEN: list[str] = []  # why the compiled comparison cannot run in this process, once it could not
+
+
+def _fused_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    try:
+        return _compiled_count()(a, b)
+    except Exception as exc:  # noqa: BLE001 - no compiler here: the eager blocks count the same
+        _FUSED_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        warnings.warn(f"qgather: the compiled comparison cannot run here ({_FUSED_BROKEN[0][:200]}); "
+                      "large strided buffers are compared eagerly", RuntimeWarning, stacklevel=2)
+        return _count_differing(a, b)
+
+
+@functools.cache
+def _compiled_count():
+    return torch.compile(_count_mask, fullgraph=True, dynamic=False)
+
+
+def _count_mask(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a != b).sum()
 
 
 def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> Comparison:

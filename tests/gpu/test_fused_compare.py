@@ -1,0 +1,52 @@
+"""The compiled comparison of large strided buffers on a GPU (qgather.instruments.compare: a
+golden's transposed view) counts exactly what the eager comparison counts, and it really ran.
+
+    python -m pytest tests/gpu/test_fused_compare.py -q -p no:cacheprovider -m gpu
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qgather.formats import FORMATS
+from qgather.instruments import compare
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", (torch.uint8, torch.int32))
+@pytest.mark.parametrize("n_diff", (0, 1, 977))
+def test_the_compiled_count_of_a_transposed_view_is_the_eager_count(cuda, dtype, n_diff):
+    generator = torch.Generator(device=cuda).manual_seed(n_diff)
+    rowwise = torch.randint(0, 120, (3000, 2048), dtype=dtype, device=cuda, generator=generator)
+    got = rowwise.t().contiguous()
+    flat = got.view(-1)
+    where = torch.randperm(flat.numel(), device=cuda, generator=generator)[:n_diff]
+    flat[where] += 1
+    view = rowwise.t()
+    assert compare._fusable(got, view)
+    fused = int(compare._count_differing(got, view))
+    eager = int(sum((got[i:i + 256] != view[i:i + 256]).sum() for i in range(0, got.shape[0], 256)))
+    assert fused == eager == n_diff
+    assert not compare._FUSED_BROKEN  # the compiled kernel ran, not the eager fallback
+
+
+def test_a_kept_fp8_block_golden_judges_a_broken_columnwise_copy(cuda):
+    from qgather.check.golden import golden_for
+    from qgather.formats import QuantizedTensor
+
+    fmt = FORMATS["fp8_block"]
+    golden = golden_for(fmt, torch.randn(2048, 4096, device=cuda))
+    golden.keep_on_device()
+    got = {name: t.contiguous().clone() for name, t in golden.q.buffers.items()}
+    got["columnwise_data"][17, 1031] ^= 0x40
+    diffs = compare.compare_buffers(got, QuantizedTensor(fmt.name, golden.q.shape, golden.q.buffers, golden.q.valid))
+    assert [(d.name, d.n_diff) for d in diffs] == [("columnwise_data", 1)]
