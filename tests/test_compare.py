@@ -140,3 +140,24 @@ def test_value_blocks_are_made_again_only_to_size_a_difference():
     assert (differ.equal, differ.n_diff, differ.max_abs, len(made)) == (False, 2, float("inf"), 2)
     shape = compare_value_blocks(lambda: zip([torch.zeros(4, 7)], want))
     assert (shape.equal, shape.n_diff) == (False, -1)
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8_block", "nvfp4_2d", "nvfp4_1d"])
+def test_a_goldens_deferred_row_blocks_are_its_dequantized_rows(fmt_name, monkeypatch):
+    from qgather.check.golden import golden_for
+    from qgather.formats import FORMATS, base
+    from qgather.instruments.compare import Deferred, compare_value_blocks
+
+    monkeypatch.setattr(base, "ROW_BLOCK_ELEMENTS", 1 << 15)  # row blocks of a small weight
+    spec = CaseSpec.parse(f"reference:{fmt_name}:512x256:bf16:ws2:gather:s0")
+    golden = golden_for(FORMATS[fmt_name], make_weight(spec))
+    deferred = list(golden.dequantized_blocks(deferred=True))
+    made = list(golden.dequantized_blocks())
+    assert len(made) > 1 and all(isinstance(want, Deferred) for _, want in deferred)
+    for (rows, want), (same_rows, values) in zip(deferred, made, strict=True):
+        assert rows == same_rows and torch.equal(want.values().view(torch.int32), values.view(torch.int32))
+    got = [values.clone() for _, values in made]
+    assert compare_value_blocks(lambda: zip(got, (w for _, w in deferred))).equal
+    got[-1][3, 4] = -got[-1][3, 4] if got[-1][3, 4] else 1.0
+    changed = compare_value_blocks(lambda: zip(got, (w for _, w in deferred)))
+    assert (changed.equal, changed.n_diff) == (False, 1)

@@ -50,3 +50,34 @@ def test_a_kept_fp8_block_golden_judges_a_broken_columnwise_copy(cuda):
     got["columnwise_data"][17, 1031] ^= 0x40
     diffs = compare.compare_buffers(got, QuantizedTensor(fmt.name, golden.q.shape, golden.q.buffers, golden.q.valid))
     assert [(d.name, d.n_diff) for d in diffs] == [("columnwise_data", 1)]
+
+
+@pytest.mark.parametrize("fmt_name", ("fp8_block", "nvfp4_2d"))
+@pytest.mark.parametrize("n_diff", (0, 1, 513))
+def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cuda, fmt_name, n_diff):
+    """The golden's row blocks dequantized inside the compiled comparison (never made) against the
+    same blocks made and compared eagerly, with differences planted (sign flips, one ulp)."""
+    from qgather.check.golden import golden_for
+    from qgather.instruments.compare import Deferred, compare_value_blocks
+
+    generator = torch.Generator(device=cuda).manual_seed(n_diff)
+    golden = golden_for(FORMATS[fmt_name], torch.randn(4096, 8192, device=cuda, generator=generator))
+    made = [values.clone() for _, values in golden.dequantized_blocks()]
+    deferred = [want for _, want in golden.dequantized_blocks(deferred=True)]
+    assert len(made) > 1 and all(isinstance(want, Deferred) for want in deferred)
+    got = [values.clone() for values in made]
+    flat = got[-1].view(-1)
+    where = torch.randperm(flat.numel(), device=cuda, generator=generator)[:n_diff]
+    flat.view(torch.int32)[where] ^= 1  # the last mantissa bit: one ulp
+    fused = compare_value_blocks(lambda: zip(got, deferred))
+    eager = compare_value_blocks(lambda: zip(got, made))
+    assert (fused.equal, fused.n_diff, fused.max_abs) == (eager.equal, eager.n_diff, eager.max_abs)
+    assert fused.n_diff == n_diff
+    assert not compare._FUSED_BROKEN  # the compiled comparison ran
+
+
+def test_the_e2m1_pair_table_is_built_alike_on_the_gpu(cuda):
+    from qgather.formats import numerics as nx
+
+    on_gpu = nx.e2m1_pair_table(cuda).cpu()
+    assert torch.equal(on_gpu.view(torch.int32), nx.e2m1_pair_table(torch.device("cpu")).view(torch.int32))

@@ -21,7 +21,7 @@ from qgather.formats import Format, FormatError, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation
 from qgather.instruments import compare
-from qgather.instruments.compare import compare_buffers
+from qgather.instruments.compare import Deferred, compare_buffers
 from qgather.model.case import TensorParallelLayout
 from qgather.model.layout import column_block
 from qgather.model.records import BufferDiff, DiffProblem
@@ -147,11 +147,13 @@ class Golden:
             return list(self.q.buffers)
         return [n for n in self.q.buffers if n in self.fmt.rowwise_rows or n in self.fmt.glob_keys]
 
-    def dequantized_blocks(self) -> Iterator[tuple[slice, torch.Tensor]]:
+    def dequantized_blocks(self, deferred: bool = False) -> Iterator[tuple[slice, torch.Tensor | Deferred]]:
         """The golden's float32 values as (rows, block) over the flattened (M, K) weight: one block
         (computed once, kept) up to the format's block size, else row blocks computed as they are
         asked for, so that a large golden is never held dequantized whole.
         A parked golden stays on the host: each block's buffers come over as the block is asked for.
+        deferred: row blocks of a golden on its device come as compare.Deferred where the format
+        splits its dequantization so (a comparison may then never make the values).
         """
         m, _ = flat_dims(self.q.shape)
         blocks = self.fmt.row_blocks(self.q.shape)
@@ -162,7 +164,11 @@ class Golden:
             yield slice(0, m), self._whole
             return
         for start, stop in blocks:
-            yield slice(start, stop), self.fmt.dequantize_rows(self.q, start, stop, device=self._device)
+            parts = self.fmt.dequantize_rows_parts(self.q, start, stop) if deferred and not self.parked else None
+            if parts is not None:
+                yield slice(start, stop), Deferred(*parts, torch.Size((stop - start, flat_dims(self.q.shape)[1])))
+            else:
+                yield slice(start, stop), self.fmt.dequantize_rows(self.q, start, stop, device=self._device)
 
     def dequantized_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The golden's values rounded to `dtype`, in the weight's shape."""

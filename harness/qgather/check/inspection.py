@@ -18,7 +18,7 @@ from qgather.formats import Format, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation, NoSingleDeviceTwin
 from qgather.instruments import compare
-from qgather.instruments.compare import compare_buffers, compare_value_blocks, compare_values, digest, locate
+from qgather.instruments.compare import Deferred, compare_buffers, compare_value_blocks, compare_values, digest, locate
 from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
 from qgather.model.records import Comparison, ModuleCheck, Stage
 
@@ -242,7 +242,7 @@ class _GoldenOutputBlocks:
 
 def _own_blocks_against_golden(impl: Implementation, fmt: Format, param: torch.Tensor, golden: Golden,
                                blocks: list[tuple[int, int]], outputs: _GoldenOutputBlocks | None
-                               ) -> Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]] | None:
+                               ) -> Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor | Deferred]]] | None:
     """What compare_value_blocks reads for the implementation's own dequantization: a maker of
     (own block, golden block) pairs, the first pairs also handing the golden blocks to `outputs`;
     None when the implementation has no dequantization of its own."""
@@ -262,12 +262,14 @@ def _own_blocks_against_golden(impl: Implementation, fmt: Format, param: torch.T
 
 
 def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden, n_blocks: int,
-                        outputs: _GoldenOutputBlocks | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                        outputs: _GoldenOutputBlocks | None = None
+                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor | Deferred]]:
     """(own block, golden block) pairs (each golden block also handed to `outputs`); an
     implementation that yields another number of blocks than it was asked for would have some rows
     compared twice or not at all: said, with the counts."""
     own = iter(own)
-    for count, (_, want) in enumerate(golden.dequantized_blocks()):
+    # the values of a golden block are made only where the golden layer's output needs them
+    for count, (_, want) in enumerate(golden.dequantized_blocks(deferred=outputs is None)):
         got = next(own, None)
         if got is None:
             raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded {count} blocks for the {n_blocks} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,9 @@ import torch
 from qgather.errors import Refusal
 
 from . import numerics as nx
+
+#: (f, tensors): a dequantization as a module-level function of tensors alone and its arguments
+DequantizeParts = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]
 
 #: Input dtypes every format accepts (TE's high-precision dtypes).
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -209,6 +213,22 @@ class Format:
         m, k = self._check_q(q)
         if (start, stop) == (0, m) or not self.rowwise_rows:
             return self._dequantize(q if device is None else q.to(device)).reshape(m, k)[start:stop]
+        return self._dequantize(self._row_block(q, start, stop, device)).reshape(stop - start, k)
+
+    def dequantize_rows_parts(self, q: QuantizedTensor, start: int, stop: int) -> DequantizeParts | None:
+        """(f, tensors) such that f(*tensors) is dequantize_rows(q, start, stop) bit for bit, f a
+        module-level function of tensors alone (what a compiled comparison takes in place of the
+        values, so that they never exist in memory); None where the format is not split so."""
+        m, k = self._check_q(q)
+        if not self.rowwise_rows or (start, stop) == (0, m):
+            return None
+        return self._dequantize_parts(self._row_block(q, start, stop))
+
+    def _row_block(self, q: QuantizedTensor, start: int, stop: int, device: torch.device | None = None
+                   ) -> QuantizedTensor:
+        """Rows [start, stop) of q as a QuantizedTensor of their own (views of q's rowwise buffers,
+        copied to `device` when given)."""
+        m, k = flat_dims(q.shape)
         if start % self.row_block_multiple or not 0 <= start < stop <= m:
             raise FormatError(f"{self.name}: rows [{start}, {stop}) are not a row block of a {m}-row tensor")
         buffers = {name: q.buffers[name] for name in self.glob_keys}
@@ -217,8 +237,11 @@ class Format:
             buffers[name] = q.buffers[name].narrow(axis, first, last - first)
         if device is not None:
             buffers = {name: t.to(device, non_blocking=True) for name, t in buffers.items()}
-        rows = QuantizedTensor(self.name, (stop - start, k), buffers, self.valid_regions((stop - start, k)))
-        return self._dequantize(rows).reshape(stop - start, k)
+        return QuantizedTensor(self.name, (stop - start, k), buffers, self.valid_regions((stop - start, k)))
+
+    def _dequantize_parts(self, q: QuantizedTensor) -> DequantizeParts | None:
+        """(f, tensors) with f(*tensors) == _dequantize(q) in the (M, K) shape; None by default."""
+        return None
 
     def dequantize_columnwise(self, q: QuantizedTensor) -> torch.Tensor:
         """float32 tensor of q.shape from the columnwise buffers."""

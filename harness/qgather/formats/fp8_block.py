@@ -32,6 +32,15 @@ def _block_counts(shape) -> tuple[int, int, int, int]:
 FP8 = torch.float8_e4m3fn
 
 
+def _tiles_dequantized(data: torch.Tensor, tile_scale_inv: torch.Tensor) -> torch.Tensor:
+    """float32 (rows, cols) of fp8 codes `data` times their 128x128 tile's scale_inv (valid tiles)."""
+    rows, cols = data.shape
+    rt, ct = tile_scale_inv.shape
+    vals = nx.pad2d(nx.fp8_values(data, FP8), rt * BLOCK, ct * BLOCK)  # a new tensor: scaled in place
+    vals.view(rt, BLOCK, ct, BLOCK).mul_(tile_scale_inv.reshape(rt, 1, ct, 1))
+    return vals.view(rt * BLOCK, ct * BLOCK)[:rows, :cols]
+
+
 class Fp8Block2DFormat(Format):
     name = "fp8_block"
     row_block = BLOCK
@@ -81,20 +90,16 @@ class Fp8Block2DFormat(Format):
     def derived_views(self, q):
         return {"columnwise_data": q.buffers["rowwise_data"].t()}
 
-    def _dequant(self, data, tile_scale_inv):
-        rows, cols = data.shape
-        rt, ct = tile_scale_inv.shape
-        vals = nx.pad2d(nx.fp8_values(data, FP8), rt * BLOCK, ct * BLOCK)  # a new tensor: scaled in place
-        vals.view(rt, BLOCK, ct, BLOCK).mul_(tile_scale_inv.reshape(rt, 1, ct, 1))
-        return vals.view(rt * BLOCK, ct * BLOCK)[:rows, :cols]
-
     def _dequantize(self, q):
-        sinv = q.buffers["rowwise_scale_inv"][q.valid["rowwise_scale_inv"]]
-        return self._dequant(q.buffers["rowwise_data"], sinv)
+        return _tiles_dequantized(*self._dequantize_parts(q)[1])
+
+    def _dequantize_parts(self, q):
+        scale_inv = q.buffers["rowwise_scale_inv"][q.valid["rowwise_scale_inv"]]
+        return _tiles_dequantized, (q.buffers["rowwise_data"], scale_inv)
 
     def _dequantize_columnwise(self, q):
         v = q.valid
-        out_t = self._dequant(q.buffers["columnwise_data"],
+        out_t = _tiles_dequantized(q.buffers["columnwise_data"],
                               q.buffers["columnwise_scale_inv"][v["columnwise_scale_inv"]])
         return out_t.t()
 

@@ -13,8 +13,6 @@ or reference quantizers (see /work/shared/docs/formats.md):
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 FP8_E4M3_MAX = 448.0
@@ -192,15 +190,32 @@ def e2m1_pair_values(packed: torch.Tensor) -> torch.Tensor:
     """float32 values of packed E2M1 codes, (..., n) uint8 -> (..., 2n), the low nibble first
     (pack_nibbles): e2m1_values(unpack_nibbles(packed)) in one lookup of each byte's two values,
     without the unpacked codes or 8-byte indices (a large weight's temporaries)."""
-    pairs = torch.nn.functional.embedding(packed.to(torch.int32), _e2m1_pairs(packed.device))
+    return e2m1_pairs_looked_up(packed, e2m1_pair_table(packed.device))
+
+
+def e2m1_pairs_looked_up(packed: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """e2m1_pair_values with the (256, 2) table given (a function of tensors alone)."""
+    pairs = torch.nn.functional.embedding(packed.to(torch.int32), table)
     return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-@functools.cache
-def _e2m1_pairs(device: torch.device) -> torch.Tensor:
-    """(256, 2) float32: each byte's low-nibble and high-nibble E2M1 values."""
-    return torch.tensor([(E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]) for b in range(256)], dtype=torch.float32,
-                        device=device)
+def e2m1_pair_table(device: torch.device) -> torch.Tensor:
+    """(256, 2) float32: each byte's low-nibble and high-nibble E2M1 values, computed where it is
+    used (no copy from the host to wait for, nothing kept: it also runs under a compiler's fake
+    tensors)."""
+    if device.type == "cpu":  # from the 16 values: faster there than the dozen small operations below
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        return torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=-1)
+    byte = torch.arange(256, dtype=torch.int32, device=device)
+    return torch.stack((_e2m1_of(byte & 15), _e2m1_of(byte >> 4)), dim=-1)
+
+
+def _e2m1_of(code: torch.Tensor) -> torch.Tensor:
+    """float32 values of int32 E2M1 codes: s ee m -> (-1)^s * (e ? 2^(e-1) * (1 + m/2) : m/2)."""
+    exponent, mantissa = (code >> 1) & 3, (code & 1).to(torch.float32)
+    magnitude = torch.where(exponent == 0, mantissa * 0.5,
+                            torch.exp2((exponent - 1).to(torch.float32)) * (1.0 + mantissa * 0.5))
+    return torch.where(code >= 8, -magnitude, magnitude)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

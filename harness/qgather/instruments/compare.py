@@ -12,6 +12,7 @@ import functools
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -211,10 +212,16 @@ def _fused_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     try:
         return _compiled_count()(a, b)
     except Exception as exc:  # noqa: BLE001 - no compiler here: the eager blocks count the same
-        _FUSED_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        warnings.warn(f"qgather: the compiled comparison cannot run here ({_FUSED_BROKEN[0][:200]}); "
-                      "large strided buffers are compared eagerly", RuntimeWarning, stacklevel=2)
+        _compiler_broken(exc)
         return _count_differing(a, b)
+
+
+def _compiler_broken(exc: Exception) -> None:
+    """Said once: from now on this process compares large tensors eagerly (the same counts)."""
+    _FUSED_BROKEN.append(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
+    if len(_FUSED_BROKEN) == 1:
+        warnings.warn(f"qgather: the compiled comparison cannot run here ({_FUSED_BROKEN[0]}); large "
+                      "tensors are compared eagerly", RuntimeWarning, stacklevel=3)
 
 
 @functools.cache
@@ -256,22 +263,69 @@ def _shape_mismatch(got: torch.Tensor) -> Comparison:
     return Comparison(False, -1, float("inf"), detail=f"shape {tuple(got.shape)}")
 
 
-def compare_value_blocks(pairs: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]) -> Comparison:
+@dataclass(frozen=True)
+class Deferred:
+    """Values not made yet, `fn(*tensors)` of `shape` (a golden's row block: Format.dequantize_rows_parts),
+    for a comparison that on a GPU never holds them: one compiled pass dequantizes and compares."""
+
+    fn: Callable[..., torch.Tensor]
+    tensors: tuple[torch.Tensor, ...]
+    shape: torch.Size
+
+    def values(self) -> torch.Tensor:
+        return self.fn(*self.tensors)
+
+
+Block = tuple[torch.Tensor, "torch.Tensor | Deferred"]
+
+
+def compare_value_blocks(pairs: Callable[[], Iterable[Block]]) -> Comparison:
     """compare_values over (got, want) blocks of one tensor, as one comparison (bitwise; the
     first block of another shape decides). `pairs` makes the blocks; each block's count stays on
-    the device and they come back together, once. Only when some differ are the blocks made again
-    (`pairs()` once more), for the largest difference."""
+    the device and they come back together, once; a large Deferred block on a GPU is counted
+    without its values existing. Only when some differ are the blocks made again (`pairs()` once
+    more), for the largest difference."""
     counts = []
     for got, want in pairs():
-        if got.shape != want.shape:
+        if tuple(got.shape) != tuple(want.shape):
             return _shape_mismatch(got)
-        got, want = _aligned(got, want)
-        counts.append((_bits(got) != _bits(want)).sum())
+        counts.append(_differing_values(got, want))
     n_diff = sum(_to_host(counts))
     if not n_diff:
         return Comparison(True, 0, 0.0)
-    max_abs = max(compare_values(got, want).max_abs for got, want in pairs())
+    max_abs = max(compare_values(got, _made(want)).max_abs for got, want in pairs())
     return Comparison(False, n_diff, max_abs)
+
+
+def _made(want: torch.Tensor | Deferred) -> torch.Tensor:
+    return want.values() if isinstance(want, Deferred) else want
+
+
+def _differing_values(got: torch.Tensor, want: torch.Tensor | Deferred) -> torch.Tensor:
+    """Elements of `got` whose bits differ from `want`'s (in float32 where their dtypes differ), on
+    want's device, without waiting."""
+    if isinstance(want, Deferred) and _fusable_values(got, want):
+        try:
+            return _compiled_value_count(want.fn)(got, *want.tensors)
+        except Exception as exc:  # noqa: BLE001 - no compiler here: the values are made and compared
+            _compiler_broken(exc)
+    got, want = _aligned(got, _made(want))
+    return (_bits(got) != _bits(want)).sum()
+
+
+def _fusable_values(got: torch.Tensor, want: Deferred) -> bool:
+    return (got.device.type == "cuda" and got.numel() >= FUSED_MIN_ELEMENTS and not _FUSED_BROKEN
+            and all(t.device == got.device for t in want.tensors))
+
+
+@functools.cache
+def _compiled_value_count(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def count(got: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        want = fn(*tensors)
+        got = got.to(want.dtype)  # float32: compare_values compares other dtypes as float32 values
+        return (got.view(torch.int32) != want.view(torch.int32)).sum()
+
+    return torch.compile(count, fullgraph=True, dynamic=False)
 
 
 def locate(
