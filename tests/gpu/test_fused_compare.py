@@ -79,5 +79,8 @@ def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cu
 def test_the_e2m1_pair_table_is_built_alike_on_the_gpu(cuda):
     from qgather.formats import numerics as nx
 
-    on_gpu = nx.e2m1_pair_table(cuda).cpu()
-    assert torch.equal(on_gpu.view(torch.int32), nx.e2m1_pair_table(torch.device("cpu")).view(torch.int32))
+    like = torch.empty(0, dtype=torch.uint8, device=cuda)
+    on_gpu = nx.e2m1_pair_table(like)
+    assert nx.e2m1_pair_table(like) is on_gpu  # kept for plain tensors on a GPU
+    on_cpu = nx.e2m1_pair_table(like.cpu())
+    assert torch.equal(on_gpu.cpu().view(torch.int32), on_cpu.view(torch.int32))

@@ -13,6 +13,8 @@ or reference quantizers (see /work/shared/docs/formats.md):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_E4M3_MAX = 448.0
@@ -190,7 +192,7 @@ def e2m1_pair_values(packed: torch.Tensor) -> torch.Tensor:
     """float32 values of packed E2M1 codes, (..., n) uint8 -> (..., 2n), the low nibble first
     (pack_nibbles): e2m1_values(unpack_nibbles(packed)) in one lookup of each byte's two values,
     without the unpacked codes or 8-byte indices (a large weight's temporaries)."""
-    return e2m1_pairs_looked_up(packed, e2m1_pair_table(packed.device))
+    return e2m1_pairs_looked_up(packed, e2m1_pair_table(packed))
 
 
 def e2m1_pairs_looked_up(packed: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -199,10 +201,21 @@ def e2m1_pairs_looked_up(packed: torch.Tensor, table: torch.Tensor) -> torch.Ten
     return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def e2m1_pair_table(device: torch.device) -> torch.Tensor:
-    """(256, 2) float32: each byte's low-nibble and high-nibble E2M1 values, computed where it is
-    used (no copy from the host to wait for, nothing kept: it also runs under a compiler's fake
-    tensors)."""
+def e2m1_pair_table(like: torch.Tensor) -> torch.Tensor:
+    """(256, 2) float32 on `like`'s device: each byte's low-nibble and high-nibble E2M1 values.
+    Built where it is used (no copy from the host to wait for); kept per GPU only for plain
+    tensors, since a kept tensor must not meet a compiler's fake ones."""
+    if like.device.type == "cuda" and type(like) is torch.Tensor:
+        return _kept_pair_table(like.device)
+    return _pair_table(like.device)
+
+
+@functools.cache
+def _kept_pair_table(device: torch.device) -> torch.Tensor:
+    return _pair_table(device)
+
+
+def _pair_table(device: torch.device) -> torch.Tensor:
     if device.type == "cpu":  # from the 16 values: faster there than the dozen small operations below
         values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
         return torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=-1)

@@ -29,9 +29,12 @@ BLOCK = 16
 E4M3 = torch.float8_e4m3fn
 
 
-def _blocks_scaled(packed: torch.Tensor, factor: torch.Tensor, pair_table: torch.Tensor) -> torch.Tensor:
-    """float32 (R, C) of packed (R, C/2) E2M1 codes times their 1x16 block's factor (R, C/16)
-    (numerics.nvfp4_dequant_factor), the codes' values looked up in `pair_table`."""
+def _blocks_dequantized(packed: torch.Tensor, scale_bits: torch.Tensor, amax: torch.Tensor,
+                        pair_table: torch.Tensor) -> torch.Tensor:
+    """float32 (R, C) of packed (R, C/2) E2M1 codes times their 1x16 block's factor from its scale
+    bits (R, C/16) and the per-tensor amax (numerics.nvfp4_dequant_factor), the codes' values looked
+    up in `pair_table` (numerics.e2m1_pair_table)."""
+    factor = nx.nvfp4_dequant_factor(scale_bits, amax)
     r, c = packed.shape[0], packed.shape[1] * 2
     vals = nx.e2m1_pairs_looked_up(packed, pair_table).view(r, c // BLOCK, BLOCK)  # new: scaled in place
     vals.mul_(factor.reshape(r, c // BLOCK, 1))
@@ -81,15 +84,16 @@ class _Nvfp4Base(Format):
 
     def _dequant(self, packed, scales, amax):
         """float32 (R, C) from packed (R, C/2) codes and per-1x16 scale bits (R, C/16)."""
-        return _blocks_scaled(packed, nx.nvfp4_dequant_factor(scales, amax), nx.e2m1_pair_table(packed.device))
+        return _blocks_dequantized(packed, scales, amax, nx.e2m1_pair_table(packed))
 
     def _dequantize(self, q):
-        return _blocks_scaled(*self._dequantize_parts(q)[1])
+        return _blocks_dequantized(*self._dequantize_parts(q)[1])
 
     def _dequantize_parts(self, q):
         b, v = q.buffers, q.valid
-        factor = nx.nvfp4_dequant_factor(b["rowwise_scale_inv"][v["rowwise_scale_inv"]], b["amax_rowwise"])
-        return _blocks_scaled, (b["rowwise_data"], factor, nx.e2m1_pair_table(b["rowwise_data"].device))
+        packed = b["rowwise_data"]
+        return _blocks_dequantized, (packed, b["rowwise_scale_inv"][v["rowwise_scale_inv"]], b["amax_rowwise"],
+                                     nx.e2m1_pair_table(packed))
 
     def _dequantize_columnwise(self, q):
         m, k, mb, kb = self._dims(q.shape)
