@@ -83,15 +83,9 @@ class Inspector:
             return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
                          values=_against_golden(values.reshape(m, k), golden))
         buffers_digest, diffs, dequantized, where = self._buffers(param, golden)
-        blocks = fmt.row_blocks(golden.q.shape)
-        # the golden layer's output blocks, from the golden's row blocks as they pass by for the
-        # comparison below: the golden is dequantized (and a parked one brought over) once, not twice
-        x = self.x.to(param.dtype)
-        outputs = _GoldenOutputBlocks(x, len(blocks)) \
-            if len(blocks) > 1 and len(golden.q.shape) == 2 and golden.kept_output(x, True) is None else None
-        own = _own_blocks_against_golden(impl, fmt, param, golden, blocks, outputs)
+        own = _own_blocks_against_golden(impl, fmt, param, golden, fmt.row_blocks(golden.q.shape))
         own_dequantized = None if own is None else compare_value_blocks(own)
-        output, output_digest, forward_error = self._forward(param, golden, outputs)
+        output, output_digest, forward_error = self._forward(param, golden)
         return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
                      forward_error=forward_error, where=where, dtype_problem=dtype_problem)
@@ -131,10 +125,9 @@ class Inspector:
                                                     for rows, want in golden.dequantized_blocks()))
         return buffers_digest, diffs, dequantized, tuple(locate(fmt, gathered, golden.q, self.shards))
 
-    def _forward(self, param: torch.Tensor, golden: Golden, outputs: _GoldenOutputBlocks | None = None
-                 ) -> tuple[Comparison | None, str, str]:
-        """(the layer output against the golden layer's, its digest, the forward's error). `outputs`:
-        the golden layer's output blocks, where already computed."""
+    def _forward(self, param: torch.Tensor, golden: Golden) -> tuple[Comparison | None, str, str]:
+        """(the layer output against the golden layer's, its digest, the forward's error). The
+        golden layer's output is computed once per golden and input, then kept with the golden."""
         x = self.x.to(param.dtype)
         try:
             y, blocks = self._output(param, x, golden)
@@ -142,8 +135,7 @@ class Inspector:
             return None, "", _one_line(exc)
         y_ref = golden.kept_output(x, blocks)
         if y_ref is None:
-            y_ref = outputs.output() if blocks and outputs is not None and outputs.complete else \
-                _golden_output(x, golden, param.dtype, blocks)
+            y_ref = _golden_output(x, golden, param.dtype, blocks)
             golden.keep_output(x, blocks, y_ref)
         return compare_values(y, y_ref, self.impl.output_tolerance(self.fmt.name)), digest({"output": y}, {}), ""
 
@@ -218,64 +210,35 @@ def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: 
                       for _, values in golden.dequantized_blocks()], dim=-1)
 
 
-class _GoldenOutputBlocks:
-    """The golden layer's output, x @ W^T block of rows by block (as `_golden_output` computes it with
-    `blocks`), collected from the golden's row blocks as a comparison reads them."""
-
-    def __init__(self, x: torch.Tensor, n_blocks: int) -> None:
-        self.x, self.n_blocks = x, n_blocks
-        self._blocks: list[torch.Tensor] = []
-
-    def add(self, values: torch.Tensor) -> None:
-        if values.shape[-1] != self.x.shape[-1]:  # the layer cannot take x either: its forward says why
-            self.n_blocks = -1
-            return
-        self._blocks.append(torch.matmul(self.x, values.to(self.x.dtype).transpose(-1, -2)))
-
-    @property
-    def complete(self) -> bool:
-        return len(self._blocks) == self.n_blocks
-
-    def output(self) -> torch.Tensor:
-        return torch.cat(self._blocks, dim=-1)
-
-
 def _own_blocks_against_golden(impl: Implementation, fmt: Format, param: torch.Tensor, golden: Golden,
-                               blocks: list[tuple[int, int]], outputs: _GoldenOutputBlocks | None
+                               blocks: list[tuple[int, int]]
                                ) -> Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor | Deferred]]] | None:
     """What compare_value_blocks reads for the implementation's own dequantization: a maker of
-    (own block, golden block) pairs, the first pairs also handing the golden blocks to `outputs`;
-    None when the implementation has no dequantization of its own."""
+    (own block, golden block) pairs, the golden blocks deferred (compare.Deferred) where they can
+    be; None when the implementation has no dequantization of its own."""
     first = impl.own_dequantize_blocks(param, fmt, blocks)
     if first is None:
         return None
     made: list[bool] = []
 
-    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if made:  # made again, for the largest difference: the outputs have their blocks
-            return _paired_with_golden(impl, impl.own_dequantize_blocks(param, fmt, blocks), golden,
-                                       len(blocks))
+    def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor | Deferred]]:
+        own = impl.own_dequantize_blocks(param, fmt, blocks) if made else first  # again: to size a difference
         made.append(True)
-        return _paired_with_golden(impl, first, golden, len(blocks), outputs)
+        return _paired_with_golden(impl, own, golden, len(blocks))
 
     return pairs
 
 
-def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden, n_blocks: int,
-                        outputs: _GoldenOutputBlocks | None = None
+def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golden: Golden, n_blocks: int
                         ) -> Iterator[tuple[torch.Tensor, torch.Tensor | Deferred]]:
-    """(own block, golden block) pairs (each golden block also handed to `outputs`); an
-    implementation that yields another number of blocks than it was asked for would have some rows
-    compared twice or not at all: said, with the counts."""
+    """(own block, golden block) pairs; an implementation that yields another number of blocks
+    than it was asked for would have some rows compared twice or not at all: said, with the counts."""
     own = iter(own)
-    # the values of a golden block are made only where the golden layer's output needs them
-    for count, (_, want) in enumerate(golden.dequantized_blocks(deferred=outputs is None)):
+    for count, (_, want) in enumerate(golden.dequantized_blocks(deferred=True)):
         got = next(own, None)
         if got is None:
             raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded {count} blocks for the {n_blocks} "
                                "row blocks it was asked for")
-        if outputs is not None:
-            outputs.add(want)
         yield got, want
     if next(own, None) is not None:
         raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded more than the {n_blocks} row blocks "
