@@ -101,8 +101,23 @@ def test_script_imports_only_torch_its_library_and_the_stdlib(case_id, tmp_path)
 def test_script_carries_the_case():
     text = render("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2")
     for line in ("SHAPE = (128, 64)", "SEED = 0", "DTYPE = torch.bfloat16", "WORLD_SIZE = 4", "TP = 2",
-                 "PRECOMPUTE = False", "def gathered("):
+                 "def gathered(", "parallelize_module(linear"):
         assert line in text
+
+
+def test_script_holds_only_what_its_case_runs():
+    """`if CONSTANT:` blocks of the pieces are decided for the case: no TP code without TP, no
+    precompute call without it, no Shard(1) at dim 0, no step code in a gather script."""
+    plain = render("torchao:fp8_tensor:5x64:bf16:ws2:gather:s0")
+    assert "parallelize_module" not in plain and "precompute_float8" not in plain and "TP" not in plain
+    assert "PRECOMPUTE" not in plain and "if " not in plain.split("def gathered(")[1].split("\ndef ")[0]
+    assert "precompute_float8_dynamic_scale_for_fsdp(linear)" in render(
+        "torchao:precompute:fp8_tensor:5x64:bf16:ws2:gather:s0")
+    dim0 = render("te:fp8_block:200x256:bf16:ws2:gather:s0")
+    dim1 = render("te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1")
+    assert "Shard(1)" not in dim0 and "SHARD_DIM" not in dim0 and "shard_placement_fn=lambda p: Shard(1)" in dim1
+    assert "requantize" not in dim0 and "STEPS" not in dim0
+    assert "_rowwise_data" not in render("te:fp8_tensor:128x64:bf16:ws2:steps:s0")
 
 
 @pytest.mark.parametrize("case_id", (

@@ -21,7 +21,6 @@ SEED = 0  # the weight is drawn from it exactly as qgather draws it
 DTYPE = torch.bfloat16
 WORLD_SIZE = 2
 RECIPE = 'Float8CurrentScaling'  # transformer_engine.common.recipe
-SHARD_DIM = 0  # FSDP2 shards the weight's rows (0) or columns (1)
 STEPS = 3  # SGD steps (lr 0.05, momentum 0.9), each followed by a re-gather
 REQUANTIZE_FIRST = True  # re-quantize every shard from its unchanged rows before the first all-gather
 TIMEOUT_S = 120  # every rank's deadline (a rank still waiting then: HANG)
@@ -49,12 +48,10 @@ def sharded(rank: int, device: torch.device):
     import transformer_engine.pytorch as te
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
     from transformer_engine.common import recipe
 
     weight = make_weight(SHAPE, SEED, torch.float32)
-    part = shard_rows(SHAPE[SHARD_DIM], WORLD_SIZE, rank)
-    mine = weight.to(DTYPE)[(slice(None),) * SHARD_DIM + (part,)].to(device)
+    mine = weight.to(DTYPE)[shard_rows(SHAPE[0], WORLD_SIZE, rank)].to(device)
 
     def init_method(local: torch.Tensor) -> None:
         with torch.no_grad():
@@ -62,17 +59,13 @@ def sharded(rank: int, device: torch.device):
 
     with te.quantized_model_init(enabled=True, recipe=getattr(recipe, RECIPE)()):
         linear = te.Linear(SHAPE[1], SHAPE[0], bias=False, params_dtype=DTYPE, device="meta", init_method=init_method)
-    fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)),
-                shard_placement_fn=(lambda param: Shard(1)) if SHARD_DIM else None)
+    fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)))
     with torch.enable_grad():
         linear.reset_parameters()
     return linear, weight
 
 def read(linear, want: dict) -> dict:
     w = linear.weight
-    if hasattr(w, "_rowwise_data"):
-        return {"rowwise_data": w._rowwise_data.view(torch.uint8),
-                "rowwise_scale_inv": w._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]}
     return {"data": w._data.view(torch.uint8), "scale_inv": w._scale_inv.float().reshape(1)}
 
 def requantize(linear, rows: torch.Tensor) -> None:

@@ -20,7 +20,6 @@ SEED = 0  # the weight is drawn from it exactly as qgather draws it
 DTYPE = torch.bfloat16
 WORLD_SIZE = 4
 TP = 2  # tensor-parallel size: mesh ("dp", "tp") of (WORLD_SIZE // TP, TP)
-PRECOMPUTE = False  # precompute_float8_dynamic_scale_for_fsdp first
 TIMEOUT_S = 120  # every rank's deadline (a rank still waiting then: HANG)
 
 def make_weight(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -53,27 +52,22 @@ def gathered(rank: int, device: torch.device) -> list[tuple]:
         linear.weight.copy_(weight)
     linear.weight.requires_grad_(False)
     linear = convert_to_float8_training(linear, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    want, label, row0 = quantize(weight), "unshard 1", 0
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
     mesh = init_device_mesh(device.type, (WORLD_SIZE // TP, TP), mesh_dim_names=("dp", "tp"))
-    rows, label = slice(0, SHAPE[0]), "unshard 1"
-    if TP > 1:
-        from torch.distributed.tensor.parallel import parallelize_module
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
-
-        parallelize_module(linear, mesh["tp"], Float8ColwiseParallel(), src_data_rank=None)
-        rows = shard_rows(SHAPE[0], TP, mesh.get_local_rank("tp"))
-        label += f": tp rank {mesh.get_local_rank('tp')} of {TP}: rows [{rows.start}, {rows.stop})"
+    parallelize_module(linear, mesh["tp"], Float8ColwiseParallel(), src_data_rank=None)
     fully_shard(linear, mesh=mesh["dp"])
-    if PRECOMPUTE:
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-        precompute_float8_dynamic_scale_for_fsdp(linear)
+    rows = shard_rows(SHAPE[0], TP, mesh.get_local_rank("tp"))  # this rank's TP piece
+    want["data"], row0 = want["data"][rows], rows.start
+    label += f": tp rank {mesh.get_local_rank('tp')} of {TP}: rows [{rows.start}, {rows.stop})"
     with float8_as_bytes_on_gloo():
         linear.unshard()
-    w = getattr(linear.weight, "_local_tensor", linear.weight)  # under TP: this rank's piece
-    want = quantize(weight)
-    want["data"] = want["data"][rows]
+    w = linear.weight
+    w = w._local_tensor  # this rank's TP piece
     got = {"data": w._data.view(torch.uint8), "scale_inv": w._scale.float().reciprocal().reshape(1)}
-    return [(label, rows.start, got, want)]
+    return [(label, row0, got, want)]
 
 @contextlib.contextmanager
 def float8_as_bytes_on_gloo():

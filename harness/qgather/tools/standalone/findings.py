@@ -14,6 +14,7 @@ __all__ = ["FINDINGS", "Finding"]
 
 TORCHAO = "torch 2.13.0 (CPU), torchao 0.18.0; python 3.11"
 TE = "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2 x H200 (sm_90)"
+TE_ONE_GPU = "torch 2.11.0+cu130, TransformerEngine 2.20.2, one H200 (sm_90; 2 ranks as gloo on CUDA)"
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ FINDINGS: tuple[Finding, ...] = (
     Finding(
         "te-current-scaling-own-amax", "te:fp8_tensor:128x64:bf16:ws2:steps:s0",
         "Float8Tensor under FSDP2: a shard re-quantized before the first all-gather keeps its own amax",
-        "te-current-scaling-own-amax", "TransformerEngine", TE,
+        "te-current-scaling-own-amax", "TransformerEngine", TE_ONE_GPU,
         expected="Re-quantizing each shard from its own, unchanged rows before the first all-gather (an optimizer "
                  "step, or a checkpoint loaded with `copy_` before the first forward) leaves every rank's gathered "
                  "weight equal to the single-GPU Float8CurrentScaling quantization: one amax, the whole weight's.",
@@ -195,7 +196,7 @@ FINDINGS: tuple[Finding, ...] = (
     Finding(
         "te-shard-dim1-copy-out", "te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1",
         "Float8BlockwiseQTensor under FSDP2 Shard(1): the all-gather copy-out fails on every rank",
-        "te-shard-dim1-copy-out", "TransformerEngine", TE,
+        "te-shard-dim1-copy-out", "TransformerEngine", TE_ONE_GPU,
         expected="With `shard_placement_fn` returning `Shard(1)`, the gathered weight equals the single-GPU "
                  "Float8BlockScaling quantization, or TE refuses the placement with an error that names it.",
         actual="qgather's report (one H200, 2 ranks as gloo on CUDA): `ERROR` on every rank in FSDP2's "
@@ -212,7 +213,7 @@ FINDINGS: tuple[Finding, ...] = (
     Finding(
         "te-blockwise-single-row", "te:fp8_block:1x512:bf16:ws1:gather:s0",
         "Float8BlockwiseQTensor under FSDP2: a single-row weight breaks the flat view FSDP2 takes of its shard",
-        "te-blockwise-single-row", "TransformerEngine", TE,
+        "te-blockwise-single-row", "TransformerEngine", TE_ONE_GPU,
         expected="A one-row weight (1 x 512) under FSDP2 is sharded and gathered to its single-GPU "
                  "Float8BlockScaling quantization, as a weight of many rows is.",
         actual="qgather's report (one H200): `ERROR` while FSDP2 shards the parameter: `IndexError: list index out "

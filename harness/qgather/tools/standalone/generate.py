@@ -22,12 +22,12 @@ from qgather.model.case import CaseSpec
 from qgather.tools.standalone import bundle
 from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor, launch, reference, routes, scenario
 
-__all__ = ["MAX_LINES", "UnsupportedCase", "readable_lines", "render"]
+__all__ = ["MAX_LINES", "UnsupportedCase", "how_to_run", "readable_lines", "render"]
 
 #: The most lines a script has before SOURCES (what a maintainer reads; SOURCES is the carried subclass),
 #: by library: TE's scripts run under torchrun only; torchao's also carry the `python FILE` launcher
 #: (forked gloo ranks, ERROR / CRASH / HANG under one deadline); the reference's its route's helpers.
-MAX_LINES = {"transformer_engine": 175, "torchao": 205, "": 230}
+MAX_LINES = {"transformer_engine": 170, "torchao": 195, "": 225}
 _DTYPES = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}
 _TE_RECIPES = {"fp8_tensor": "Float8CurrentScaling", "fp8_block": "Float8BlockScaling"}
 _STEPS = {"gather": 0, "steps": 3, "reshard": 1}  # optimizer steps, as qgather.scenarios.fsdp takes them
@@ -161,13 +161,16 @@ def render(case_id: str, title: str = "", note: str = "") -> str:
              *template.functions, *((f.__name__, f) for f in _EVIDENCE)]
     named += [("spawn", launch.spawn), ("_rank", launch._rank)] if not template.needs_cuda else [
         ("spawn", launch.torchrun_only)]
-    functions = [_source(function, name) for name, function in (*named, ("report", launch.report))]
+    known = {name: ast.literal_eval(value) for name, value, _ in template.constants}
+    functions = [_specialized(_source(function, name), known)
+                 for name, function in (*named, ("report", launch.report))]
     if not any("shard_rows(" in text for text in functions[2:]):
         del functions[1]
     install = "    install(SOURCES)\n" if template.sources else ""
     main = f'if __name__ == "__main__":\n{install}    sys.exit(main())'
     sources = [_sources_block(template.sources), ""] if template.sources else []  # SOURCES last but main
-    body = "\n".join([_constants(spec, template), "", *functions, *sources, main])
+    body = "\n".join([*functions, *sources, main])
+    body = "\n".join([_constants(spec, template, body), "", body])
     return "\n".join([_header(spec, template, title, note), _imports(template, body), "", body]) + "\n"
 
 
@@ -195,7 +198,8 @@ def _imports(template: Template, body: str) -> str:
     return "\n".join([f"import {', '.join(modules)}", *wait, "", "import torch", "import torch.distributed as dist"])
 
 
-def _constants(spec: CaseSpec, template: Template) -> str:
+def _constants(spec: CaseSpec, template: Template, body: str) -> str:
+    """The constants the script's code reads (a route's constant its case does not use is left out)."""
     rows = [("CASE", repr(spec.id), ""),
             ("SHAPE", repr(tuple(spec.shape)), "the weight (out_features, in_features)"),
             ("SEED", str(spec.seed), "the weight is drawn from it exactly as qgather draws it"),
@@ -203,7 +207,41 @@ def _constants(spec: CaseSpec, template: Template) -> str:
             ("WORLD_SIZE", str(spec.world_size), ""),
             *template.constants,
             ("TIMEOUT_S", "120", "every rank's deadline (a rank still waiting then: HANG)")]
-    return "\n".join(f"{name} = {value}" + (f"  # {comment}" if comment else "") for name, value, comment in rows)
+    return "\n".join(f"{name} = {value}" + (f"  # {comment}" if comment else "") for name, value, comment in rows
+                     if re.search(rf"\b{name}\b", re.sub(r"#.*", "", body)))
+
+
+def _specialized(text: str, known: dict[str, object]) -> str:
+    """`text` with each `if COND:` block whose condition reads only the case's constants decided:
+    dropped when false, its body in its place when true (the script holds only what its case runs)."""
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        match = re.fullmatch(r"(\s*)if (.+?):(\s+#.*)?", lines[i])
+        names = match and {n.id for n in ast.walk(ast.parse(match[2], mode="eval")) if isinstance(n, ast.Name)}
+        if not match or not names or not names <= known.keys():
+            out.append(lines[i])
+            i += 1
+            continue
+        indent = len(match[1])
+        end = _block_end(lines, i + 1, indent)
+        otherwise = end < len(lines) and lines[end] == f"{match[1]}else:"
+        end_else = _block_end(lines, end + 1, indent) if otherwise else end
+        if eval(match[2], {}, dict(known)):  # noqa: S307 -- a condition of the pieces' own source, over literals
+            out += [line[4:] for line in lines[i + 1:end]]
+        elif otherwise:
+            out += [line[4:] for line in lines[end + 1:end_else]]
+        i = end_else
+    return "\n".join(out) + "\n"
+
+
+def _block_end(lines: list[str], start: int, indent: int) -> int:
+    """The index after the block that starts at `start`, indented deeper than `indent`."""
+    end = start
+    while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    while end > start and not lines[end - 1].strip():  # a blank line after a block belongs to what follows
+        end -= 1
+    return end
 
 
 def _source(function, name: str) -> str:
@@ -234,3 +272,10 @@ def _sources_block(sources: dict[str, str]) -> str:
 def readable_lines(text: str) -> int:
     """Lines of a script before its SOURCES (all of them for a library's script)."""
     return len(text.split("\nSOURCES = {", 1)[0].splitlines())
+
+
+def how_to_run(case_id: str, path: str) -> str:
+    """The command(s) that run the script of `case_id` written at `path`."""
+    spec = CaseSpec.parse(case_id)
+    torchrun = f"torchrun --nproc-per-node {spec.world_size} {path}"
+    return torchrun if template_for(spec).needs_cuda else f"python {path} or {torchrun}"

@@ -26,27 +26,30 @@ def gathered_torchao(rank: int, device: torch.device) -> list[tuple]:
         linear.weight.copy_(weight)
     linear.weight.requires_grad_(False)
     linear = convert_to_float8_training(linear, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-    mesh = init_device_mesh(device.type, (WORLD_SIZE // TP, TP), mesh_dim_names=("dp", "tp"))
-    rows, label = slice(0, SHAPE[0]), "unshard 1"
+    want, label, row0 = quantize(weight), "unshard 1", 0
     if TP > 1:
         from torch.distributed.tensor.parallel import parallelize_module
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
 
+        mesh = init_device_mesh(device.type, (WORLD_SIZE // TP, TP), mesh_dim_names=("dp", "tp"))
         parallelize_module(linear, mesh["tp"], Float8ColwiseParallel(), src_data_rank=None)
-        rows = shard_rows(SHAPE[0], TP, mesh.get_local_rank("tp"))
+        fully_shard(linear, mesh=mesh["dp"])
+        rows = shard_rows(SHAPE[0], TP, mesh.get_local_rank("tp"))  # this rank's TP piece
+        want["data"], row0 = want["data"][rows], rows.start
         label += f": tp rank {mesh.get_local_rank('tp')} of {TP}: rows [{rows.start}, {rows.stop})"
-    fully_shard(linear, mesh=mesh["dp"])
+    else:
+        fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)))
     if PRECOMPUTE:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(linear)
     with float8_as_bytes_on_gloo():
         linear.unshard()
-    w = getattr(linear.weight, "_local_tensor", linear.weight)  # under TP: this rank's piece
-    want = quantize(weight)
-    want["data"] = want["data"][rows]
+    w = linear.weight
+    if TP > 1:
+        w = w._local_tensor  # this rank's TP piece
     got = {"data": w._data.view(torch.uint8), "scale_inv": w._scale.float().reciprocal().reshape(1)}
-    return [(label, rows.start, got, want)]
+    return [(label, row0, got, want)]
 
 
 @contextlib.contextmanager
@@ -76,12 +79,13 @@ def sharded_te(rank: int, device: torch.device):
     import transformer_engine.pytorch as te
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
     from transformer_engine.common import recipe
 
     weight = make_weight(SHAPE, SEED, torch.float32)
-    part = shard_rows(SHAPE[SHARD_DIM], WORLD_SIZE, rank)
-    mine = weight.to(DTYPE)[(slice(None),) * SHARD_DIM + (part,)].to(device)
+    if SHARD_DIM:
+        mine = weight.to(DTYPE)[:, shard_rows(SHAPE[1], WORLD_SIZE, rank)].to(device)
+    else:
+        mine = weight.to(DTYPE)[shard_rows(SHAPE[0], WORLD_SIZE, rank)].to(device)
 
     def init_method(local: torch.Tensor) -> None:
         with torch.no_grad():
@@ -89,8 +93,12 @@ def sharded_te(rank: int, device: torch.device):
 
     with te.quantized_model_init(enabled=True, recipe=getattr(recipe, RECIPE)()):
         linear = te.Linear(SHAPE[1], SHAPE[0], bias=False, params_dtype=DTYPE, device="meta", init_method=init_method)
-    fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)),
-                shard_placement_fn=(lambda param: Shard(1)) if SHARD_DIM else None)
+    if SHARD_DIM:
+        from torch.distributed.tensor import Shard
+
+        fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)), shard_placement_fn=lambda p: Shard(1))
+    else:
+        fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)))
     with torch.enable_grad():
         linear.reset_parameters()
     return linear, weight
@@ -99,7 +107,7 @@ def sharded_te(rank: int, device: torch.device):
 def read_te(linear, want: dict) -> dict:
     """The gathered weight's buffers (of the blockwise scales, the valid region)."""
     w = linear.weight
-    if hasattr(w, "_rowwise_data"):
+    if RECIPE == "Float8BlockScaling":  # of the padded scales, the valid region
         return {"rowwise_data": w._rowwise_data.view(torch.uint8),
                 "rowwise_scale_inv": w._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]}
     return {"data": w._data.view(torch.uint8), "scale_inv": w._scale_inv.float().reshape(1)}
