@@ -20,10 +20,12 @@ from qgather.tools.standalone.generate import template_for
 pytestmark = pytest.mark.xdist_group("standalone")  # one qgather run for every id: one worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: torchao: a silent mismatch (docs/findings.md#torchao-tp-amax), a crash (#torchao-uneven-shards); the zoo on
+#: torchao: a silent mismatch (docs/findings.md#torchao-tp-amax), a crash and an error (#torchao-uneven-shards;
+#: its precompute hang is left out: the script waits out its 120 s deadline); the zoo on
 #: gloo, its subclass carried in the script: a silent mismatch, a pass (issue 31's id: EXACT in gather) and
 #: the same mutant's steps case (its bug shows when a shard is re-quantized); the reference's steps: a pass
 IDS = ("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2", "torchao:fp8_tensor:5x64:bf16:ws2:gather:s0",
+       "torchao:fp8_tensor:5x64:bf16:ws4:gather:s0",
        "mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0",
        "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:gather:s0",
        "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:steps:s0", "reference:fp8_tensor:128x64:bf16:ws2:steps:s0")

@@ -23,7 +23,7 @@ WORLD_SIZE = 2
 RECIPE = 'Float8CurrentScaling'  # transformer_engine.common.recipe
 STEPS = 3  # SGD steps (lr 0.05, momentum 0.9), each followed by a re-gather
 REQUANTIZE_FIRST = True  # re-quantize every shard from its unchanged rows before the first all-gather
-TIMEOUT_S = 120  # every rank's deadline (a rank still waiting then: HANG)
+TIMEOUT_S = int(os.environ.get("REPRO_TIMEOUT_S", "120"))  # every rank's deadline (a rank still waiting then: HANG)
 
 def make_weight(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
     values = torch.randn(shape, generator=torch.Generator().manual_seed(seed))

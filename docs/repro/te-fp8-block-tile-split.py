@@ -21,7 +21,7 @@ SEED = 0  # the weight is drawn from it exactly as qgather draws it
 DTYPE = torch.bfloat16
 WORLD_SIZE = 2
 RECIPE = 'Float8BlockScaling'  # transformer_engine.common.recipe
-TIMEOUT_S = 120  # every rank's deadline (a rank still waiting then: HANG)
+TIMEOUT_S = int(os.environ.get("REPRO_TIMEOUT_S", "120"))  # every rank's deadline (a rank still waiting then: HANG)
 
 def make_weight(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
     values = torch.randn(shape, generator=torch.Generator().manual_seed(seed))

@@ -206,7 +206,8 @@ def _constants(spec: CaseSpec, template: Template, body: str) -> str:
             ("DTYPE", _DTYPES[spec.dtype], ""),
             ("WORLD_SIZE", str(spec.world_size), ""),
             *template.constants,
-            ("TIMEOUT_S", "120", "every rank's deadline (a rank still waiting then: HANG)")]
+            ("TIMEOUT_S", 'int(os.environ.get("REPRO_TIMEOUT_S", "120"))',
+             "every rank's deadline (a rank still waiting then: HANG)")]
     return "\n".join(f"{name} = {value}" + (f"  # {comment}" if comment else "") for name, value, comment in rows
                      if re.search(rf"\b{name}\b", re.sub(r"#.*", "", body)))
 

@@ -19,8 +19,10 @@ def install(sources: dict[str, str]) -> None:
     """Every source as the module it names, a package before its modules."""
     for name in sorted(sources, key=lambda n: n.count(".")):
         module = sys.modules[name] = types.ModuleType(name)
-        is_package = any(other.startswith(name + ".") for other in sources)
-        module.__package__, module.__path__ = (name, []) if is_package else (name.rpartition(".")[0], None)
+        if any(other.startswith(name + ".") for other in sources):  # a package
+            module.__package__, module.__path__ = name, []
+        else:
+            module.__package__ = name.rpartition(".")[0]
         if "." in name:
             setattr(sys.modules[name.rpartition(".")[0]], name.rpartition(".")[2], module)
     for name, source in sources.items():
