@@ -97,3 +97,19 @@ def test_every_coverable_zoo_script_catches_its_bug(case_id, verdicts, tmp_path)
                             cwd=str(tmp_path), timeout=300)
     verdict = result.stdout.partition(f"{case_id}: ")[2].split(" - ")[0].strip()
     assert verdict in verdicts and result.returncode == 1, result.stdout + result.stderr[-2000:]
+
+
+def test_torchrun_runs_the_script_as_it_runs_on_gpus(qgather_verdicts, tmp_path):
+    """The torchrun path (what every TE script runs on GPUs), here on gloo: rank 0 prints the verdict
+    once, before torchrun stops the other ranks, and the run exits 1 on a failing verdict."""
+    case_id = "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:steps:s0"
+    path = tmp_path / "r.py"
+    path.write_text(render(case_id))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([torchrun, "--nproc-per-node", "2", str(path)], capture_output=True, text=True, env=env,
+                            cwd=str(tmp_path), timeout=300)
+    printed = [line for line in result.stdout.splitlines() if line.startswith(f"{case_id}: ")]
+    assert [line.split(" - ")[0] for line in printed] == [f"{case_id}: {qgather_verdicts[case_id].split(' - ')[0]}"], (
+        result.stdout + result.stderr[-3000:])
+    assert result.returncode == 1

@@ -117,7 +117,10 @@ def main() -> int:
         raise  # torchrun stops the other ranks
     every = [None] * WORLD_SIZE
     dist.all_gather_object(every, stages)
-    return report(*verdict(every)) if rank == 0 else int(verdict(every)[0] != "EXACT")
+    status = report(*verdict(every)) if rank == 0 else int(verdict(every)[0] != "EXACT")
+    dist.barrier()  # rank 0 has printed before any rank exits: torchrun stops the others at the first exit 1
+    dist.destroy_process_group()
+    return status
 
 def run_rank(rank: int, device) -> list[dict]:
     if device is not None:
