@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass, replace
 from types import ModuleType
 
@@ -156,22 +157,27 @@ def render(case_id: str, title: str = "", note: str = "") -> str:
     """
     spec = CaseSpec.parse(case_id)
     template = template_for(spec)
-    named = [("make_weight", data.make_weight), ("shard_rows", data.shard_rows),
-             ("quantize", template.golden.quantize), ("dequantize", template.golden.dequantize),
-             *template.functions, *((f.__name__, f) for f in _EVIDENCE)]
-    named += [("spawn", launch.spawn), ("_rank", launch._rank)] if not template.needs_cuda else [
-        ("spawn", launch.torchrun_only)]
-    known = {name: ast.literal_eval(value) for name, value, _ in template.constants}
-    functions = [_specialized(_source(function, name), known)
-                 for name, function in (*named, ("report", launch.report))]
-    if not any("shard_rows(" in text for text in functions[2:]):
-        del functions[1]
     install = "    install(SOURCES)\n" if template.sources else ""
     main = f'if __name__ == "__main__":\n{install}    sys.exit(main())'
     sources = [_sources_block(template.sources), ""] if template.sources else []  # SOURCES last but main
-    body = "\n".join([*functions, *sources, main])
+    body = "\n".join([*_functions(template), *sources, main])
     body = "\n".join([_constants(spec, template, body), "", body])
     return "\n".join([_header(spec, template, title, note), _imports(template, body), "", body]) + "\n"
+
+
+def _functions(template: Template) -> list[str]:
+    """The script's functions in reading order (data, golden, route, evidence, launcher), each
+    specialized to the case's constants; `shard_rows` only where something calls it."""
+    launcher = [("spawn", launch.torchrun_only)] if template.needs_cuda else [("spawn", launch.spawn),
+                                                                               ("_rank", launch._rank)]
+    named = [("make_weight", data.make_weight), ("shard_rows", data.shard_rows),
+             ("quantize", template.golden.quantize), ("dequantize", template.golden.dequantize),
+             *template.functions, *((f.__name__, f) for f in _EVIDENCE), *launcher, ("report", launch.report)]
+    known = {name: ast.literal_eval(value) for name, value, _ in template.constants}
+    functions = [_specialized(_source(function, name), known) for name, function in named]
+    if not any("shard_rows(" in text for text in functions[2:]):
+        del functions[1]
+    return functions
 
 
 def _header(spec: CaseSpec, template: Template, title: str, note: str) -> str:
@@ -187,8 +193,6 @@ def _header(spec: CaseSpec, template: Template, title: str, note: str) -> str:
 
 
 def _wrapped(line: str) -> str:
-    import textwrap
-
     return textwrap.fill(line, width=110, break_on_hyphens=False, break_long_words=False) if line else line
 
 
