@@ -173,7 +173,7 @@ def spawn() -> tuple[str, list[str]]:
 def _rank(rank: int, writer) -> None:
     try:
         writer.send(("ok", run_rank(rank, None)))
-    except Exception as exc:  # noqa: BLE001 -- the script reports every rank's error
+    except Exception as exc:  # the script reports every rank's error
         writer.send(("error", f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"))
 
 def report(found: str, lines: list[str]) -> int:

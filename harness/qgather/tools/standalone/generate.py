@@ -261,7 +261,7 @@ def _source(function, name: str) -> str:
         del lines[first.lineno - 1:first.end_lineno]
         if lines[first.lineno - 1:first.lineno] == [""]:  # the blank line after a docstring goes too
             del lines[first.lineno - 1]
-    text = "\n".join(lines) + "\n"
+    text = re.sub(r"# noqa: [A-Z0-9, ]+(-- )?", "# ", "\n".join(lines) + "\n")  # the comment's why stays
     return text.replace(f"def {function.__name__}(", f"def {name}(", 1)
 
 
