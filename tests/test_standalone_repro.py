@@ -17,15 +17,18 @@ import torch
 
 from qgather.formats import FORMATS
 from qgather.model.case import CaseSpec
-from qgather.scenarios.data import make_weight
+from qgather.scenarios.data import make_gradient, make_weight
 from qgather.tools.standalone import UnsupportedCase, render
 from qgather.tools.standalone.findings import FINDINGS
-from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor
+from qgather.tools.standalone.generate import MAX_LINES, readable_lines, template_for
+from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor, launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ("torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1", "te:fp8_tensor:128x64:fp32:ws4:gather:s2",
        "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:gather:s0", "reference:mxfp8:64x64:fp32:ws4:gather:s1",
-       "mutant:trim_to_fit:nvfp4_1d:136x64:bf16:ws8:gather:s0",
+       "mutant:trim_to_fit:nvfp4_1d:136x64:bf16:ws8:gather:s0", "reference:fp8_tensor:128x64:bf16:ws2:reshard:s0",
+       "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:steps:s0", "te:fp8_block:200x256:fp32:ws2:reshard:s1",
+       "te:fp8_tensor:128x64:bf16:ws2:steps:s0", "te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1",
        *(finding.case_id for finding in FINDINGS))
 STDLIB = set(sys.stdlib_module_names)
 SHAPES = ("1x16", "5x64", "128x64", "200x256", "255x130", "3x384")
@@ -52,6 +55,12 @@ def test_golden_catches_a_changed_bit():
     golden = fp8_block.quantize(weight)
     reference = FORMATS["fp8_block"].quantize(weight.clone().index_fill_(0, torch.tensor([3]), 1.0))
     assert not torch.equal(golden["rowwise_data"], reference.buffers["rowwise_data"])
+
+
+@pytest.mark.parametrize("step", (1, 3))
+def test_the_steps_gradient_is_qgathers(step):
+    spec = CaseSpec.parse("reference:fp8_tensor:136x64:bf16:ws2:steps:s4")
+    assert torch.equal(data.make_weight(spec.shape, spec.seed * 1000 + step, torch.float32), make_gradient(spec, step))
 
 
 def test_weight_of_a_3d_case_is_qgathers():
@@ -92,14 +101,31 @@ def test_script_imports_only_torch_its_library_and_the_stdlib(case_id, tmp_path)
 def test_script_carries_the_case():
     text = render("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2")
     for line in ("SHAPE = (128, 64)", "SEED = 0", "DTYPE = torch.bfloat16", "WORLD_SIZE = 4", "TP = 2",
-                 "PRECOMPUTE = False", "def gathered("):
+                 "def gathered(", "parallelize_module(linear"):
         assert line in text
+
+
+def test_script_holds_only_what_its_case_runs():
+    """`if CONSTANT:` blocks of the pieces are decided for the case: no TP code without TP, no
+    precompute call without it, no Shard(1) at dim 0, no step code in a gather script."""
+    plain = render("torchao:fp8_tensor:5x64:bf16:ws2:gather:s0")
+    assert "parallelize_module" not in plain and "precompute_float8" not in plain and "TP" not in plain
+    assert "PRECOMPUTE" not in plain and "if " not in plain.split("def gathered(")[1].split("\ndef ")[0]
+    assert "precompute_float8_dynamic_scale_for_fsdp(linear)" in render(
+        "torchao:precompute:fp8_tensor:5x64:bf16:ws2:gather:s0")
+    dim0 = render("te:fp8_block:200x256:bf16:ws2:gather:s0")
+    dim1 = render("te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1")
+    assert "Shard(1)" not in dim0 and "SHARD_DIM" not in dim0 and "shard_placement_fn=lambda p: Shard(1)" in dim1
+    assert "requantize" not in dim0 and "STEPS" not in dim0
+    assert "_rowwise_data" not in render("te:fp8_tensor:128x64:bf16:ws2:steps:s0")
 
 
 @pytest.mark.parametrize("case_id", (
     "mutant:per_rank_amax:nvfp4_2d:128x64:bf16:ws2:gather:s0",  # the bug is in the adapter's step
     "torchao:fp8_tensor:128x64:bf16:ws2:steps:s0",
     "te:nvfp4_2d:128x64:bf16:ws2:gather:s0",
+    "te:fp8_tensor:128x64:bf16:ws2:steps:s0:dim1",
+    "te:fp8_block:1024x64:bf16:ws2:gather:s0:dcp-ws3",
     "torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2-row",
 ))
 def test_uncovered_cases_are_refused_naming_what_is_covered(case_id):
@@ -120,7 +146,7 @@ def test_cli_writes_the_script_and_refuses_in_one_line(tmp_path):
     assert (tmp_path / "r.py").read_text() == render(case_id)
     printed = qgather("repro", case_id, "--standalone", cwd=str(tmp_path))
     assert printed.returncode == 0 and printed.stdout == render(case_id)
-    for args in (("mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:steps:s0", "--standalone"),
+    for args in (("torchao:fp8_tensor:128x64:bf16:ws2:steps:s0", "--standalone"),
                  ("not-an-id", "--standalone"), (case_id, "-o", "r.py"),
                  (case_id, "--standalone", "-o", str(tmp_path / "missing" / "r.py"))):
         refused = qgather("repro", *args, cwd=str(tmp_path))
@@ -128,18 +154,33 @@ def test_cli_writes_the_script_and_refuses_in_one_line(tmp_path):
         assert len(refused.stderr.strip().splitlines()) == 1 and refused.stderr.startswith("qgather repro: "), args
 
 
-def _result(rank: int, label: str = "all rows", lines: tuple[str, ...] = (), digest: str = "d") -> dict:
-    return {"rank": rank, "label": label, "lines": list(lines), "digest": digest}
+def _result(rank: int, label: str = "unshard 1", lines: tuple[str, ...] = (), digest: str = "d") -> list[dict]:
+    return [{"rank": rank, "label": label, "lines": list(lines), "digest": digest}]
 
 
-def test_judge_names_the_verdict_and_groups_ranks_that_agree():
-    assert evidence.judge([_result(0), _result(1)]) == ("EXACT", [])
-    verdict, lines = evidence.judge([_result(0, lines=("data: 3 of 8 valid elements differ",)),
+def test_verdict_names_the_verdict_and_groups_ranks_that_agree():
+    assert launch.verdict([_result(0), _result(1)]) == ("EXACT", [])
+    verdict, lines = launch.verdict([_result(0, lines=("data: 3 of 8 valid elements differ",)),
                                      _result(1, lines=("data: 3 of 8 valid elements differ",))])
-    assert (verdict, lines) == ("SILENT_MISMATCH", ["ranks 0, 1: all rows: data: 3 of 8 valid elements differ"])
-    assert evidence.judge([_result(0), _result(1, digest="e")])[0] == "RANK_DIVERGENCE"
+    assert (verdict, lines) == ("SILENT_MISMATCH", ["ranks 0, 1: unshard 1: data: 3 of 8 valid elements differ"])
+    assert launch.verdict([_result(0), _result(1, digest="e")])[0] == "RANK_DIVERGENCE"
     # different TP pieces hold different bytes: not a divergence
-    assert evidence.judge([_result(0, "tp rank 0 of 2"), _result(1, "tp rank 1 of 2", digest="e")])[0] == "EXACT"
+    assert launch.verdict([_result(0, "tp rank 0 of 2"), _result(1, "tp rank 1 of 2", digest="e")])[0] == "EXACT"
+
+
+def test_verdict_is_the_first_unshard_that_fails():
+    second = {"rank": 0, "label": "unshard 2 (after step 1)", "lines": ["data: 1 of 8 valid elements differ"],
+              "digest": "d"}
+    every = [_result(0) + [second], _result(1) + [{**second, "rank": 1}]]
+    assert launch.verdict(every) == ("SILENT_MISMATCH", [
+        "ranks 0, 1: unshard 2 (after step 1): data: 1 of 8 valid elements differ"])
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_script_is_short(case_id):
+    """What a maintainer reads (everything before a reference subclass's SOURCES) stays within the limit."""
+    limit = MAX_LINES[template_for(CaseSpec.parse(case_id)).library]
+    assert readable_lines(render(case_id)) <= limit  # the findings' scripts, with their notes: test_standalone_docs
 
 
 def test_compare_counts_valid_elements_and_names_the_rows():
@@ -148,6 +189,9 @@ def test_compare_counts_valid_elements_and_names_the_rows():
     got = fp8_block.quantize(weight.clone().index_fill_(0, torch.tensor([3, 4, 150]), 0.0))
     lines = evidence.compare(got, want, fp8_block.dequantize(got), fp8_block.dequantize(want), row0=0)
     assert lines[0].startswith("rowwise_data: ") and lines[0].endswith(" of 51200 valid elements differ")
+    scales = {**want, "rowwise_scale_inv": want["rowwise_scale_inv"].clone().index_fill_(1, torch.tensor([1]), 2.0)}
+    assert evidence.compare(scales, want, torch.empty(0), torch.empty(0), row0=0) == [
+        "rowwise_scale_inv: 2 of 4 valid elements differ"]  # float32 elements, not their bytes
     assert lines[-1].endswith("rows 3-4, 150")
     assert evidence.compare(want, want, fp8_block.dequantize(want), fp8_block.dequantize(want), row0=0) == []
-    assert evidence.row_ranges([0, 1, 2, 7, 9, 10]) == "0-2, 7, 9-10"
+    assert evidence.row_ranges([0, 1, 2, 7, 9, 10]) == "0-2, 7, 9-10" and evidence.row_ranges([]) == "none"

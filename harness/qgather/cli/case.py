@@ -54,7 +54,8 @@ def main_repro(argv: Sequence[str]) -> int:
     parser.add_argument("case_id", metavar="CASE_ID")
     parser.add_argument("--standalone", action="store_true",
                         help="write the case as a script that imports only torch, the library under test and the "
-                             "standard library (torchrun or python FILE); nothing runs")
+                             "standard library (torchrun, or python FILE where the library runs on the CPU); "
+                             "nothing runs")
     parser.add_argument("-o", "--output", metavar="FILE", help="--standalone: the script's path (default: stdout)")
     add_run_options(parser)
     args = parser.parse_args(argv)
@@ -89,7 +90,7 @@ def main_repro(argv: Sequence[str]) -> int:
 def _write_standalone(case_id: str, output: str | None) -> int:
     """`qgather repro ID --standalone [-o FILE]`: the script on stdout or in FILE; a case no template
     covers is one line and exit 4."""
-    from qgather.tools.standalone import render  # deferred: torch
+    from qgather.tools.standalone import how_to_run, render  # deferred: torch
 
     try:
         text = render(case_id)
@@ -103,8 +104,7 @@ def _write_standalone(case_id: str, output: str | None) -> int:
             handle.write(text)
     except OSError as exc:
         return usage("repro", f"cannot write {output}: {exc.strerror}")
-    print(f"wrote {output}: run it with python {output} or torchrun --nproc-per-node "
-          f"{text.split('WORLD_SIZE = ', 1)[1].split()[0]} {output}", file=sys.stderr)
+    print(f"wrote {output}: run it with {how_to_run(case_id, output)}", file=sys.stderr)
     return 0
 
 

@@ -14,6 +14,7 @@ __all__ = ["FINDINGS", "Finding"]
 
 TORCHAO = "torch 2.13.0 (CPU), torchao 0.18.0; python 3.11"
 TE = "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2 x H200 (sm_90)"
+TE_ONE_GPU = "torch 2.11.0+cu130, TransformerEngine 2.20.2, one H200 (sm_90; 2 ranks as gloo on CUDA)"
 
 
 @dataclass(frozen=True)
@@ -173,5 +174,55 @@ FINDINGS: tuple[Finding, ...] = (
               "nvfp4_tensor.py:667, mxfp8_tensor.py:708).",
         fix="Pack every buffer into the first input at world size 1 (qgather's reference subclass does), or "
             "have FSDP2 pass every input (a torch fix).",
+        cpu=False),
+    Finding(
+        "te-current-scaling-own-amax", "te:fp8_tensor:128x64:bf16:ws2:steps:s0",
+        "Float8Tensor under FSDP2: a shard re-quantized before the first all-gather keeps its own amax",
+        "te-current-scaling-own-amax", "TransformerEngine", TE_ONE_GPU,
+        expected="Re-quantizing each shard from its own, unchanged rows before the first all-gather (an optimizer "
+                 "step, or a checkpoint loaded with `copy_` before the first forward) leaves every rank's gathered "
+                 "weight equal to the single-GPU Float8CurrentScaling quantization: one amax, the whole weight's.",
+        actual="qgather's report (one H200, 2 ranks as gloo on CUDA): `RANK_DIVERGENCE` at the first unshard - "
+               "`rank 0: data: 4096 of 8192 valid elements differ; scale_inv: 1 of 1 valid elements differ; "
+               "dequantized weight: 8192 elements differ, max |diff| 143`, the differing rows exactly rank 0's "
+               "(0-63). No error. After the first all-gather the same `quantize_` is exact.",
+        cause="Not yet located to a line. TE hands a sharded `Float8Tensor` its amax reduction group in "
+              "`fsdp_pre_all_gather`; a `quantize_` into the local shard before the first all-gather finds no "
+              "group, so current scaling takes each shard's own amax, and each rank then gathers every rank's "
+              "bytes under its own scale.",
+        fix="Give the weight's quantizer its amax reduction group when the parameter is sharded (at "
+            "`reset_parameters` under FSDP2), not in the first pre-hook.",
+        cpu=False),
+    Finding(
+        "te-shard-dim1-copy-out", "te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1",
+        "Float8BlockwiseQTensor under FSDP2 Shard(1): the all-gather copy-out fails on every rank",
+        "te-shard-dim1-copy-out", "TransformerEngine", TE_ONE_GPU,
+        expected="With `shard_placement_fn` returning `Shard(1)`, the gathered weight equals the single-GPU "
+                 "Float8BlockScaling quantization, or TE refuses the placement with an error that names it.",
+        actual="qgather's report (one H200, 2 ranks as gloo on CUDA): `ERROR` on every rank in FSDP2's "
+               "`foreach_all_gather_copy_out` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:439, "
+               "torch 2.11): `RuntimeError: shape '[2048, 128]' is invalid for input of size 64`, although every "
+               "dim-1 shard starts on a 128-column tile. Float8CurrentScaling "
+               "(`te:fp8_tensor:128x64:bf16:ws2:gather:s0:dim1`) gathers exactly.",
+        cause="FSDP2 views each all-gather output in the parameter's dim-1 layout; "
+              "`Float8BlockwiseQTensor.fsdp_pre_all_gather` (float8_blockwise_tensor.py:603-662) hands it scale "
+              "buffers laid out for dim-0 shards without looking at the placement (NVFP4's pre-hook likewise).",
+        fix="Refuse a non-zero shard dim in the pre-hook with an error that names it, or lay the scales out for "
+            "the shard dim.",
+        cpu=False),
+    Finding(
+        "te-blockwise-single-row", "te:fp8_block:1x512:bf16:ws1:gather:s0",
+        "Float8BlockwiseQTensor under FSDP2: a single-row weight breaks the flat view FSDP2 takes of its shard",
+        "te-blockwise-single-row", "TransformerEngine", TE_ONE_GPU,
+        expected="A one-row weight (1 x 512) under FSDP2 is sharded and gathered to its single-GPU "
+                 "Float8BlockScaling quantization, as a weight of many rows is.",
+        actual="qgather's report (one H200): `ERROR` while FSDP2 shards the parameter: `IndexError: list index out "
+               "of range`, at 1 and 2 ranks, bf16 and fp32.",
+        cause="FSDP2 views each local shard as one flat dimension. `_ViewFunc.forward` "
+              "(float8_blockwise_tensor.py:787-788) tests `shape[-1] != ctx.shape[-1] or shape[-2] != "
+              "ctx.shape[-2]`; for a flat target the first test is normally true (TE then warns and dequantizes), "
+              "but for 1 x K viewed as (K,) it is false and `shape[-2]` raises.",
+        fix="Test `len(shape)` before indexing `shape[-2]`: a view to fewer dimensions takes the "
+            "warn-and-dequantize path as any other flat view does.",
         cpu=False),
 )

@@ -1,12 +1,15 @@
-"""Running the ranks: under torchrun (NCCL on GPUs), or `python FILE`, which forks WORLD_SIZE
-ranks itself (gloo on the CPU) and waits for all of them under one deadline, so that a rank that
-raises, dies or hangs is reported as qgather reports it (ERROR, CRASH, HANG) instead of waited on."""
+"""Running the ranks: under torchrun (NCCL on GPUs), or `python FILE`, which forks WORLD_SIZE gloo
+ranks on the CPU (`spawn`; a GPU library's script says to use torchrun instead, `torchrun_only`) and
+waits for all of them under one deadline, so that a rank that raises, dies or hangs is reported as
+qgather reports it (ERROR, CRASH, HANG) instead of waited on."""
 
-# ruff: noqa: F821 -- the script defines CASE, SHAPE, ..., and the other pieces' functions (see __init__)
+# ruff: noqa: F821 -- the script defines CASE, WORLD_SIZE, ... and the other pieces' functions (see __init__)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -21,102 +24,103 @@ import torch.distributed as dist
 
 def main() -> int:
     """Exit status: 0 when every rank gathered the golden's bytes, 1 with the evidence otherwise."""
-    if "RANK" in os.environ:  # torchrun
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if world_size != WORLD_SIZE:
-            print(f"this case runs at {WORLD_SIZE} ranks: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}")
-            return 2
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
-        try:
-            result = run_rank(rank, device, "nccl" if device is not None else "gloo", None)
-        except Exception as exc:
-            print(f"{CASE}: ERROR - rank {rank}: {type(exc).__name__}: {exc}", flush=True)
-            raise  # torchrun stops the other ranks
-        results = [None] * world_size
-        dist.all_gather_object(results, result)
-        dist.destroy_process_group()
-        return report(*judge(results)) if rank == 0 else int(judge(results)[0] != "EXACT")
-    return report(*spawn())
+    if "RANK" not in os.environ:  # python FILE
+        return report(*spawn())
+    rank = int(os.environ["RANK"])
+    if int(os.environ["WORLD_SIZE"]) != WORLD_SIZE:
+        sys.exit(f"this case runs at {WORLD_SIZE} ranks: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
+    try:
+        stages = run_rank(rank, device)
+    except Exception as exc:
+        print(f"{CASE}: ERROR - rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+        raise  # torchrun stops the other ranks
+    every = [None] * WORLD_SIZE
+    dist.all_gather_object(every, stages)
+    status = report(*verdict(every)) if rank == 0 else int(verdict(every)[0] != "EXACT")
+    dist.barrier()  # rank 0 has printed before any rank exits: torchrun stops the others at the first exit 1
+    dist.destroy_process_group()
+    return status
 
 
-def run_rank(rank: int, device, backend: str, port) -> dict:
-    """One rank: join the group, gather through the library's FSDP2 route, compare with the golden."""
-    if port is not None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(WORLD_SIZE))
+def run_rank(rank: int, device) -> list[dict]:
+    """One rank: join the group, gather through the library's FSDP2 route, compare each unshard with the golden."""
     if device is not None:
         torch.cuda.set_device(device)
-    # a collective waits TIMEOUT_S at most (NCCL's watchdog then aborts the rank), under torchrun too
-    dist.init_process_group(backend, rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    label, row0, got, want = gathered(rank, device or torch.device("cpu"))
-    lines = compare(got, want, dequantize(got), dequantize(want), row0)
-    return {"rank": rank, "label": label, "lines": lines, "digest": digest(got)}
+    dist.init_process_group("nccl" if device is not None else "gloo", rank=rank, world_size=WORLD_SIZE,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))  # NCCL's watchdog then aborts the rank
+    return [{"rank": rank, "label": label, "lines": compare(got, want, dequantize(got), dequantize(want), row0),
+             "digest": hashlib.sha256(b"".join(got[n].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                                               for n in sorted(got))).hexdigest()}
+            for label, row0, got, want in gathered(rank, device or torch.device("cpu"))]
+
+
+def verdict(every: list[list[dict]]) -> tuple[str, list[str]]:
+    """The first unshard that is not EXACT on every rank: one evidence line per finding, naming the
+    ranks that share it."""
+    for stage in zip(*every):
+        digests, found = {}, {}
+        for r in stage:
+            digests.setdefault(r["label"], set()).add(r["digest"])  # ranks that gathered one piece agree on it
+            if r["lines"]:
+                found.setdefault((r["label"], *r["lines"]), []).append(r["rank"])
+        shown = [f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {label}: {'; '.join(lines)}"
+                 for (label, *lines), ranks in found.items()]
+        if any(len(d) > 1 for d in digests.values()):
+            return "RANK_DIVERGENCE", shown or ["ranks gathered different bytes"]
+        if shown:
+            return "SILENT_MISMATCH", shown
+    return "EXACT", []
 
 
 def spawn() -> tuple[str, list[str]]:
-    """WORLD_SIZE forked ranks; the verdict from what they sent, how they ended, or the deadline."""
-    if LIBRARY_NEEDS_CUDA and torch.cuda.device_count() < WORLD_SIZE:
-        return "SKIPPED", [f"needs {WORLD_SIZE} GPUs: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}"]
+    """WORLD_SIZE forked gloo ranks; the verdict from what they sent, how they ended, or the deadline."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = multiprocessing.get_context("fork")  # works for `python FILE` and for exec(open(FILE).read())
-    ranks, pending = [], {}
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    fork, ranks, readers = multiprocessing.get_context("fork"), [], {}  # fork: under exec(open(FILE).read()) too
     for rank in range(WORLD_SIZE):
-        reader, writer = context.Pipe(duplex=False)
-        process = context.Process(target=_rank_process, args=(rank, port, writer), daemon=True)
-        process.start()
-        writer.close()
-        ranks.append(process)
-        pending[process.sentinel] = (rank, reader)
-    results, errors, deadline = {}, {}, time.monotonic() + TIMEOUT_S
-    while pending and time.monotonic() < deadline:
-        ready = set(wait([*pending, *(reader for _, reader in pending.values())], deadline - time.monotonic()))
-        for sentinel, (rank, reader) in list(pending.items()):
-            if sentinel not in ready and reader not in ready:
-                continue
-            del pending[sentinel]
-            try:
-                kind, value = reader.recv()
-            except EOFError:  # the rank died before it could say anything
-                kind, value = "died", None
-            if kind != "ok":  # the others may wait in a collective for this rank: a short grace, not the timeout
+        reader, writer = fork.Pipe(duplex=False)
+        ranks.append(fork.Process(target=_rank, args=(rank, writer), daemon=True))
+        ranks[-1].start()
+        writer.close()  # the reader sees EOF when the rank dies
+        readers[reader] = rank
+    sent, deadline = {}, time.monotonic() + TIMEOUT_S
+    while readers and time.monotonic() < deadline:
+        for reader in wait(list(readers), deadline - time.monotonic()):
+            rank = readers.pop(reader)
+            with contextlib.suppress(EOFError):  # EOF: it died before it could say anything
+                sent[rank] = reader.recv()
+            if sent.get(rank, ("",))[0] != "ok":  # the others may wait for it in a collective: a short grace
                 deadline = min(deadline, time.monotonic() + 5.0)
-            if kind != "died":
-                (results if kind == "ok" else errors)[rank] = value
     for process in ranks:
-        process.join(timeout=1.0 if not pending else 0.0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    return _verdict(ranks, results, errors)
+        process.join(timeout=0 if readers else 1.0)
+        process.kill()  # a rank still waiting
+        process.join()
+    died = [f"rank {r} " + (f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else
+                            f"exited with status {p.exitcode}") for r, p in enumerate(ranks) if r not in sent
+            and r not in readers.values()]
+    errors = [f"rank {r}: {value}" for r, (kind, value) in sent.items() if kind == "error"]  # the root cause first
+    if died or errors:
+        return "CRASH" if died else "ERROR", died + errors
+    if readers:
+        return "HANG", [f"ranks {sorted(readers.values())} did not finish within {TIMEOUT_S} s"]
+    return verdict([sent[r][1] for r in range(WORLD_SIZE)])
 
 
-def _rank_process(rank: int, port: int, writer) -> None:
-    device = torch.device("cuda", rank) if LIBRARY_NEEDS_CUDA else None
+def _rank(rank: int, writer) -> None:
     try:
-        writer.send(("ok", run_rank(rank, device, "nccl" if device is not None else "gloo", port)))
+        writer.send(("ok", run_rank(rank, None)))
     except Exception as exc:  # noqa: BLE001 -- the script reports every rank's error
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        writer.send(("error", f"{type(exc).__name__}: {first_line}"))
+        writer.send(("error", f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"))
 
 
-def _verdict(ranks: list, results: dict, errors: dict) -> tuple[str, list[str]]:
-    killed = [f"rank {r} killed by {signal.Signals(-p.exitcode).name}" for r, p in enumerate(ranks)
-              if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL]
-    if killed:
-        return "CRASH", killed + [f"rank {r}: {e}" for r, e in errors.items()]
-    if errors:  # in the order they came: the first is the root cause, the others its echoes
-        return "ERROR", [f"rank {r}: {e}" for r, e in errors.items()]
-    missing = [r for r in range(WORLD_SIZE) if r not in results]
-    if missing:
-        return "HANG", [f"ranks {', '.join(map(str, missing))} did not finish within {TIMEOUT_S} s"]
-    return judge([results[r] for r in range(WORLD_SIZE)])
+def torchrun_only() -> tuple[str, list[str]]:
+    """`python FILE` of a GPU library's script: it runs under torchrun."""
+    return "SKIPPED", [f"the library runs on GPUs, one rank each: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}"]
 
 
-def report(verdict: str, lines: list[str]) -> int:
-    """Print the verdict and its evidence, as qgather's report starts; the exit status (2: not run)."""
-    print(f"{CASE}: {verdict}" + (f" - {lines[0]}" if lines else ""))
-    for line in lines[1:]:
-        print(f"  {line}")
-    return {"EXACT": 0, "SKIPPED": 2}.get(verdict, 1)
+def report(found: str, lines: list[str]) -> int:
+    """Print the verdict and its evidence as qgather's report starts; the exit status (2: not run)."""
+    print(f"{CASE}: {found}" + (f" - {lines[0]}" if lines else ""), *(f"  {line}" for line in lines[1:]), sep="\n")
+    return {"EXACT": 0, "SKIPPED": 2}.get(found, 1)

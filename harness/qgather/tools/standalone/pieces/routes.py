@@ -1,8 +1,9 @@
-"""The library's own FSDP2 route, one function per library: build the layer as its users do, shard
-it with fully_shard, unshard, and hand back the gathered buffers next to the golden's (the same
-piece of the single-device quantization). Each returns (label, first global row, got, want)."""
+"""The libraries' own FSDP2 routes. torchao's `gathered_torchao` is a whole scenario (its first
+unshard, as (label, first global row, got, want) stages); TransformerEngine's is three functions the
+scenario (pieces.scenario) calls: `sharded_te` builds and shards the layer as TE's users do,
+`read_te` reads the gathered weight, `requantize_te` is an optimizer step's re-quantization."""
 
-# ruff: noqa: F821 -- the script defines CASE, SHAPE, ..., and the other pieces' functions (see __init__)
+# ruff: noqa: F821 -- the script defines CASE, SHAPE, ... and the other pieces' functions (see __init__)
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 
-def gathered_torchao(rank: int, device: torch.device):
+def gathered_torchao(rank: int, device: torch.device) -> list[tuple]:
     """torchao float8 training: convert_to_float8_training with the float8 all-gather, then torchao's
     own tensor-parallel style on "tp" (TP > 1) and fully_shard on "dp", as its FSDP2 + TP test does."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -25,45 +26,42 @@ def gathered_torchao(rank: int, device: torch.device):
         linear.weight.copy_(weight)
     linear.weight.requires_grad_(False)
     linear = convert_to_float8_training(linear, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-    mesh = init_device_mesh(device.type, (WORLD_SIZE // TP, TP), mesh_dim_names=("dp", "tp"))
-    rows = slice(0, SHAPE[0])
+    want, label, row0 = quantize(weight), "unshard 1", 0
     if TP > 1:
         from torch.distributed.tensor.parallel import parallelize_module
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
 
+        mesh = init_device_mesh(device.type, (WORLD_SIZE // TP, TP), mesh_dim_names=("dp", "tp"))
         parallelize_module(linear, mesh["tp"], Float8ColwiseParallel(), src_data_rank=None)
-        rows = shard_rows(SHAPE[0], TP, mesh.get_local_rank("tp"))
-    fully_shard(linear, mesh=mesh["dp"])
+        fully_shard(linear, mesh=mesh["dp"])
+        rows = shard_rows(SHAPE[0], TP, mesh.get_local_rank("tp"))  # this rank's TP piece
+        want["data"], row0 = want["data"][rows], rows.start
+        label += f": tp rank {mesh.get_local_rank('tp')} of {TP}: rows [{rows.start}, {rows.stop})"
+    else:
+        fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)))
     if PRECOMPUTE:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(linear)
     with float8_as_bytes_on_gloo():
         linear.unshard()
-    w = getattr(linear.weight, "_local_tensor", linear.weight)  # under TP: this rank's piece
+    w = linear.weight
+    if TP > 1:
+        w = w._local_tensor  # this rank's TP piece
     got = {"data": w._data.view(torch.uint8), "scale_inv": w._scale.float().reciprocal().reshape(1)}
-    want = quantize(weight)
-    want["data"] = want["data"][rows]
-    label = f"tp rank {mesh.get_local_rank('tp')} of {TP}: rows [{rows.start}, {rows.stop})" if TP > 1 else "all rows"
-    return label, rows.start, got, want
+    return [(label, row0, got, want)]
 
 
 @contextlib.contextmanager
 def float8_as_bytes_on_gloo():
     """gloo rejects float8 tensors in all-gather: hand it the same bytes viewed as uint8 (NCCL
     gathers float8 natively). Nothing the library computes changes."""
-    if dist.get_backend() != "gloo":
-        yield
-        return
-    names = ("all_gather_single", "all_gather_into_tensor")  # FSDP2 calls one or the other, by torch version
-    saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]  # by torch version
+    saved = {name: getattr(dist, name) for name in names if dist.get_backend() == "gloo"}
 
     def as_bytes(original):
-        def gather(output, input, *args, **kwargs):
-            view = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (output, input)]
-            return original(*view, *args, **kwargs)
-
-        return gather
+        return lambda out, inp, *args, **kwargs: original(
+            *(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (out, inp)), *args, **kwargs)
 
     for name, original in saved.items():
         setattr(dist, name, as_bytes(original))
@@ -74,17 +72,20 @@ def float8_as_bytes_on_gloo():
             setattr(dist, name, original)
 
 
-def gathered_te(rank: int, device: torch.device):
-    """TransformerEngine's FSDP2 route (its fsdp2 tests, its quantized_model_init example): te.Linear
-    on meta under quantized_model_init, fully_shard, then reset_parameters writes and quantizes
-    each rank's own rows of the weight."""
+def sharded_te(rank: int, device: torch.device):
+    """TransformerEngine's FSDP2 route (its fsdp2 tests, its quantized_model_init example): te.Linear on
+    meta under quantized_model_init, fully_shard, then reset_parameters writes and quantizes each
+    rank's own part of the weight (its rows; its columns under Shard(1)). The layer and the float32 weight."""
     import transformer_engine.pytorch as te
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformer_engine.common import recipe
 
-    weight = make_weight(SHAPE, SEED, DTYPE)
-    mine = weight[shard_rows(SHAPE[0], WORLD_SIZE, rank)].to(device)
+    weight = make_weight(SHAPE, SEED, torch.float32)
+    if SHARD_DIM:
+        mine = weight.to(DTYPE)[:, shard_rows(SHAPE[1], WORLD_SIZE, rank)].to(device)
+    else:
+        mine = weight.to(DTYPE)[shard_rows(SHAPE[0], WORLD_SIZE, rank)].to(device)
 
     def init_method(local: torch.Tensor) -> None:
         with torch.no_grad():
@@ -92,15 +93,26 @@ def gathered_te(rank: int, device: torch.device):
 
     with te.quantized_model_init(enabled=True, recipe=getattr(recipe, RECIPE)()):
         linear = te.Linear(SHAPE[1], SHAPE[0], bias=False, params_dtype=DTYPE, device="meta", init_method=init_method)
-    fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)))
+    if SHARD_DIM:
+        from torch.distributed.tensor import Shard
+
+        fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)), shard_placement_fn=lambda p: Shard(1))
+    else:
+        fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)))
     with torch.enable_grad():
         linear.reset_parameters()
-    linear.unshard()
-    want = quantize(weight)
+    return linear, weight
+
+
+def read_te(linear, want: dict) -> dict:
+    """The gathered weight's buffers (of the blockwise scales, the valid region)."""
     w = linear.weight
-    if hasattr(w, "_rowwise_data"):  # blockwise: the valid region of the padded scales
-        got = {"rowwise_data": w._rowwise_data.view(torch.uint8),
-               "rowwise_scale_inv": w._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]}
-    else:
-        got = {"data": w._data.view(torch.uint8), "scale_inv": w._scale_inv.float().reshape(1)}
-    return "all rows", 0, got, want
+    if RECIPE == "Float8BlockScaling":  # of the padded scales, the valid region
+        return {"rowwise_data": w._rowwise_data.view(torch.uint8),
+                "rowwise_scale_inv": w._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]}
+    return {"data": w._data.view(torch.uint8), "scale_inv": w._scale_inv.float().reshape(1)}
+
+
+def requantize_te(linear, rows: torch.Tensor) -> None:
+    """An optimizer step's write into the sharded weight: TE re-quantizes the shard in place."""
+    linear.weight.to_local().quantize_(rows)
