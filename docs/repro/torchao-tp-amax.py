@@ -8,7 +8,7 @@ standard library. Run: torchrun --nproc-per-node 4 FILE or python FILE (4 gloo r
 the verdict and the evidence of qgather's report: exit 1 while the defect is there, 0 once every gathered
 buffer equals the single-device quantization (qgather's reference quantizer, inlined) bit for bit.
 """
-import contextlib, datetime, hashlib, itertools, multiprocessing, os, signal, socket, sys, time
+import contextlib, datetime, hashlib, itertools, multiprocessing, os, signal, socket, sys, threading, time
 from multiprocessing.connection import wait
 
 import torch
@@ -114,6 +114,10 @@ def main() -> int:
     if int(os.environ["WORLD_SIZE"]) != WORLD_SIZE:
         sys.exit(f"this case runs at {WORLD_SIZE} ranks: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
+    deadline = threading.Timer(TIMEOUT_S, lambda: (print(f"{CASE}: HANG - rank {rank}: no result within "
+                                                          f"{TIMEOUT_S} s (REPRO_TIMEOUT_S)", flush=True), os._exit(1)))
+    deadline.daemon = True  # our own deadline: NCCL's watchdog does not always end a rank stuck in a collective
+    deadline.start()
     try:
         stages = run_rank(rank, device)
     except Exception as exc:

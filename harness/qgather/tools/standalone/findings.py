@@ -156,7 +156,8 @@ FINDINGS: tuple[Finding, ...] = (
                  "it before the collective.",
         actual="qgather's report (2 x H200, NCCL): `HANG` - rank 0 (128 rows) handed the all-gather "
                "`uint8[128, 128], float32[1, 4]` = 16400 bytes, rank 1 (127 rows) 32768 bytes. The script "
-               "ends in NCCL's watchdog after TIMEOUT_S.",
+               "reports HANG at its own deadline, REPRO_TIMEOUT_S (NCCL's watchdog had not ended the ranks "
+               "75 s after a 30 s process-group timeout on 2 x H200).",
         cause="FSDP2's padded-size check does not fire for the blockwise pre-hook's inputs "
               "(float8_blockwise_tensor.py:603-662), and the short rank's buffers are not padded.",
         fix="Pad every all-gather input to the padded shard's size, or refuse uneven shards on every rank.",

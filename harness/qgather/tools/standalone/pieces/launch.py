@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -30,6 +31,10 @@ def main() -> int:
     if int(os.environ["WORLD_SIZE"]) != WORLD_SIZE:
         sys.exit(f"this case runs at {WORLD_SIZE} ranks: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
+    deadline = threading.Timer(TIMEOUT_S, lambda: (print(f"{CASE}: HANG - rank {rank}: no result within "
+                                                          f"{TIMEOUT_S} s (REPRO_TIMEOUT_S)", flush=True), os._exit(1)))
+    deadline.daemon = True  # our own deadline: NCCL's watchdog does not always end a rank stuck in a collective
+    deadline.start()
     try:
         stages = run_rank(rank, device)
     except Exception as exc:
