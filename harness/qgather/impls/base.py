@@ -13,13 +13,16 @@ import abc
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from qgather.errors import HarnessFault
 from qgather.impls.rejections import DeclaredRejections, RejectionType
 from qgather.model.case import SCENARIOS, CaseSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["PACKED_SLACK", "SCENARIO_METHODS", "HarnessFault", "Implementation", "NoSingleDeviceTwin",
            "missing_methods"]
@@ -146,6 +149,9 @@ class Implementation(abc.ABC):
         (before fully_shard on "dp"): torch's ColwiseParallel (Shard(0)) or, for `tp-DxT-row`,
         RowwiseParallel (Shard(1)). A library with tensor-parallel styles of its own returns those
         (torchao's Float8ColwiseParallel / Float8RowwiseParallel)."""
+        # deferred: torch.distributed.tensor costs ~0.6 s to import, and listing cases needs no rank
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
         return RowwiseParallel() if rowwise else ColwiseParallel()
 
     def make_module(self, fmt: str, weight: torch.Tensor) -> torch.nn.Module | None:
