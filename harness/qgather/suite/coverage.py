@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from qgather.model.block import module_weights
 from qgather.model.case import CaseSpec, tensor_parallel_layout
 from qgather.model.layers import MODULE_SCENARIOS
-from qgather.suite import config_coverage, shape_space
+from qgather.suite import config_coverage, memo, shape_space
 from qgather.suite.config_coverage import PairCoverage
 from qgather.suite.modules import suite_companions, suite_sweeps
 from qgather.suite.selection import device_type, runnable
@@ -153,15 +153,16 @@ def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None
     qgather.suite.selection) and the configuration tokens promised in full (each sweep's first)."""
     cases, primary = [], set()
     on = device_type(device)
-    for _module, sweep, fixed in suite_sweeps():
+    for module, sweep, fixed in suite_sweeps():
         if not exhaustive and "slow" in getattr(sweep, "marks", ()):
             continue
-        generated = sweep.cases(fixed or impls, formats=formats, world_sizes=world_sizes, scenarios=scenarios,
-                                exhaustive=exhaustive)
+        generated = memo.cases(module, sweep, fixed or impls, formats=formats, world_sizes=world_sizes,
+                               scenarios=scenarios, exhaustive=exhaustive)
         cases += runnable(generated, fixed or named, on)
         configs = getattr(sweep, "configs", None)  # sweeps built on the shape space promise its regimes
         if configs:
             primary.add(configs[0].token or DEFAULT_CONFIG)
-    for sweep, own in () if named else suite_companions():
-        cases += runnable(sweep.cases(own, formats=formats, world_sizes=world_sizes, scenarios=scenarios), None, on)
+    for module, sweep, own in () if named else suite_companions():
+        generated = memo.cases(module, sweep, own, formats=formats, world_sizes=world_sizes, scenarios=scenarios)
+        cases += runnable(generated, None, on)
     return cases, primary
