@@ -100,6 +100,17 @@ class Implementation(abc.ABC):
         return DeclaredRejections.of(self.rejection_types, self.name or type(self).__name__).problem(error)
 
     def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
+        """Why this implementation cannot run the case on `device` (SKIPPED, with the reason), or None.
+        Override it to leave out cases the library does not support at all (a shape, a dtype), and
+        return `super().skip_reason(spec, device)` otherwise; a case it refuses on purpose is no skip but
+        a `rejection_types` error, which the policy judges.
+
+        Example:
+            def skip_reason(self, spec, device):
+                if len(spec.shape) > 2:
+                    return "mylib holds 2-D weights only"
+                return super().skip_reason(spec, device)
+        """
         if spec.fmt not in self.formats:
             return f"{self.name} does not implement format {spec.fmt}"
         if spec.scenario not in self.scenarios:
