@@ -59,7 +59,7 @@ def list_cases(args: argparse.Namespace) -> int:
 
     named = list(joined_impls(args.impl)) if args.impl else None
     cases, _ = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
-                           args.exhaustive, named=named)
+                           args.exhaustive, named=named, memo=True)
     problem = selection_problem(args, cases)
     if problem:
         return usage("list", problem)

@@ -1,7 +1,8 @@
 """The suite's generated cases kept on disk between processes, so that `qgather list --cases` and the
-selection check before `qgather run` do not recompute the covering designs (about 2 s on 2 cores)
-every time. A memo, not a second source: an entry is the very list a sweep's `cases(...)` returned,
-stored under a key made of everything that list is computed from:
+selection check before `qgather run` (the callers that ask: `suite_cases(..., memo=True)`) do not
+recompute the covering designs (about 2 s on 2 cores) every time. A memo, not a second source: an
+entry is the very list a sweep's `cases(...)` returned, stored under a key made of everything that
+list is computed from:
 
   - the bytes of every module of the qgather package and of the suite's directory (cases/ of a
     checkout), so that any edit, of a sweep or of the rules it applies, is a new key;
