@@ -30,10 +30,14 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev]'
 	touch $(STAMP)
 
-# make exits 2 for any failed target: the last line names qgather's own code (README's "Exit codes").
+# Every target that runs a qgather command ends its recipe with $(KEEP_RC). GNU make exits 2 for any
+# failed recipe and cannot exit with the recipe's own code, so a failure's last line names the tool's
+# code (README's "Exit codes"), and .ci/make-rc, which sets QGATHER_RC_FILE, exits with it.
+KEEP_RC = rc=$$?; [ -z "$${QGATHER_RC_FILE:-}" ] || echo $$rc > "$$QGATHER_RC_FILE"; \
+  [ $$rc -eq 0 ] || { echo "make: qgather exited $$rc" >&2; exit $$rc; }
+
 run: $(SETUP)
-	@$(PY) -m qgather run -n $(PYTEST_WORKERS); rc=$$?; \
-	  [ $$rc -eq 0 ] || { echo "make: qgather exited $$rc" >&2; exit $$rc; }
+	@$(PY) -m qgather run -n $(PYTEST_WORKERS); $(KEEP_RC)
 
 # pytest's exit 5 ("no tests collected") would be a broken suite: fail loudly on it.
 # --dist loadgroup: tests spread one at a time as with the default, except that an xdist_group (a module
@@ -45,14 +49,16 @@ run: $(SETUP)
 # back to spawn without a word; runtime.helpers.fit_socket_path fixed that.)
 test: $(SETUP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not gpu and not slow and not isolated" -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
-	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc; \
-	  $(PY) -m pytest -m "isolated and not gpu" -p no:cacheprovider -q $(PYTEST_ARGS); rc=$$?; \
-	  if [ $$rc -eq 5 ]; then echo "make test: no isolated tests collected" >&2; exit 1; fi; exit $$rc
+	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; rc=1; fi; \
+	  if [ $$rc -eq 0 ]; then $(PY) -m pytest -m "isolated and not gpu" -p no:cacheprovider -q $(PYTEST_ARGS); rc=$$?; \
+	    if [ $$rc -eq 5 ]; then echo "make test: no isolated tests collected" >&2; rc=1; fi; fi; \
+	  (exit $$rc); $(KEEP_RC)
 
 # The documented CPU gate on torchao (CI runs it after `make test`): every torchao case on gloo, gated
 # on the checked-in baseline, so that a new scenario or world size cannot turn it red unnoticed.
 gate-cpu: $(SETUP)
-	$(PY) -m qgather run --impl torchao --baseline known-issues.toml -n $(PYTEST_WORKERS) --report-dir reports/gate-cpu
+	$(PY) -m qgather run --impl torchao --baseline known-issues.toml -n $(PYTEST_WORKERS) --report-dir reports/gate-cpu; \
+	  $(KEEP_RC)
 
 # The CPU suite against another torch release, in a venv of its own (not part of CI): e.g.
 # `make test-torch TORCH=2.15.0`. A release past this machine's local pip cap (a constraints file in
@@ -82,24 +88,24 @@ test-multigpu: $(SETUP)
 	  && ln -sfn ../harness/qgather $(QGATHER_LINK)/qgather \
 	  && printf 'Metadata-Version: 2.1\nName: qgather\nVersion: 0\n' > $(QGATHER_LINK)/qgather-0.dist-info/METADATA \
 	  && printf '[pytest11]\nqgather = qgather.pytest_plugin\n' > $(QGATHER_LINK)/qgather-0.dist-info/entry_points.txt; }
-	@if $(PY) -c 'import qgather' 2>/dev/null; then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \
+	@( if $(PY) -c 'import qgather' 2>/dev/null; then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \
 	  export PYTHONPATH="$${path:+$$path:}$$PYTHONPATH"; set -e; \
 	  $(PY) -m qgather gpu-check; \
 	  case ",$(GPU_IMPLS)," in *,te*) [ -n "$${QGATHER_FORKSERVER_PRELOAD+set}" ] || export QGATHER_FORKSERVER_PRELOAD=$$( \
 	    $(PY) -c 'from qgather.runtime.helpers import fork_safe; print(",".join(fork_safe(["transformer_engine.pytorch"])))' \
 	    2>/dev/null); echo "forkserver preloads: $${QGATHER_FORKSERVER_PRELOAD:-torch only}";; esac; \
 	  $(PY) -m pytest cases tests/gpu -m "gpu or not slow" --device cuda --impl $(GPU_IMPLS) -n $(GPU_WORKERS) \
-	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -p no:benchmark -q -rs --qgather-summary $(PYTEST_ARGS) \
-	    || { rc=$$?; echo "make: qgather exited $$rc" >&2; exit $$rc; }
+	    --case-timeout $(GPU_CASE_TIMEOUT) -p no:cacheprovider -p no:benchmark -q -rs --qgather-summary $(PYTEST_ARGS) ); \
+	  $(KEEP_RC)
 
 selftest: $(SETUP)
-	$(PY) -m qgather selftest
+	$(PY) -m qgather selftest; $(KEEP_RC)
 
 bench: $(SETUP)
-	$(PY) -m qgather bench
+	$(PY) -m qgather bench; $(KEEP_RC)
 
 golden: $(SETUP)
-	$(PY) -m qgather golden
+	$(PY) -m qgather golden; $(KEEP_RC)
 
 # The import layers (pyproject.toml's [tool.importlinter]): lint-imports, run through $(PY) so that a
 # PY without a venv's scripts works too, on this checkout's harness/ (not an installed qgather).
@@ -113,4 +119,4 @@ clean:
 # The findings' standalone scripts (docs/repro/) and upstream drafts (docs/upstream/), from
 # qgather.tools.standalone.findings; tests/test_standalone_docs.py fails while they are stale.
 repro-docs: $(SETUP)
-	PYTHONPATH=harness $(PY) -m qgather.tools.standalone
+	PYTHONPATH=harness $(PY) -m qgather.tools.standalone; $(KEEP_RC)

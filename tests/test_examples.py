@@ -74,6 +74,13 @@ class NoExperts(MyImpl):
         if weight.dim() > 2:
             raise MyShardAlignmentError(f"no 3-D weights, got {tuple(weight.shape)}")
         return super().make_param(fmt, weight)
+
+
+class SkipsExperts(MyImpl):
+    def skip_reason(self, spec, device):
+        if len(spec.shape) > 2:
+            return "mylib holds 2-D weights only"
+        return super().skip_reason(spec, device)
 """
 
 
@@ -85,6 +92,10 @@ def test_the_declared_refusal_is_rejected_and_judged_by_the_policy(project: Path
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert ": REJECTED - MyShardAlignmentError: no 3-D weights" in run.stdout, run.stdout
     assert "expected EXACT (every shard is aligned)" in run.stdout
+    # README's way to leave such shapes out: skip_reason, a SKIPPED with the adapter's reason, not judged
+    run = _run(["-m", "qgather", "case", "mypkg.strict:SkipsExperts:fp8_tensor:3x1x64:bf16:ws2:gather:s0"], project)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert ": SKIPPED - mylib holds 2-D weights only" in run.stdout, run.stdout
 
 
 def test_the_library_test_file_runs_with_plain_pytest(project: Path):

@@ -50,6 +50,11 @@ def xdist_run(tmp_path_factory):
     return result, out
 
 
+def test_xdist_s_status_line_is_written_once_where_the_output_is_no_terminal(xdist_run):
+    result, _ = xdist_run  # captured, as in CI or `make run | tee`: xdist wrote it once per phase
+    assert result.stdout.count("bringing up nodes...") == 1, result.stdout[:500]
+
+
 def test_matrix_counts_are_pytests_counts(xdist_run):
     result, out = xdist_run
     assert result.returncode == 1, result.stdout[-2000:]

@@ -17,7 +17,6 @@ import pytest
 
 from qgather.cases.test_layers import FirstWeights, even_first
 from qgather.model.config import FsdpConfig
-from qgather.pytest_plugin.collection import parametrize_companion
 from qgather.suite.sweeps import CaseSet, Sweep
 
 SCENARIO = ("block",)
@@ -52,6 +51,9 @@ COMPANIONS = (TORCHAO, TORCHAO_IMPLS)
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case`: torchao's own set, when --impl does not name the implementations."""
+    # deferred: `qgather list --cases` imports this module for its SWEEP alone, without the plugin
+    from qgather.pytest_plugin.collection import parametrize_companion
+
     if "torchao_case" in metafunc.fixturenames:
         parametrize_companion(metafunc, "torchao_case", TORCHAO, TORCHAO_IMPLS)
 

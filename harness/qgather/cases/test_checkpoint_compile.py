@@ -21,8 +21,6 @@ import pytest
 
 from qgather.formats import FORMATS
 from qgather.model.config import FsdpConfig
-from qgather.pytest_plugin.collection import parametrize_companion
-from qgather.pytest_plugin.options import settings
 from qgather.suite.config_sweep import CHECKPOINT, ConfigSweep
 from qgather.suite.selection import runnable
 from qgather.suite.sweeps import CaseSet, K, Sweep, alignment_shapes
@@ -98,6 +96,10 @@ COMPANIONS = (TORCHAO, TORCHAO_IMPLS)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case` (torchao's own sets, when --impl is not given) and `exhaustive_case` (the full
     product, marked slow, for the session's implementations)."""
+    # deferred: `qgather list --cases` imports this module for its SWEEP alone, without the plugin
+    from qgather.pytest_plugin.collection import parametrize_companion
+    from qgather.pytest_plugin.options import settings
+
     if "torchao_case" in metafunc.fixturenames:
         parametrize_companion(metafunc, "torchao_case", TORCHAO, TORCHAO_IMPLS)
     if "exhaustive_case" not in metafunc.fixturenames:

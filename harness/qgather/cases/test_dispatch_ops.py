@@ -12,12 +12,14 @@ import torch
 from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.model.case import CaseSpec
-from qgather.pytest_plugin.options import settings
 
 K = 64
 
 
 def pytest_generate_tests(metafunc):
+    # deferred: `qgather list --cases` imports this module for its SWEEP alone, without the plugin
+    from qgather.pytest_plugin.options import settings
+
     if "impl_fmt" in metafunc.fixturenames:
         # each implementation's declared formats only (an adapter's others are no test of it)
         params = [(i, f) for i in settings(metafunc.config).impls for f in FORMATS if f in get_impl(i).formats]

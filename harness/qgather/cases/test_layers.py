@@ -18,7 +18,6 @@ import pytest
 
 from qgather.model.config import FsdpConfig
 from qgather.model.layers import row_unit
-from qgather.pytest_plugin.collection import parametrize_companion
 from qgather.suite import shape_space
 from qgather.suite.sweeps import CaseSet, K, Sweep
 
@@ -87,6 +86,9 @@ COMPANIONS = (TORCHAO, TORCHAO_IMPLS)
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`torchao_case`: torchao's own set, when --impl does not name the implementations."""
+    # deferred: `qgather list --cases` imports this module for its SWEEP alone, without the plugin
+    from qgather.pytest_plugin.collection import parametrize_companion
+
     if "torchao_case" in metafunc.fixturenames:
         parametrize_companion(metafunc, "torchao_case", TORCHAO, TORCHAO_IMPLS)
 

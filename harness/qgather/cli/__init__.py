@@ -117,7 +117,7 @@ COMMANDS = {c.name: c for c in (
     Command("repro", _repro, "run one case; print its report, the environment and the command to rerun it",
             runs_cases=True),
     Command("gpu-check", _gpu_check, "list the GPUs, backends and optional libraries the GPU job uses"),
-    Command("bench", _bench, "run benchmarks (formats, runtime, gpu, suite: cases/s); default: all"),
+    Command("bench", _bench, "run benchmarks (formats, runtime, gpu, suite: cases/s, list: seconds); default: all"),
     Command("selftest", _selftest, "run the bug zoo and print how many mutants were caught"),
     Command("golden", _golden, "write (or --check) the golden corpus under golden/"),
     Command("baseline", _baseline, "update the known-issues baseline from a run's verdicts.json"),

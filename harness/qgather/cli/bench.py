@@ -1,4 +1,4 @@
-"""`qgather bench [formats|runtime|gpu|suite ...]`: run the benchmarks (default: all of them)."""
+"""`qgather bench [formats|runtime|gpu|suite|list ...]`: run the benchmarks (default: all of them)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,13 @@ def _suite() -> BenchMain:
     return main
 
 
-BENCHES: dict[str, Callable[[], BenchMain]] = {"formats": _formats, "runtime": _runtime, "gpu": _gpu, "suite": _suite}
+def _list() -> BenchMain:
+    from qgather.tools.list_bench import main
+    return main
+
+
+BENCHES: dict[str, Callable[[], BenchMain]] = {"formats": _formats, "runtime": _runtime, "gpu": _gpu, "suite": _suite,
+                                               "list": _list}
 
 
 def main(argv: Sequence[str]) -> int:

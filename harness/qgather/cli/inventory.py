@@ -13,7 +13,6 @@ from qgather.formats import FORMATS
 from qgather.impls import UnknownImplementationError, available, get_impl
 from qgather.impls.mutants import MUTANTS
 from qgather.model.case import SCENARIOS, CaseSpec
-from qgather.suite.coverage import suite_cases
 from qgather.suite.options import joined_impls
 
 
@@ -56,9 +55,11 @@ LISTERS: dict[str, Callable[[], list[str]]] = {
 
 def list_cases(args: argparse.Namespace) -> int:
     """The ids `qgather run` would run with this selection: without --exhaustive, no sweep marked slow."""
+    from qgather.suite.coverage import suite_cases  # deferred: `qgather list` alone generates no case
+
     named = list(joined_impls(args.impl)) if args.impl else None
     cases, _ = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
-                           args.exhaustive, named=named)
+                           args.exhaustive, named=named, memo=True)
     problem = selection_problem(args, cases)
     if problem:
         return usage("list", problem)

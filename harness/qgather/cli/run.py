@@ -68,7 +68,7 @@ def _selection_problem(args: argparse.Namespace) -> str | None:
 
     named = list(joined_impls(args.impl)) if args.impl else None
     cases, _ = suite_cases(list(joined_impls(args.impl)), args.formats, args.world_sizes, args.scenarios,
-                           args.exhaustive, named=named, device=args.device)
+                           args.exhaustive, named=named, device=args.device, memo=True)
     return selection_problem(args, cases)
 
 

@@ -13,13 +13,16 @@ import abc
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from qgather.errors import HarnessFault
 from qgather.impls.rejections import DeclaredRejections, RejectionType
 from qgather.model.case import SCENARIOS, CaseSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["PACKED_SLACK", "SCENARIO_METHODS", "HarnessFault", "Implementation", "NoSingleDeviceTwin",
            "missing_methods"]
@@ -97,6 +100,17 @@ class Implementation(abc.ABC):
         return DeclaredRejections.of(self.rejection_types, self.name or type(self).__name__).problem(error)
 
     def skip_reason(self, spec: CaseSpec, device: torch.device) -> str | None:
+        """Why this implementation cannot run the case on `device` (SKIPPED, with the reason), or None.
+        Override it to leave out cases the library does not support at all (a shape, a dtype), and
+        return `super().skip_reason(spec, device)` otherwise; a case it refuses on purpose is no skip but
+        a `rejection_types` error, which the policy judges.
+
+        Example:
+            def skip_reason(self, spec, device):
+                if len(spec.shape) > 2:
+                    return "mylib holds 2-D weights only"
+                return super().skip_reason(spec, device)
+        """
         if spec.fmt not in self.formats:
             return f"{self.name} does not implement format {spec.fmt}"
         if spec.scenario not in self.scenarios:
@@ -146,6 +160,9 @@ class Implementation(abc.ABC):
         (before fully_shard on "dp"): torch's ColwiseParallel (Shard(0)) or, for `tp-DxT-row`,
         RowwiseParallel (Shard(1)). A library with tensor-parallel styles of its own returns those
         (torchao's Float8ColwiseParallel / Float8RowwiseParallel)."""
+        # deferred: torch.distributed.tensor costs ~0.6 s to import, and listing cases needs no rank
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
         return RowwiseParallel() if rowwise else ColwiseParallel()
 
     def make_module(self, fmt: str, weight: torch.Tensor) -> torch.nn.Module | None:

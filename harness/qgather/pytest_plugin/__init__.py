@@ -9,6 +9,7 @@ gathers the hooks and the fixture of its parts, which pytest finds here by name.
     recorder    the session's records on config.stash (the reporting process only)
     results     what every report counts, reconciled with pytest's final line
     summary     the terminal summary;  reports: verdicts.json / verdicts.md;  baseline: --baseline
+    xdist_status  xdist's status line once per status where the output is no terminal
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from qgather.pytest_plugin.session import (  # noqa: E402
     pytest_configure,
     pytest_runtest_teardown,
     pytest_sessionfinish,
+    pytest_sessionstart,
     pytest_unconfigure,
     pytest_xdist_make_scheduler,
 )
@@ -41,6 +43,7 @@ __all__ = [
     "pytest_generate_tests",
     "pytest_runtest_teardown",
     "pytest_sessionfinish",
+    "pytest_sessionstart",
     "pytest_unconfigure",
     "pytest_xdist_make_scheduler",
     "qgather",

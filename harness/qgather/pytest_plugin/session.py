@@ -19,6 +19,7 @@ from qgather.pytest_plugin.gpu_schedule import make_lease_dir, release_after, re
 from qgather.pytest_plugin.options import Settings, settings_key
 from qgather.pytest_plugin.recorder import Recorder, recorder_key
 from qgather.pytest_plugin.role import Role, role
+from qgather.pytest_plugin.xdist_status import once_per_status
 from qgather.runtime import external, shutdown_pools
 from qgather.runtime.launch import detect_launch
 from qgather.suite.options import output_problem
@@ -61,6 +62,13 @@ def _check_outputs(config: pytest.Config, options: Settings) -> None:
         problem = path and output_problem(flag, path, directory)
         if problem:
             raise pytest.UsageError(problem)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which brings up the workers and writes the first status
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The reporting process: xdist's status line written once per status (qgather.pytest_plugin.xdist_status)."""
+    if role(session.config) is Role.REPORTER:
+        once_per_status(session.config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -155,8 +155,9 @@ def _space(design: Design, fmt: str) -> tuple[tuple[Row, ...], tuple[Invalid, ..
         if reason:
             invalid.append(Invalid(declared, None, reason))
             continue
+        config = design.config(tokens)
         for regime in REGIMES:
-            spec, reason = _regime_case(fmt, ws, dtype, design.config(tokens), regime)
+            spec, reason = _regime_case(fmt, ws, dtype, config, regime)
             if reason:
                 invalid.append(Invalid(declared, regime, reason))
                 continue
@@ -168,9 +169,10 @@ def _space(design: Design, fmt: str) -> tuple[tuple[Row, ...], tuple[Invalid, ..
 def _regime_case(fmt: str, ws: int, dtype: str, config: FsdpConfig,
                  regime: str) -> tuple[CaseSpec | None, str | None]:
     """The case of a row (its scenario set later), or why there is none."""
-    shape = representative(fmt, ws, layout_config(config), regime)
+    layout = layout_config(config)
+    shape = representative(fmt, ws, layout, regime)
     if shape is None:
-        return None, no_shape_reason(fmt, ws, layout_config(config), regime)
+        return None, no_shape_reason(fmt, ws, layout, regime)
     spec = CaseSpec("reference", fmt, shape, dtype, ws, "gather", 0, config)
     reason = fsdp_skip_reason(spec)
     return (None, reason) if reason else (spec, None)
@@ -210,6 +212,7 @@ def _probe(config: FsdpConfig, ws: int) -> CaseSpec:
 # ------------------------------------------------------------------ shapes
 
 
+@cache  # computed once per configuration: `qgather list --cases` asks ~45,000 times
 def layout_config(config: FsdpConfig) -> FsdpConfig:
     """The configuration without the settings that do not change where FSDP2 splits the weight (nor
     which shapes it can split): mixed precision, reshard_after_forward, compile, a trained save."""
@@ -263,6 +266,7 @@ def _holdable_regimes(fmt: str, shape: tuple[int, ...], sizes: tuple[int, ...],
     return None if None in placed else combined(shape, placed)
 
 
+@cache
 def _split_at(ws: int, config: FsdpConfig) -> tuple[tuple[int, ...], FsdpConfig]:
     """The world sizes a case is split at (its own; a checkpoint's too) and its config without the checkpoint."""
     saved = config.saved_at_world_size

@@ -25,6 +25,7 @@ from qgather.model.block import module_weights
 from qgather.model.case import CaseSpec, tensor_parallel_layout
 from qgather.model.layers import MODULE_SCENARIOS
 from qgather.suite import config_coverage, shape_space
+from qgather.suite import memo as _memo
 from qgather.suite.config_coverage import PairCoverage
 from qgather.suite.modules import suite_companions, suite_sweeps
 from qgather.suite.selection import device_type, runnable
@@ -147,21 +148,29 @@ def promise_lines(cov: Coverage, limit: int = 10) -> list[str]:
 
 def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None,
                 exhaustive: bool = False, named: list[str] | None = None,
-                device: str = "auto") -> tuple[list[CaseSpec], set[str]]:
+                device: str = "auto", memo: bool = False) -> tuple[list[CaseSpec], set[str]]:
     """The suite's selected cases (as `qgather run` runs them: without `exhaustive`, no sweep marked
     slow; only the implementations `named`, None for the default run, in what each declares on `device`:
-    qgather.suite.selection) and the configuration tokens promised in full (each sweep's first)."""
+    qgather.suite.selection) and the configuration tokens promised in full (each sweep's first).
+    `memo`: the sweeps' cases from qgather.suite.memo where this source generated them before (the
+    command line's listing and run check; a caller that patches a generator in-process computes)."""
     cases, primary = [], set()
     on = device_type(device)
-    for _module, sweep, fixed in suite_sweeps():
+    generate = _memo.cases if memo else _generated
+    for module, sweep, fixed in suite_sweeps():
         if not exhaustive and "slow" in getattr(sweep, "marks", ()):
             continue
-        generated = sweep.cases(fixed or impls, formats=formats, world_sizes=world_sizes, scenarios=scenarios,
-                                exhaustive=exhaustive)
+        generated = generate(module, sweep, fixed or impls, formats=formats, world_sizes=world_sizes,
+                             scenarios=scenarios, exhaustive=exhaustive)
         cases += runnable(generated, fixed or named, on)
         configs = getattr(sweep, "configs", None)  # sweeps built on the shape space promise its regimes
         if configs:
             primary.add(configs[0].token or DEFAULT_CONFIG)
-    for sweep, own in () if named else suite_companions():
-        cases += runnable(sweep.cases(own, formats=formats, world_sizes=world_sizes, scenarios=scenarios), None, on)
+    for module, sweep, own in () if named else suite_companions():
+        generated = generate(module, sweep, own, formats=formats, world_sizes=world_sizes, scenarios=scenarios)
+        cases += runnable(generated, None, on)
     return cases, primary
+
+
+def _generated(_module: str, sweep, impls, **selection) -> list[CaseSpec]:
+    return list(sweep.cases(list(impls), **selection))

@@ -18,10 +18,10 @@ def suite_sweeps() -> list[tuple[str, SuiteSweep, list[str] | None]]:
             if getattr(module, "SWEEP", None) is not None]
 
 
-def suite_companions() -> list[tuple[SuiteSweep, tuple[str, ...]]]:
-    """(sweep, its implementations) of every module's COMPANIONS: cases the default run (no --impl) runs
-    beside the SWEEP's, with implementations of their own (torchao's sets beside the reference)."""
-    return [module.COMPANIONS for _name, module in suite_modules() if getattr(module, "COMPANIONS", None)]
+def suite_companions() -> list[tuple[str, SuiteSweep, tuple[str, ...]]]:
+    """(module name, sweep, its implementations) of every module's COMPANIONS: cases the default run (no
+    --impl) runs beside the SWEEP's, with implementations of their own (torchao's sets beside the reference)."""
+    return [(name, *module.COMPANIONS) for name, module in suite_modules() if getattr(module, "COMPANIONS", None)]
 
 
 def suite_modules() -> list[tuple[str, ModuleType]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from qgather.errors import HarnessFault
 from qgather.impls.reference.wire import WireLayout, WireMeta, WireMode, pack_bytes, pack_planes, unpack_planes
@@ -75,6 +74,8 @@ class AllGatherHooks:
         glob = self._per_tensor_values(all_gather_outputs, metadata)
         q = self._fmt.from_rows(rows, glob, layout.full_shape)
         if out is not None:
+            from torch.distributed.tensor import DTensor  # loaded by FSDP2 by now; not when listing cases
+
             # Under tensor parallelism the unsharded parameter FSDP2 hands back is a DTensor on the
             # "tp" mesh whose local tensor is this rank's gathered piece: that is what to refresh.
             target = out._local_tensor if isinstance(out, DTensor) else out

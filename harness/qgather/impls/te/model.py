@@ -27,7 +27,6 @@ import os
 from dataclasses import replace
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS, FormatError
@@ -134,6 +133,8 @@ def _te_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _shard(model: TinyTEModel, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard  # deferred: listing cases loads this adapter, not FSDP2
+
     for child in (model.proj, model.mlp, model.block):
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -194,6 +195,8 @@ def _at(phases: PhaseTracker | None, phase: Phase):
 def _gathered_params(route, model: torch.nn.Module, phases: PhaseTracker | None) -> dict[str, dict]:
     """Every parameter of the model as the gather left it: buffers of quantized ones (by TE's
     names), TE's dequantize(), plain values otherwise. Cloned, then the modules are resharded."""
+
+    from torch.distributed.fsdp import FSDPModule  # deferred: listing cases loads this adapter, not FSDP2
 
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
     types = _quantized_types()

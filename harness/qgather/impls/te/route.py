@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib
 
 import torch
-from torch.distributed.fsdp import fully_shard
 
 from qgather.errors import HarnessFault
 from qgather.formats.numerics import FP8_E4M3_MAX
@@ -68,6 +67,8 @@ class TransformerEngineRoute(TEAdapter):
         _check_no_leaked_autocast()
         rows = setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype)
         module = self._linear_on_meta(spec, rows, tp=setup.tp)
+        from torch.distributed.fsdp import fully_shard  # deferred: listing cases loads this adapter, not FSDP2
+
         fully_shard(module, **setup.kwargs)
         with torch.enable_grad():
             module.reset_parameters()

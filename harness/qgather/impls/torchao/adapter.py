@@ -49,7 +49,6 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from qgather.impls.base import Implementation
 from qgather.impls.torchao.transport import float8_as_bytes_on_gloo
@@ -221,6 +220,8 @@ class TorchaoFloat8(Implementation):
         bound allows twice that, the subnormal term and the rounding of the output dtype. A misused
         scale (a factor of 2 or more) is far outside it. Shapes torch._scaled_mm cannot multiply
         (dims not multiples of 16) raise torchao's own error."""
+        from torch.distributed.tensor import DTensor  # loaded by FSDP2 by now; not when listing cases
+
         modules = [m for m in (ref() for ref in self._built) if m is not None]
         if any(isinstance(m.weight, DTensor) and m.weight._local_tensor is param for m in modules):
             return  # tp-DxT: the layer's forward needs the TP style's DTensor input; x @ W_piece^T is compared
