@@ -27,17 +27,22 @@ def main_case(argv: Sequence[str]) -> int:
                         help="e.g. reference:nvfp4_2d:136x64:bf16:ws8:gather:s0")
     add_run_options(parser)
     args = parser.parse_args(argv)
+    from qgather.model.case import CaseSpec
+
+    try:
+        specs = [CaseSpec.parse(case_id) for case_id in args.case_ids]  # a malformed id: said before torch loads
+    except UsageError as exc:
+        return usage("case", str(exc))
     options = run_options("case", args)
     if options is None:
         return USAGE_ERROR
-    from qgather.engine.run import run_case  # deferred: torch, once the options are checked
+    from qgather.engine.run import run_case  # deferred: torch, once the options and ids are checked
     from qgather.impls import UnknownImplementationError
-    from qgather.model.case import CaseSpec
 
     failed = 0
     try:
-        for case_id in args.case_ids:
-            report = run_case(CaseSpec.parse(case_id), options)
+        for spec in specs:
+            report = run_case(spec, options)
             print(report.render())
             failed += not report.passed
     except (UsageError, UnknownImplementationError) as exc:  # a bad case id, format, implementation or world
@@ -63,15 +68,19 @@ def main_repro(argv: Sequence[str]) -> int:
         return usage("repro", "-o/--output names the --standalone script's file: add --standalone")
     if args.standalone:
         return _write_standalone(args.case_id, args.output)
-    options = run_options("repro", args)
-    if options is None:
-        return USAGE_ERROR
-    from qgather.engine.run import run_case  # deferred: torch, once the options are checked
-    from qgather.impls import UnknownImplementationError, adapter_module
     from qgather.model.case import CaseSpec
 
     try:
-        spec = CaseSpec.parse(args.case_id)
+        spec = CaseSpec.parse(args.case_id)  # a malformed id: said before torch loads
+    except UsageError as exc:
+        return usage("repro", str(exc))
+    options = run_options("repro", args)
+    if options is None:
+        return USAGE_ERROR
+    from qgather.engine.run import run_case  # deferred: torch, once the options and the id are checked
+    from qgather.impls import UnknownImplementationError, adapter_module
+
+    try:
         report = run_case(spec, options)
     except (UsageError, UnknownImplementationError) as exc:
         return usage("repro", str(exc))

@@ -11,15 +11,26 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from qgather.errors import UsageError
 from qgather.model.config import DEFAULT, ConfigError, FsdpConfig
 from qgather.model.names import SCENARIOS
 
+if TYPE_CHECKING:
+    import torch
+
 _SEED = re.compile(r"s\d+")
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: the dtypes a case id names (torch's dtype of each: `torch_dtype_of`)
+DTYPES = ("bf16", "fp32")
+
+
+def torch_dtype_of(name: str) -> torch.dtype:
+    """torch's dtype of a case id's dtype name; torch is imported only here, so that reading and
+    checking case ids (a command's bad input) costs no torch import."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
 class CaseSpecError(UsageError):
@@ -68,7 +79,7 @@ class CaseSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype_of(self.dtype)
 
     @classmethod
     def parse(cls, case_id: str) -> CaseSpec:

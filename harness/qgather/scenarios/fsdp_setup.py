@@ -36,12 +36,12 @@ from torch.distributed.tensor import Shard
 
 from qgather.impls.base import Implementation
 from qgather.model.case import (
-    DTYPES,
     CaseSpec,
     ColumnShardLayout,
     ShardLayout,
     shard_layout,
     tensor_parallel_layout,
+    torch_dtype_of,
 )
 from qgather.model.config import FsdpConfig
 from qgather.model.fsdp_rules import fsdp_skip_reason
@@ -61,7 +61,7 @@ UNCONFIGURABLE = ("hooks", "virtual")
 
 def param_dtype(spec: CaseSpec) -> torch.dtype:
     """The dtype of the unsharded weight: the policy's param_dtype, else the masters'."""
-    return DTYPES[spec.config.param_dtype] if spec.config.param_dtype else spec.torch_dtype
+    return torch_dtype_of(spec.config.param_dtype) if spec.config.param_dtype else spec.torch_dtype
 
 
 def takes_setup(impl: Implementation) -> bool:
@@ -216,8 +216,8 @@ def prepare(ctx: CaseContext, spec: CaseSpec) -> Setup:
         shard_rank = mesh.get_local_rank("dp")
         tp = TensorParallelRank(tensor_parallel_layout(spec), mesh.get_local_rank("tp"), mesh["tp"])
     if config.param_dtype:
-        reduce = DTYPES[config.reduce_dtype] if config.reduce_dtype else None
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=reduce)
+        reduce = torch_dtype_of(config.reduce_dtype) if config.reduce_dtype else None
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch_dtype_of(config.param_dtype), reduce_dtype=reduce)
     if config.reshard_after_forward is not True:
         kwargs["reshard_after_forward"] = config.reshard_after_forward
     if config.shard_dim == 1:

@@ -29,7 +29,7 @@ from qgather.errors import QgatherError
 from qgather.formats import FORMATS
 from qgather.impls.te.quantizers import te_quantize
 from qgather.instruments.compare import tensor_bytes
-from qgather.model.case import DTYPES
+from qgather.model.case import torch_dtype_of
 from qgather.paths import golden_dir
 
 GOLDEN_DIR = golden_dir()
@@ -73,7 +73,7 @@ def golden_input(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
     x.view(-1)[:: 17] = 0.0
-    return x.to(DTYPES[dtype])
+    return x.to(torch_dtype_of(dtype))
 
 
 def sha256(t: torch.Tensor) -> str:
