@@ -17,6 +17,7 @@ from qgather.impls import UnknownImplementationError, get_impl
 from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.pytest_plugin.options import settings
 from qgather.pytest_plugin.role import Role, role
+from qgather.runtime.helpers import preload_compile_warmup
 from qgather.runtime.launch import default_world_sizes, detect_launch
 from qgather.suite.selection import runnable, unmatched, why_empty
 from qgather.suite.sweeps import CaseSet, Sweep
@@ -125,7 +126,10 @@ def _parametrized_with_nothing(item: pytest.Item) -> bool:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A selection (--formats, --world-sizes, --scenarios) that matches no case of the sweeps
-    collected would otherwise pass green with nothing run: a usage error."""
+    collected would otherwise pass green with nothing run: a usage error. In every process that runs
+    cases: compiled cases among them have the forkserver warm torch.compile up for the ranks."""
+    if any(c.config.compile for cases in session.config.stash.get(sweep_sizes_key, None) or [] for c in cases):
+        preload_compile_warmup()
     if role(session.config) is Role.XDIST_WORKER:
         return  # an xdist worker cannot stop the session cleanly; `qgather run` checks before pytest starts
     problems = session.config.stash.get(impl_problems_key, None)

@@ -68,6 +68,18 @@ def fork_safe(modules: list[str]) -> list[str]:
     return safe
 
 
+COMPILE_WARMUP = "qgather.runtime.compile_warmup"
+
+
+def preload_compile_warmup() -> None:
+    """Have the next forkserver this process starts warm torch.compile up for its ranks
+    (qgather.runtime.compile_warmup): for a run that has compiled cases, called before its first pool.
+    Through PRELOAD_ENV, which the forkserver reads when it starts (so its subprocesses' too)."""
+    names = [name.strip() for name in os.environ.get(PRELOAD_ENV, "").split(",") if name.strip()]
+    if COMPILE_WARMUP not in names:
+        os.environ[PRELOAD_ENV] = ",".join([*names, COMPILE_WARMUP])
+
+
 def forkserver_preload() -> list[str]:
     """FORKSERVER_PRELOAD plus the modules QGATHER_FORKSERVER_PRELOAD names."""
     extra = [name.strip() for name in os.environ.get(PRELOAD_ENV, "").split(",") if name.strip()]
