@@ -59,12 +59,18 @@ def test_a_forkserver_that_cannot_start_is_said(monkeypatch):
 
 def test_a_run_with_compiled_cases_has_the_forkserver_warm_torch_compile_up(monkeypatch):
     """preload_compile_warmup adds the warm-up module to the forkserver's preload once, after what
-    the environment already names (e.g. TE on a GPU host); on a CPU build of torch it compiles."""
+    the environment already names (e.g. TE on a GPU host), and the run's end restores the variable;
+    on a CPU build of torch the warm-up compiles."""
     monkeypatch.setenv(helpers.PRELOAD_ENV, "json")
-    helpers.preload_compile_warmup()
-    helpers.preload_compile_warmup()
+    assert helpers.preload_compile_warmup() == "json"
+    assert helpers.preload_compile_warmup() == f"json,{helpers.COMPILE_WARMUP}"
     assert os.environ[helpers.PRELOAD_ENV] == f"json,{helpers.COMPILE_WARMUP}"
     assert helpers.forkserver_preload()[-2:] == ["json", helpers.COMPILE_WARMUP]
+    helpers.restore_preload("json")
+    assert os.environ[helpers.PRELOAD_ENV] == "json"
+    monkeypatch.delenv(helpers.PRELOAD_ENV)
+    helpers.restore_preload(helpers.preload_compile_warmup())
+    assert helpers.PRELOAD_ENV not in os.environ
     from qgather.runtime import compile_warmup
 
     torch = __import__("torch")
