@@ -79,3 +79,34 @@ def test_reference_subclass_round_trips_flatten_and_weights_only_load(tmp_path):
     torch.save(param, tmp_path / "p.pt")
     loaded = torch.load(tmp_path / "p.pt", weights_only=True)
     assert type(loaded) is type(param) and torch.equal(loaded.float(), param.float())
+
+
+class _Twice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_compiled_call_that_runs_no_compiled_graph_is_an_error_not_a_pass():
+    """A case compiles once and calls the compiled module at every point (qgather.scenarios.compiled):
+    a later call Dynamo runs eagerly (here: a failed guard past the recompile limit) tested nothing."""
+    from types import SimpleNamespace
+
+    from qgather.model.config import FsdpConfig
+    from qgather.scenarios.compiled import NO_GRAPH_RAN, CaseForward
+
+    case = SimpleNamespace(spec=SimpleNamespace(config=FsdpConfig(compile=True)))
+    forward = CaseForward(case, _Twice())
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 1
+    try:
+        forward(torch.randn(2, 4))
+        assert forward.problem() is None and forward.counting.graphs == 1
+        forward(torch.randn(2, 4))  # the same guards: the graph traced for the first call runs again
+        assert forward.problem() is None and (forward.counting.graphs, forward.counting.calls) == (1, 2)
+        assert torch.equal(forward(torch.ones(2, 4, dtype=torch.float64)), torch.full((2, 4), 2.0, dtype=torch.float64))
+        assert forward.problem() == NO_GRAPH_RAN  # a float64 input fails the guard; no recompile is allowed
+        stage, = forward.outputs_stage("outputs", "module", torch.zeros(1), torch.zeros(1))
+        assert stage.forward_error == NO_GRAPH_RAN
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        forward.close()

@@ -55,3 +55,23 @@ def test_a_forkserver_that_cannot_start_is_said(monkeypatch):
     assert [str(w.message) for w in caught] == [
         "qgather: the forkserver did not start (OSError: AF_UNIX path too long); ranks start with spawn: slower, "
         "and a runner killed by SIGKILL leaves its pool dir to the next run's sweep"]
+
+
+def test_a_run_with_compiled_cases_has_the_forkserver_warm_torch_compile_up(monkeypatch):
+    """preload_compile_warmup adds the warm-up module to the forkserver's preload once, after what
+    the environment already names (e.g. TE on a GPU host), and the run's end restores the variable;
+    on a CPU build of torch the warm-up compiles."""
+    monkeypatch.setenv(helpers.PRELOAD_ENV, "json")
+    assert helpers.preload_compile_warmup() == "json"
+    assert helpers.preload_compile_warmup() == f"json,{helpers.COMPILE_WARMUP}"
+    assert os.environ[helpers.PRELOAD_ENV] == f"json,{helpers.COMPILE_WARMUP}"
+    assert helpers.forkserver_preload()[-2:] == ["json", helpers.COMPILE_WARMUP]
+    helpers.restore_preload("json")
+    assert os.environ[helpers.PRELOAD_ENV] == "json"
+    monkeypatch.delenv(helpers.PRELOAD_ENV)
+    helpers.restore_preload(helpers.preload_compile_warmup())
+    assert helpers.PRELOAD_ENV not in os.environ
+    from qgather.runtime import compile_warmup
+
+    torch = __import__("torch")
+    assert compile_warmup.warm_up() is (torch.version.cuda is None and getattr(torch.version, "hip", None) is None)

@@ -38,3 +38,19 @@ def test_virtual_gives_the_real_verdict(case_id):
 
 def test_the_zoo_has_gather_cases_to_agree_on():
     assert len(ZOO) >= 8
+
+
+def test_virtual_ranks_post_process_apart_when_their_metadata_differs_in_any_byte():
+    """qgather.scenarios.virtual post-processes each distinct metadata once: a difference past the
+    first elements (a per-block scale of one rank) or one the elements' sum hides still counts."""
+    import torch
+
+    from qgather.scenarios.virtual import _metadata_key
+
+    a = torch.ones(128)
+    b, c = a.clone(), a.clone()
+    b[100], c[100], c[101] = 2.0, 2.0, 0.0
+    metas = [{"scales": t, "layout": ("rows", 4)} for t in (a, a.clone(), b, c)]
+    keys = [_metadata_key(m) for m in metas]
+    assert keys[0] == keys[1] and len(set(keys)) == 3
+    assert _metadata_key({"scales": a.to(torch.bfloat16)}) != _metadata_key({"scales": a})

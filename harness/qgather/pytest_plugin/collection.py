@@ -17,6 +17,7 @@ from qgather.impls import UnknownImplementationError, get_impl
 from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.pytest_plugin.options import settings
 from qgather.pytest_plugin.role import Role, role
+from qgather.runtime.helpers import preload_compile_warmup
 from qgather.runtime.launch import default_world_sizes, detect_launch
 from qgather.suite.selection import runnable, unmatched, why_empty
 from qgather.suite.sweeps import CaseSet, Sweep
@@ -25,6 +26,8 @@ from qgather.suite.sweeps import CaseSet, Sweep
 sweep_sizes_key = pytest.StashKey[list[list[CaseSpec]]]()
 # Why a case module's IMPLS cannot be loaded (one line each): the session stops with the first.
 impl_problems_key = pytest.StashKey[list[str]]()
+# The forkserver preload list before this session asked for the compile warm-up (set only if it did).
+preload_before_key = pytest.StashKey[str | None]()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -125,7 +128,11 @@ def _parametrized_with_nothing(item: pytest.Item) -> bool:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A selection (--formats, --world-sizes, --scenarios) that matches no case of the sweeps
-    collected would otherwise pass green with nothing run: a usage error."""
+    collected would otherwise pass green with nothing run: a usage error. In every process that runs
+    cases: compiled cases among them have the forkserver warm torch.compile up for the ranks."""
+    compiles = any(c.config.compile for cases in session.config.stash.get(sweep_sizes_key, None) or [] for c in cases)
+    if compiles and preload_before_key not in session.config.stash:
+        session.config.stash[preload_before_key] = preload_compile_warmup()  # restored at pytest_unconfigure
     if role(session.config) is Role.XDIST_WORKER:
         return  # an xdist worker cannot stop the session cleanly; `qgather run` checks before pytest starts
     problems = session.config.stash.get(impl_problems_key, None)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from qgather.pytest_plugin.collection import impl_problems_key, sweep_sizes_key
+from qgather.pytest_plugin.collection import impl_problems_key, preload_before_key, sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
 from qgather.pytest_plugin.gpu_schedule import make_lease_dir, release_after, remove_lease_dir, scheduler_for
 from qgather.pytest_plugin.options import Settings, settings_key
@@ -21,6 +21,7 @@ from qgather.pytest_plugin.recorder import Recorder, recorder_key
 from qgather.pytest_plugin.role import Role, role
 from qgather.pytest_plugin.xdist_status import once_per_status
 from qgather.runtime import external, shutdown_pools
+from qgather.runtime.helpers import restore_preload
 from qgather.runtime.launch import detect_launch
 from qgather.suite.options import output_problem
 
@@ -78,7 +79,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         if plugin is not None:
             config.pluginmanager.unregister(plugin)
     remove_lease_dir(config)
-    for key in (recorder_key, settings_key, sweep_sizes_key, impl_problems_key):
+    if preload_before_key in config.stash:
+        restore_preload(config.stash[preload_before_key])
+    for key in (recorder_key, settings_key, sweep_sizes_key, impl_problems_key, preload_before_key):
         if key in config.stash:
             del config.stash[key]
 

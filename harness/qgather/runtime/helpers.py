@@ -68,6 +68,30 @@ def fork_safe(modules: list[str]) -> list[str]:
     return safe
 
 
+COMPILE_WARMUP = "qgather.runtime.compile_warmup"
+
+
+def preload_compile_warmup() -> str | None:
+    """Have the next forkserver this process starts warm torch.compile up for its ranks
+    (qgather.runtime.compile_warmup): for a run that has compiled cases, called before its first pool.
+    Through PRELOAD_ENV, which the forkserver reads when it starts. Returns the variable's previous
+    value, for `restore_preload` when the run ends (a later run in this process, or a subprocess,
+    starts without it)."""
+    previous = os.environ.get(PRELOAD_ENV)
+    names = [name.strip() for name in (previous or "").split(",") if name.strip()]
+    if COMPILE_WARMUP not in names:
+        os.environ[PRELOAD_ENV] = ",".join([*names, COMPILE_WARMUP])
+    return previous
+
+
+def restore_preload(previous: str | None) -> None:
+    """PRELOAD_ENV as it was before `preload_compile_warmup`."""
+    if previous is None:
+        os.environ.pop(PRELOAD_ENV, None)
+    else:
+        os.environ[PRELOAD_ENV] = previous
+
+
 def forkserver_preload() -> list[str]:
     """FORKSERVER_PRELOAD plus the modules QGATHER_FORKSERVER_PRELOAD names."""
     extra = [name.strip() for name in os.environ.get(PRELOAD_ENV, "").split(",") if name.strip()]

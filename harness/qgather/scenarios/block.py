@@ -352,7 +352,7 @@ class _BlockRun:
                 impl.gather_context(case.ctx.group), impl.forward_context(case.spec), \
                 judged_in_forward(judged, lambda m: self._judge(m, by_module, point, f"{when}, the forward"),
                                   phases, stages, compiled=self.forward.compiled):
-            outputs = self.forward.call(case.x.to(case.spec.torch_dtype))
+            outputs = self.forward(case.x.to(case.spec.torch_dtype))
         stages += self._outputs_stage(when, point, outputs)
         with phases.at(Phase.STEP), hooks_moving_phase(phases, self.param_types), impl.gather_context(case.ctx.group):
             self.block.unshard()
@@ -363,7 +363,7 @@ class _BlockRun:
 
     def _outputs_stage(self, when: str, point: int, outputs: list[torch.Tensor]) -> list[Stage]:
         """The outputs and loss against the one-device module's (nothing when there is none to compare
-        with), or the error of a compile that captured no graph."""
+        with), or the error of a compiled forward that ran no compiled graph."""
         label = f"{when}: the model's outputs and loss against the same model on one device"
         expected = self.twin[point] if self.twin is not None else None
         return self.forward.outputs_stage(label, "model", _flat(outputs), expected)

@@ -20,8 +20,14 @@ Backend: `aot_eager` (QGATHER_COMPILE_BACKEND to choose another, e.g. `inductor`
 traces the subclass exactly as inductor's front end does; inductor adds codegen, which needs a C++
 compiler on CPU and took 20 s for the first fp8_tensor graph on the 2-core CI machine (4 s for the
 next), against 2 s and 0.2-0.7 s for aot_eager, and writes a cache dir that outlives the runner.
-The stage's label names the backend that ran. A compile that captured no graph tested nothing:
-it is reported as an error of the forward, not as a pass.
+The stage's label names the backend that ran.
+
+A case compiles its module once and calls the compiled module at every point it runs a forward
+(after the first gather, after each optimizer step), as a training loop calls its compiled model
+every step: Dynamo recompiles only where a guard fails, and a step's forward otherwise runs the
+graph traced for the first (with the step's re-quantized inner tensors as its inputs). A forward
+that ran no compiled graph tested nothing (a compile that captured none, or Dynamo running a call
+eagerly): it is reported as an error of the forward, not as a pass.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ def backend_name() -> str:
 
 
 class CountingBackend:
-    """The chosen backend (`name`), counting the graphs Dynamo hands it."""
+    """The chosen backend (`name`), counting the graphs Dynamo hands it and the calls of what it compiled."""
 
     def __init__(self, name: str) -> None:
         # torch._dynamo is one of torch's lazily loaded submodules: only a compile case pays its import
@@ -55,31 +61,59 @@ class CountingBackend:
         self.name = name
         self.backend = torch._dynamo.lookup_backend(name)
         self.graphs = 0
+        self.calls = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.graphs += 1
-        return self.backend(gm, example_inputs)
+        compiled = self.backend(gm, example_inputs)
+
+        def run(*args):
+            self.calls += 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo calls a boxed graph with one list
+        return run
 
 
 NO_GRAPH = "torch.compile captured no graph (Dynamo ran the whole forward eagerly): nothing compiled"
+NO_GRAPH_RAN = ("this forward ran none of the compiled graphs (Dynamo ran it eagerly, e.g. past its "
+                "recompile limit): nothing compiled was tested")
 
 
 class CaseForward:
-    """A whole module's forward as a case runs it (the layers and block scenarios): eager, or under
-    `compile` torch.compile with a backend that counts its graphs. `close` clears what Dynamo cached."""
+    """A whole module's forward as a case runs it: eager, or under `compile` torch.compile with a
+    backend that counts its graphs and their calls, compiled once for the case and called at every
+    point of it (as a training loop calls its compiled model every step: Dynamo recompiles only where
+    a guard fails). Each call records whether it ran a compiled graph. `close` clears what Dynamo cached."""
 
     def __init__(self, case: RankCase, module: torch.nn.Module) -> None:
         self.counting: CountingBackend | None = None
-        self.call = module
+        self.module = module
+        self.ran_graph = False
         if case.spec.config.compile:
-            # A warm rank runs many cases through the same code: Dynamo's caches start empty for each.
+            # A warm rank runs many cases through the same code: Dynamo's caches start empty for each
+            # (without a reset, its recompile limit would turn a later case's compile into an eager run).
             torch._dynamo.reset()
             self.counting = CountingBackend(backend_name())
-            self.call = torch.compile(module, backend=self.counting)
+            self.module = torch.compile(module, backend=self.counting)
 
     @property
     def compiled(self) -> bool:
         return self.counting is not None
+
+    def __call__(self, x: torch.Tensor):
+        calls = self.counting.calls if self.counting is not None else 0
+        out = self.module(x)
+        self.ran_graph = self.counting is not None and self.counting.calls > calls
+        return out
+
+    def problem(self) -> str | None:
+        """Why the last call tested nothing compiled (None when it ran a compiled graph, or is eager)."""
+        if self.counting is None:
+            return None
+        if self.counting.graphs == 0:
+            return NO_GRAPH
+        return None if self.ran_graph else NO_GRAPH_RAN
 
     def close(self) -> None:
         if self.counting is not None:
@@ -87,9 +121,10 @@ class CaseForward:
 
     def outputs_stage(self, label: str, what: str, got: torch.Tensor, expected: torch.Tensor | None) -> list[Stage]:
         """The flattened outputs `got` against the one-device `expected` (nothing when there is none to
-        compare with), or the error of a compile that captured no graph; `what` names the module."""
-        if self.counting is not None and self.counting.graphs == 0:
-            return [Stage(label, forward_error=NO_GRAPH)]
+        compare with), or the error of a compiled call that ran no compiled graph; `what` names the module."""
+        problem = self.problem()
+        if problem:
+            return [Stage(label, forward_error=problem)]
         if expected is None:
             return []
         note = f"{what} forward: torch.compile backend {self.counting.name}, FSDP2 hooks eager" if self.counting else ""
@@ -97,13 +132,15 @@ class CaseForward:
                       output_digest=digest({"output": got}, {}), note=note)]
 
 
-def compiled_stages(case: RankCase, module: torch.nn.Module, golden: Golden, when: str = "") -> list[Stage]:
-    """The module's eager forward, then its compiled forward, each on the case's input in the masters'
-    dtype after a reshard (FSDP2's own unshard gathers the weight for it): each gathered weight judged
-    against `golden` where the forward receives it, then the compiled output compared bit for bit with
-    the eager one. `when` starts the stages' labels (e.g. "after step 1"). Errors of the compiled
-    forward are recorded on the last stage, not raised. The module is left unsharded (a root's
-    forward keeps its weight): the caller reshards."""
+def compiled_stages(case: RankCase, module: torch.nn.Module, golden: Golden, compiled: CaseForward,
+                    when: str = "") -> list[Stage]:
+    """The module's eager forward, then its compiled forward (`compiled`, the case's one compile of
+    `module`), each on the case's input in the masters' dtype after a reshard (FSDP2's own unshard
+    gathers the weight for it): each gathered weight judged against `golden` where the forward
+    receives it, then the compiled output compared bit for bit with the eager one. `when` starts the
+    stages' labels (e.g. "after step 1"). Errors of the compiled forward are recorded on the last
+    stage, not raised. The module is left unsharded (a root's forward keeps its weight): the caller
+    reshards."""
     impl, spec, group, phases = case.impl, case.spec, case.ctx.group, case.phases
     x = case.x.to(spec.torch_dtype)
     name = backend_name()
@@ -119,24 +156,19 @@ def compiled_stages(case: RankCase, module: torch.nn.Module, golden: Golden, whe
             impl.gather_context(group), impl.forward_context(spec):
         eager = module(x)
     module.reshard()
-    # A warm rank runs many cases through the same forward code: without a reset, Dynamo's cache
-    # limit would silently turn later cases' compiles into eager runs.
-    torch._dynamo.reset()
-    counting = CountingBackend(name)
     try:
         with phases.at(Phase.COMPILE), impl.gather_context(group), impl.forward_context(spec), \
                 judged_in_forward([module], judge("the compiled forward's unshard"), phases, stages, compiled=True):
-            compiled = torch.compile(module, backend=counting)(x)
+            out = compiled(x)
     except Exception as exc:  # noqa: BLE001 - the compiled forward's error is the evidence
         return [*stages, Stage(label, forward_error=f"{type(exc).__name__} under torch.compile: "
                                                     f"{(str(exc).strip().splitlines() or [''])[0][:300]}")]
-    finally:
-        torch._dynamo.reset()
-    if counting.graphs == 0:
-        return [*stages, Stage(label, forward_error=NO_GRAPH)]
-    return [*stages, Stage(label, output=_compare(compiled, eager), output_digest=digest({"output": compiled}, {}),
-                           note=f"compiled forward: torch.compile backend {name}, {counting.graphs} graph(s), "
-                                "FSDP2 hooks eager")]
+    problem = compiled.problem()
+    if problem:
+        return [*stages, Stage(label, forward_error=problem)]
+    return [*stages, Stage(label, output=_compare(out, eager), output_digest=digest({"output": out}, {}),
+                           note=f"compiled forward: torch.compile backend {name}, {compiled.counting.graphs} "
+                                "graph(s), FSDP2 hooks eager")]
 
 
 def _compare(compiled: torch.Tensor, eager: torch.Tensor) -> Comparison:

@@ -9,7 +9,8 @@ subclass sees the same calls here as under `fully_shard`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import cache
 from inspect import signature
 from typing import Any
 
@@ -78,10 +79,17 @@ def check_padded_inputs(local: torch.Tensor, inputs: Sequence[torch.Tensor], sha
 
 def pre_all_gather(local: torch.Tensor, mesh: Any, full_shape: Sequence[int]) -> tuple[Sequence[torch.Tensor], Any]:
     """Call the pre-hook as FSDP2 does: the one-argument (mesh) form is still accepted there."""
-    if len(signature(local.fsdp_pre_all_gather).parameters) == 1:
-        return local.fsdp_pre_all_gather(mesh)
+    hook = local.fsdp_pre_all_gather
+    if _mesh_only(getattr(hook, "__func__", hook), hasattr(hook, "__func__")):
+        return hook(mesh)
     stride = torch.empty(0).new_empty(full_shape).stride()
     return local.fsdp_pre_all_gather(mesh, torch.Size(full_shape), stride, None, MixedPrecisionPolicy())
+
+
+@cache
+def _mesh_only(function: Callable[..., Any], bound: bool) -> bool:
+    """Whether a pre-hook takes the mesh alone (its signature read once per hook, not once per rank)."""
+    return len(signature(function).parameters) - bound == 1
 
 
 def checked_pre_all_gather(local: torch.Tensor, mesh: Any, full_shape: Sequence[int],

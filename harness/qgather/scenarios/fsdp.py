@@ -25,7 +25,7 @@ from qgather.model.records import FIRST_UNSHARD, RankResult, Stage
 from qgather.runtime.rank import CaseContext
 from qgather.scenarios import checkpoint as checkpoint_reshard
 from qgather.scenarios import fsdp_setup
-from qgather.scenarios.compiled import compiled_stages
+from qgather.scenarios.compiled import CaseForward, compiled_stages
 from qgather.scenarios.context import RankCase
 from qgather.scenarios.data import make_gradient, make_weight
 from qgather.scenarios.module import build_sharded_module, local_shard
@@ -76,11 +76,16 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
         first = replace(first, module=checked, note=loaded)
     stages = [first]
     module.reshard()
-    if spec.config.compile:
-        stages.extend(compiled_stages(case, module, golden))
-        module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
-    if spec.scenario in ("steps", "reshard"):
-        stages.extend(_update_and_regather(case, module, master))
+    compiled = CaseForward(case, module) if spec.config.compile else None  # one compile for the whole case
+    try:
+        if compiled is not None:
+            stages.extend(compiled_stages(case, module, golden, compiled))
+            module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
+        if spec.scenario in ("steps", "reshard"):
+            stages.extend(_update_and_regather(case, module, master, compiled))
+    finally:
+        if compiled is not None:
+            compiled.close()
     summary = summarize_wire(wire, fmt, weight_shape, case.shards, golden, impl)
     return RankResult(ctx.rank, tuple(stages), summary, golden.quantizer_diffs or None)
 
@@ -95,9 +100,11 @@ def _requantize_unchanged(case: RankCase, module: torch.nn.Module, master: torch
         impl.after_step(module, group)
 
 
-def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.Tensor) -> list[Stage]:
+def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.Tensor,
+                         compiled: CaseForward | None) -> list[Stage]:
     """Optimizer steps on the sharded master rows, re-quantized on the shards, then the `out=`
-    path of the next unshard; the golden takes the same steps on the full weight."""
+    path of the next unshard (under `compile`, the eager and `compiled` forwards' own unshards);
+    the golden takes the same steps on the full weight."""
     impl, spec, setup, phases, group = case.impl, case.spec, case.setup, case.phases, case.ctx.group
     inspector = case.inspector
     n_steps = STEPS if spec.scenario == "steps" else 1
@@ -124,14 +131,14 @@ def _update_and_regather(case: RankCase, module: torch.nn.Module, master: torch.
 
             with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
                 stages.extend(fsdp_setup.gather_through_forward(module, case.x.to(setup.param_dtype), judge))
-        elif not spec.config.compile:  # under compile, the forwards below gather it
+        elif compiled is None:  # under compile, the forwards below gather it
             with phases.at(Phase.STEP), hooks_moving_phase(phases, param_types), impl.gather_context(group):
                 module.unshard()
             with phases.at(Phase.INSPECTION):
                 stage = inspector.judge(setup.unsharded(module.weight), golden, label, setup.param_dtype)
                 twin = inspector.twin_output(full_param.detach().to(spec.torch_dtype), setup.param_dtype)
                 stages.append(replace(stage, module=inspector.module_check(module, twin, setup.param_dtype)))
-        if spec.config.compile:
-            stages.extend(compiled_stages(case, module, golden, f"after step {step}"))
+        if compiled is not None:
+            stages.extend(compiled_stages(case, module, golden, compiled, f"after step {step}"))
         module.reshard()
     return stages

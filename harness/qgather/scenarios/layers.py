@@ -292,13 +292,13 @@ class _Iteration:
                 impl.gather_context(case.ctx.group), impl.forward_context(case.spec), \
                 judged_in_forward([layer.module for layer in self.layers], judge, phases, stages,
                                   compiled=self.forward.compiled):
-            outputs = self.forward.call(case.x.to(case.spec.torch_dtype))
+            outputs = self.forward(case.x.to(case.spec.torch_dtype))
         stages += self._outputs_stage(when, point, outputs)
         return stages + self._backward_unshards(when, goldens)
 
     def _outputs_stage(self, when: str, point: int, outputs: list[torch.Tensor]) -> list[Stage]:
         """The outputs and loss against the one-device module's (nothing when there is none to compare
-        with), or the error of a compile that captured no graph."""
+        with), or the error of a compiled forward that ran no compiled graph."""
         label = f"{when}: the module's outputs and loss against the same module on one device"
         expected = self.twin[point] if self.twin is not None else None
         return self.forward.outputs_stage(label, "module", _flat(outputs), expected)

@@ -10,7 +10,7 @@ RankResult or the exception it raised, tagged with its phase.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -118,9 +118,9 @@ def _gather_piece(piece: _Piece, chunks: list[torch.Tensor], shards: ShardLayout
                            hook_outputs=summary.hook_outputs[:len(pre[0][0])],
                            high_precision_elements=summary.high_precision_elements // len(ranks))
     results: list[RankResult | BaseException] = []
-    seen: dict[str, Stage | BaseException] = {}
+    seen: dict[Hashable, Stage | BaseException] = {}
     for rank, local, (_, metadata) in zip(ranks, locals_, pre):
-        key = repr(_metadata_key(metadata))
+        key = _metadata_key(metadata)
         if key not in seen:
             seen[key] = _on_virtual_rank(Phase.POST_HOOK, _post_and_inspect, inspector, local, outputs, metadata,
                                          dtype, golden)
@@ -151,11 +151,12 @@ def _post_and_inspect(inspector: Inspector, local: torch.Tensor, outputs: tuple[
     return inspector.judge(unsharded, golden, VIRTUAL_GATHER)
 
 
-def _metadata_key(metadata: Any) -> object:
-    """Hashable content of a hook's metadata, to post-process each distinct metadata once."""
+def _metadata_key(metadata: Any) -> Hashable:
+    """Hashable content of a hook's metadata, to post-process each distinct metadata once: a tensor by
+    its dtype, shape and every byte (two ranks' metadata that differ anywhere post-process apart)."""
     if isinstance(metadata, torch.Tensor):
-        return ("tensor", tuple(metadata.shape), metadata.detach().cpu().flatten().tolist()[:64],
-                float(metadata.detach().double().sum()) if metadata.numel() else 0.0)
+        data = metadata.detach().cpu().contiguous().reshape(-1)
+        return ("tensor", str(data.dtype), tuple(metadata.shape), data.view(torch.uint8).numpy().tobytes())
     if isinstance(metadata, dict):
         return tuple((k, _metadata_key(v)) for k, v in sorted(metadata.items(), key=lambda kv: str(kv[0])))
     if isinstance(metadata, (list, tuple)):
