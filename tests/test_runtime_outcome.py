@@ -97,3 +97,23 @@ def test_a_rank_error_names_every_class_of_the_exception():
     assert not error.instance_of(HarnessFault)
     lookalike = RankError.from_exception(0, ValueErrorLookalike("bad"))
     assert lookalike.type_name == "ValueError" and not lookalike.instance_of(ValueError)
+
+
+def test_alike_exceptions_of_many_ranks_share_one_formatted_record():
+    from qgather.runtime.outcome import RankError
+
+    def refuse(message: str) -> BaseException:
+        try:
+            raise ValueError(message)
+        except ValueError as exc:
+            exc.qgather_seconds = (("shard", float(len(message))),)
+            return exc
+
+    results = [refuse("shard 1 of 136"), refuse("shard 1 of 136"), "a result", refuse("shard 2 of 136")]
+    errors = RankError.from_exceptions(results)
+    assert sorted(errors) == [0, 1, 3]
+    assert [errors[r].rank for r in (0, 1, 3)] == [0, 1, 3]
+    assert errors[0].traceback_text is errors[1].traceback_text  # formatted once
+    assert errors[0] == RankError.from_exception(0, results[0])
+    assert errors[1] == RankError.from_exception(1, results[1])
+    assert errors[3].message == "shard 2 of 136" and "shard 2 of 136" in errors[3].traceback_text

@@ -133,7 +133,7 @@ def _run_virtual(spec: CaseSpec, impl: Implementation) -> Classification:
         results = run_virtual(spec)
     except Exception as exc:  # noqa: BLE001 - raised before the virtual ranks split: same on every rank
         results = [exc] * spec.world_size
-    errors = {rank: RankError.from_exception(rank, r) for rank, r in enumerate(results) if isinstance(r, BaseException)}
+    errors = RankError.from_exceptions(results)
     if errors:
         return classify_errors(errors, spec.world_size, impl.refusal_problem)
     return classify_results(results)

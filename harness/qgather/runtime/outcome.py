@@ -13,8 +13,8 @@ import os
 import re
 import signal
 import traceback
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qgather.errors import qualified_name
@@ -28,6 +28,22 @@ _NUMBER = re.compile(r"\d+")
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # "[.../pair.cc:537] " from C++
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _raised_at(exc: BaseException | None) -> tuple:
+    """What an exception's formatted traceback is made of: its type, message and frames, and its
+    cause's and context's likewise."""
+    if exc is None:
+        return ()
+    frames = tuple((tb.tb_frame.f_code.co_filename, tb.tb_lineno) for tb in _tracebacks(exc.__traceback__))
+    return (type(exc), str(exc), frames, _raised_at(exc.__cause__),
+            _raised_at(exc.__context__) if not exc.__suppress_context__ else ())
+
+
+def _tracebacks(tb: Any) -> Iterator[Any]:
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,23 @@ class RankError:
         return cls(rank, type(exc).__name__, str(exc), text, getattr(exc, "qgather_phase", None) or "",
                    tuple(c.__name__ for c in mro), tuple(qualified_name(c) for c in mro),
                    tuple(getattr(exc, "qgather_seconds", None) or ()))
+
+    @classmethod
+    def from_exceptions(cls, results: Sequence[object]) -> dict[int, RankError]:
+        """The record of every exception among `results` (one per rank, by rank). Exceptions raised
+        alike (type, message, phase and the same frames, chained ones too: a refusal on each of 1024
+        virtual ranks) share one formatted traceback, formatted once."""
+        formatted: dict[tuple, RankError] = {}
+        errors = {}
+        for rank, exc in enumerate(results):
+            if not isinstance(exc, BaseException):
+                continue
+            key = (_raised_at(exc), getattr(exc, "qgather_phase", None))
+            record = formatted.get(key)
+            if record is None:
+                record = formatted[key] = cls.from_exception(rank, exc)
+            errors[rank] = replace(record, rank=rank, seconds=tuple(getattr(exc, "qgather_seconds", None) or ()))
+        return errors
 
     def instance_of(self, cls: type) -> bool:
         """Whether the exception was an instance of `cls` (by the classes' module and qualified name)."""
