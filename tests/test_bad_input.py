@@ -165,7 +165,12 @@ def test_help_and_a_bad_option_start_no_torch():
 
 BAD_NAMES = [["run", "--formats", "fp7"], ["run", "--scenarios", "explode"], ["run", "--impl", "nosuch"],
              ["list", "--cases", "--impl", "nosuch"], ["coverage", "--formats", "fp7"],
-             ["run", "--formats", "fp8_tensor", "--world-sizes", "2", "--impl", "reference,nosuch"]]
+             ["run", "--formats", "fp8_tensor", "--world-sizes", "2", "--impl", "reference,nosuch"],
+             ["case", "nonsense:id"], ["repro", "reference:nvfp4_2d:136x64:bf99:ws2:gather:s0"],
+             ["baseline", "update", "--from", "/nonexistent/verdicts.json"]]
+# argparse's own refusals (its usage line, then the error) of the commands whose modules import torch
+BAD_SYNTAX = [["selftest", "--bogus"], ["golden", "--producer", "nobody"], ["sweep", "--impl", "reference"],
+              ["baseline", "update"]]
 
 
 def test_a_bad_name_is_refused_before_torch_is_imported():
@@ -178,6 +183,15 @@ def test_a_bad_name_is_refused_before_torch_is_imported():
     assert result.stdout.strip().splitlines()[-1] == f"{[4] * len(BAD_NAMES)} False", result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == len(BAD_NAMES) and all(len(line) < 300 for line in lines), lines
+
+
+def test_a_commands_own_syntax_is_checked_before_torch_is_imported():
+    """selftest, golden, sweep and baseline read their arguments with parsers that import nothing heavy."""
+    code = ("import sys; from qgather.cli import main; "
+            f"rcs = [main(argv) for argv in {BAD_SYNTAX!r}]; print(rcs, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.stdout.strip().splitlines()[-1] == f"{[4] * len(BAD_SYNTAX)} False", result.stdout + result.stderr
 
 
 def test_the_name_lists_agree_with_the_registries():

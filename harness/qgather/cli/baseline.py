@@ -8,11 +8,14 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from qgather.cli.common import usage
-from qgather.model.case_record import CaseRecord, RecordError
-from qgather.pytest_plugin.baseline import DEFAULT_FILE, BaselineError, Update, dumps, load_findings, update
-from qgather.pytest_plugin.baseline_text import updated_text
+from qgather.paths import BASELINE_FILE as DEFAULT_FILE
+
+if TYPE_CHECKING:  # imported once the arguments are read: bad input is refused before torch loads
+    from qgather.model.case_record import CaseRecord
+    from qgather.pytest_plugin.baseline import Update
 
 
 def main(argv: Sequence[str]) -> int:
@@ -24,6 +27,11 @@ def main(argv: Sequence[str]) -> int:
                     help="the verdicts.json of a run (--report-dir) whose failures the baseline lists")
     up.add_argument("--file", default=DEFAULT_FILE, help=f"the baseline to update (default: {DEFAULT_FILE})")
     args = parser.parse_args(argv)
+    if not os.path.isfile(args.source):  # before torch loads, as every bad input is refused
+        return usage("baseline", f"--from {args.source}: no such file (a run's verdicts.json, from --report-dir)")
+    from qgather.pytest_plugin.baseline import BaselineError, dumps, load_findings, update
+    from qgather.pytest_plugin.baseline_text import updated_text
+
     try:
         findings = load_findings(args.file) if os.path.exists(args.file) else []
         result = update(findings, read_run(args.source))
@@ -63,6 +71,9 @@ def _print(path: str, result: Update) -> None:
 
 def read_run(path: str) -> list[CaseRecord]:
     """The case records of a verdicts.json (its `cases`) or of a --qgather-json file (a list of them)."""
+    from qgather.model.case_record import CaseRecord, RecordError
+    from qgather.pytest_plugin.baseline import BaselineError
+
     try:
         with open(path) as fh:
             data = json.load(fh)

@@ -15,20 +15,16 @@ from typing import TextIO
 
 import torch
 
-from qgather.cli.common import USAGE_ERROR, add_run_options, run_options, shutdown_pools, usage
+from qgather.cli.arguments import sweep_parser
+from qgather.cli.common import USAGE_ERROR, run_options, shutdown_pools, usage
 from qgather.errors import UsageError
 from qgather.formats import FORMATS
 from qgather.impls import UnknownImplementationError, get_impl
 from qgather.model.case import DTYPES, CaseSpec
 from qgather.model.report import CaseReport
 from qgather.model.repro import repro_command
+from qgather.tools.arguments import MAX_REAL_WORLD, MAX_ROWS
 from qgather.tools.exploration import (
-    DEFAULT_BUDGET_S,
-    DEFAULT_COLS,
-    DEFAULT_WORLD_SIZES,
-    MAX_REAL_WORLD,
-    MAX_ROWS,
-    REAL_SCENARIOS,
     Lattice,
     Progress,
     Runner,
@@ -37,25 +33,6 @@ from qgather.tools.exploration import (
     explore,
     group_key,
 )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qgather sweep", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impl", required=True, help="implementation, e.g. reference, mutant:<bug>, pkg.mod:Obj")
-    parser.add_argument("--format", required=True, dest="fmt", help="format, e.g. nvfp4_2d")
-    parser.add_argument("--world-sizes", default=",".join(map(str, DEFAULT_WORLD_SIZES)),
-                        help="comma-separated world sizes to explore (default: %(default)s)")
-    parser.add_argument("--max-rows", default=None, help="largest dim 0 (default: 4 x max(row block, 16) + 2)")
-    parser.add_argument("--cols", default=",".join(map(str, DEFAULT_COLS)), help="K values, e.g. 32,64")
-    parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPES)}")
-    parser.add_argument("--seed", default="0", help="the data seed of every explored case (default: %(default)s)")
-    parser.add_argument("--budget-s", default=str(DEFAULT_BUDGET_S),
-                        help="seconds of exploration; confirming and shrinking get at most as many again")
-    parser.add_argument("--scenario", default="steps", choices=REAL_SCENARIOS,
-                        help="the real scenario run on the rank pools (default steps: the first gather, then "
-                             "optimizer steps and re-gathers)")
-    add_run_options(parser)
-    return parser
 
 
 @dataclass
@@ -145,7 +122,7 @@ def render(result: SweepResult, args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
     stream = stream or sys.stdout
-    args = build_parser().parse_args(argv)
+    args = sweep_parser().parse_args(argv)
     options = run_options("sweep", args)
     if options is None:
         return USAGE_ERROR

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from qgather.errors import UsageError
 from qgather.model.case_record import CaseRecord, KnownIssue
 from qgather.model.verdict import Verdict
+from qgather.paths import BASELINE_FILE
 
 if sys.version_info >= (3, 11):
     import tomllib as _toml
@@ -40,7 +41,7 @@ else:  # optional before 3.11: without it only reading a baseline fails, with on
 __all__ = ["DEFAULT_FILE", "BaselineError", "Finding", "KnownIssue", "Update", "clean_reason", "dumps", "escape",
            "load", "load_findings", "match", "update"]
 
-DEFAULT_FILE = "known-issues.toml"
+DEFAULT_FILE = BASELINE_FILE
 UNTRIAGED = "Not yet triaged"  # the title prefix of the groups `update` adds for failures no entry covers
 UNTRIAGED_LINK = "docs/findings.md#not-yet-triaged"
 REASON_LIMIT = 160  # characters of a written reason, cut at a word boundary

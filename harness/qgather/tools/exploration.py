@@ -25,13 +25,8 @@ from qgather.engine.run import run_case
 from qgather.model.case import CaseSpec
 from qgather.model.records import STANDS_FOR
 from qgather.model.report import CaseReport
+from qgather.tools.arguments import MAX_REAL_WORLD
 
-REAL_SCENARIOS = ("steps", "gather", "reshard", "hooks")
-DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
-DEFAULT_COLS = (64,)
-DEFAULT_BUDGET_S = 300.0
-MAX_REAL_WORLD = 64
-MAX_ROWS = 1 << 16
 PROGRESS_EVERY = 50  # non-TTY: a line every this many cases ...
 PROGRESS_SECONDS = 5.0  # ... or this many seconds, whichever comes first
 

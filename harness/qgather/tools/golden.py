@@ -13,7 +13,6 @@ An installed qgather reads the copy of golden/ that its build puts in the packag
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -31,6 +30,7 @@ from qgather.impls.te.quantizers import te_quantize
 from qgather.instruments.compare import tensor_bytes
 from qgather.model.case import torch_dtype_of
 from qgather.paths import golden_dir
+from qgather.tools.arguments import golden_parser
 
 GOLDEN_DIR = golden_dir()
 MANIFEST = "manifest.json"
@@ -213,12 +213,7 @@ def corpus_bytes(out_dir: str = GOLDEN_DIR) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qgather golden", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--producer", choices=("reference", "te"), default="reference",
-                        help="who quantizes the corpus: the reference or TransformerEngine (default: %(default)s)")
-    parser.add_argument("--check", action="store_true", help="verify the stored corpus instead of writing")
-    parser.add_argument("--dir", default=GOLDEN_DIR, help="the corpus directory (default: %(default)s)")
-    args = parser.parse_args(argv)
+    args = golden_parser().parse_args(argv)
     if args.check:
         try:
             manifest = read_manifest(args.dir)

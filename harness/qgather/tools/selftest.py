@@ -21,7 +21,6 @@ class where the reference passes is a wrong-class verdict. The last line is
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from qgather.model.report import CaseReport
 from qgather.model.verdict import Verdict
 from qgather.runtime import shutdown_pools
 from qgather.suite.sweeps import K, alignment_shapes
+from qgather.tools.arguments import selftest_parser
 
 OPTIONS = RunOptions(backend="gloo", device="cpu")
 
@@ -245,14 +245,7 @@ def suite_summary(results: Sequence[SuiteResult]) -> tuple[list[str], int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qgather selftest", description=__doc__.splitlines()[0])
-    parser.add_argument("mutants", nargs="*", metavar="MUTANT", help="only these (e.g. nibble_swap)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print every case's full report")
-    parser.add_argument("--suite", action="store_true",
-                        help="mutation mode: every mutant over a fixed sample of the default suite")
-    parser.add_argument("--keep-pools", action="store_true",
-                        help="leave the rank pools running (for callers that run more cases)")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = selftest_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     mutants = _select(args.mutants)
     if args.suite:
         return _main_suite(mutants, args.keep_pools)
