@@ -170,7 +170,8 @@ BAD_NAMES = [["run", "--formats", "fp7"], ["run", "--scenarios", "explode"], ["r
              ["baseline", "update", "--from", "/nonexistent/verdicts.json"]]
 # argparse's own refusals (its usage line, then the error) of the commands whose modules import torch
 BAD_SYNTAX = [["selftest", "--bogus"], ["golden", "--producer", "nobody"], ["sweep", "--impl", "reference"],
-              ["baseline", "update"]]
+              ["sweep", "--impl", "nosuch", "--format", "nvfp4_2d"],
+              ["sweep", "--impl", "reference", "--format", "fp7"], ["baseline", "update"]]
 
 
 def test_a_bad_name_is_refused_before_torch_is_imported():

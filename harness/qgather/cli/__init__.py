@@ -45,33 +45,34 @@ class Command:
     load: Callable[[], CommandMain]
     help: str
     runs_cases: bool = False  # SIGTERM and Ctrl-C unwind through the pools' cleanup
-    # where the command's module imports torch: its parser, from a light module, to refuse bad input first
-    arguments: Callable[[], argparse.ArgumentParser] | None = None
+    # where the command's module imports torch: a check of its arguments that imports nothing heavy
+    check: Callable[[list[str]], object] | None = None
 
     def main(self, argv: Sequence[str]) -> int:
         """Import the command's module (only now: see the module docstring) and run it; a command with
-        `arguments` reads them first (argparse's refusal, exit 2 -> 4, comes before torch loads)."""
-        if self.arguments is not None:
-            self.arguments().parse_args(list(argv))
+        a `check` has its arguments read first (argparse's refusal or a UsageError, both exit 4, before
+        torch loads)."""
+        if self.check is not None:
+            self.check(list(argv))
         run = self.load()
         if self.runs_cases:
             return with_cleanup_on_signals(self.name, run, argv)
         return int(run(list(argv)) or 0)
 
 
-def _selftest_arguments() -> argparse.ArgumentParser:
+def _check_selftest(argv: list[str]) -> object:
     from qgather.tools.arguments import selftest_parser
-    return selftest_parser()
+    return selftest_parser().parse_args(argv)
 
 
-def _golden_arguments() -> argparse.ArgumentParser:
+def _check_golden(argv: list[str]) -> object:
     from qgather.tools.arguments import golden_parser
-    return golden_parser()
+    return golden_parser().parse_args(argv)
 
 
-def _sweep_arguments() -> argparse.ArgumentParser:
-    from qgather.cli.arguments import sweep_parser
-    return sweep_parser()
+def _check_sweep(argv: list[str]) -> object:
+    from qgather.cli.arguments import check_sweep
+    return check_sweep(argv)
 
 
 # One loader per command: each imports its module when the command runs, not when qgather starts.
@@ -139,13 +140,13 @@ COMMANDS = {c.name: c for c in (
     Command("gpu-check", _gpu_check, "list the GPUs, backends and optional libraries the GPU job uses"),
     Command("bench", _bench, "run benchmarks (formats, runtime, gpu, suite: cases/s, list: seconds); default: all"),
     Command("selftest", _selftest, "run the bug zoo and print how many mutants were caught",
-            arguments=_selftest_arguments),
-    Command("golden", _golden, "write (or --check) the golden corpus under golden/", arguments=_golden_arguments),
+            check=_check_selftest),
+    Command("golden", _golden, "write (or --check) the golden corpus under golden/", check=_check_golden),
     Command("baseline", _baseline, "update the known-issues baseline from a run's verdicts.json"),
     Command("coverage", _coverage, "print the coverage matrix (format x buffer x regime x scenario x configuration) "
             "of a selection as Markdown"),
     Command("sweep", _sweep, "explore shapes x world sizes of one impl and format; shrink each failure group",
-            arguments=_sweep_arguments),
+            check=_check_sweep),
 )}
 
 
