@@ -177,9 +177,11 @@ class _RowsAndOwn(_RowsOnly):
 
 
 @pytest.mark.parametrize("corrupt", [None, 1])
-def test_the_judge_dequantizes_the_golden_once_for_both_its_comparisons(corrupt, monkeypatch):
-    """The golden's row blocks serve the comparison with the library's own dequantization and the
-    golden layer's output in one pass; the output's comparison is the one computed on its own."""
+def test_a_kept_golden_is_dequantized_once_per_judge_after_the_first(corrupt, monkeypatch):
+    """The first judge of a golden compares the library's blocks with the golden's blocks handed over
+    deferred, then computes the golden layer's output on its own pass (one block made at a time:
+    no golden values next to the library's); a later judge with the same input reads the kept
+    output: one pass, the same stage. The output's comparison is the one computed on its own."""
     from qgather.check.golden import Golden, golden_for
     from qgather.check.inspection import Inspector
     from qgather.model.case import shard_layout
@@ -190,10 +192,16 @@ def test_the_judge_dequantizes_the_golden_once_for_both_its_comparisons(corrupt,
     spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
     x = torch.randn(4, 64).to(torch.bfloat16)
     passes, blocks_of = [], Golden.dequantized_blocks
-    monkeypatch.setattr(Golden, "dequantized_blocks", lambda self: passes.append(1) or blocks_of(self))
-    stage = Inspector(spec, _RowsAndOwn(fmt, golden.q, corrupt), fmt, x, shard_layout(spec)).judge(
-        weight.to(torch.bfloat16), golden, "unshard 1")
-    assert len(passes) == 1 and stage.own_dequantized.equal and stage.forward_error == ""
+    monkeypatch.setattr(Golden, "dequantized_blocks",
+                        lambda self, deferred=False: passes.append(deferred) or blocks_of(self, deferred))
+    def judge():  # a fresh adapter each time: it corrupts the n-th block it is asked for
+        inspector = Inspector(spec, _RowsAndOwn(fmt, golden.q, corrupt), fmt, x, shard_layout(spec))
+        return inspector.judge(weight.to(torch.bfloat16), golden, "unshard 1")
+
+    stage = judge()
+    assert passes == [True, False] and stage.own_dequantized.equal and stage.forward_error == ""
+    passes.clear()
+    assert judge() == stage and passes == [True]
     alone, _, _ = Inspector(spec, _RowsOnly(fmt, golden.q, corrupt), fmt, x, shard_layout(spec))._forward(
-        weight.to(torch.bfloat16), golden)
+        weight.to(torch.bfloat16), golden_for(fmt, weight))
     assert stage.output == alone and stage.output.equal is (corrupt is None)
