@@ -165,7 +165,7 @@ def test_a_goldens_deferred_row_blocks_are_its_dequantized_rows(fmt_name, monkey
 
 @pytest.mark.parametrize("shape", [(96, 64), (100, 64)])  # in 32 x 32 tiles, and not
 def test_the_tiled_count_is_the_plain_count(shape):
-    from qgather.instruments.compare import _count_mask
+    from qgather.instruments.fused import _count_mask
 
     rowwise = torch.randint(0, 4, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     got = torch.randint(0, 4, (shape[1], shape[0]), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))

@@ -1,5 +1,5 @@
-"""The compiled comparison of large strided buffers on a GPU (qgather.instruments.compare: a
-golden's transposed view) counts exactly what the eager comparison counts, and it really ran.
+"""The compiled comparisons on a GPU (qgather.instruments.fused: a golden's transposed view, a
+golden's row blocks never made) count exactly what the eager comparison counts, and they really ran.
 
     python -m pytest tests/gpu/test_fused_compare.py -q -p no:cacheprovider -m gpu
 """
@@ -10,16 +10,9 @@ import pytest
 import torch
 
 from qgather.formats import FORMATS
-from qgather.instruments import compare
+from qgather.instruments import compare, fused
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return torch.device("cuda")
 
 
 @pytest.mark.parametrize("shape", ((3000, 2048), (4096, 2048)))  # untiled, and in 32 x 32 tiles
@@ -33,11 +26,11 @@ def test_the_compiled_count_of_a_transposed_view_is_the_eager_count(cuda, shape,
     where = torch.randperm(flat.numel(), device=cuda, generator=generator)[:n_diff]
     flat[where] += 1
     view = rowwise.t()
-    assert compare._fusable(got, view)
-    fused = int(compare._count_differing(got, view))
+    assert fused.strided_pair(got, view)
+    compiled = int(compare._count_differing(got, view))
     eager = int(sum((got[i:i + 256] != view[i:i + 256]).sum() for i in range(0, got.shape[0], 256)))
-    assert fused == eager == n_diff
-    assert not compare._FUSED_BROKEN  # the compiled kernel ran, not the eager fallback
+    assert compiled == eager == n_diff
+    assert not fused._BROKEN  # the compiled kernel ran, not the eager fallback
 
 
 def test_a_kept_fp8_block_golden_judges_a_broken_columnwise_copy(cuda):
@@ -70,11 +63,11 @@ def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cu
     flat = got[-1].view(-1)
     where = torch.randperm(flat.numel(), device=cuda, generator=generator)[:n_diff]
     flat.view(torch.int32)[where] ^= 1  # the last mantissa bit: one ulp
-    fused = compare_value_blocks(lambda: zip(got, deferred))
+    compiled = compare_value_blocks(lambda: zip(got, deferred))
     eager = compare_value_blocks(lambda: zip(got, made))
-    assert (fused.equal, fused.n_diff, fused.max_abs) == (eager.equal, eager.n_diff, eager.max_abs)
-    assert fused.n_diff == n_diff
-    assert not compare._FUSED_BROKEN  # the compiled comparison ran
+    assert (compiled.equal, compiled.n_diff, compiled.max_abs) == (eager.equal, eager.n_diff, eager.max_abs)
+    assert compiled.n_diff == n_diff
+    assert not fused._BROKEN  # the compiled comparison ran
 
 
 def test_the_e2m1_pair_table_is_built_alike_on_the_gpu(cuda):

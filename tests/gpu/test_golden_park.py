@@ -19,13 +19,6 @@ from qgather.instruments.compare import compare_buffers
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return torch.device("cuda")
-
-
 @pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4_1d", "fp8_tensor"))
 def test_a_parked_golden_compares_as_on_the_gpu(fmt, cuda, monkeypatch):
     monkeypatch.setattr(host, "PARK_BYTES", 1)

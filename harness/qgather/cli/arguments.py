@@ -9,9 +9,8 @@ import argparse
 from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options
-from qgather.errors import UsageError
 from qgather.model.case import DTYPES
-from qgather.model.names import BUILTIN_IMPLS, FORMAT_NAMES, impl_choices, is_unknown_impl, plugin_names, unknown_names
+from qgather.suite.options import refuse_unknown_formats, refuse_unknown_impl
 from qgather.tools.arguments import DEFAULT_BUDGET_S, DEFAULT_COLS, DEFAULT_WORLD_SIZES, REAL_SCENARIOS
 
 SWEEP_DESCRIPTION = ("`qgather sweep`: explore shapes x world sizes of one implementation and format, group the "
@@ -41,11 +40,7 @@ def sweep_parser() -> argparse.ArgumentParser:
 
 def check_sweep(argv: Sequence[str]) -> None:
     """`qgather sweep`'s arguments read, and its names checked as far as that needs no import: argparse's
-    refusal (SystemExit 2), or UsageError naming the option, before the sweep's module loads torch."""
+    refusal (SystemExit 2), or an OptionError naming the option, before the sweep's module loads torch."""
     args = sweep_parser().parse_args(list(argv))
-    if is_unknown_impl(args.impl):
-        known = impl_choices((*BUILTIN_IMPLS, *plugin_names("qgather.impls")))
-        raise UsageError(f"--impl: unknown implementation {args.impl!r}; available: {known}")
-    if unknown_names([args.fmt], FORMAT_NAMES, "qgather.formats"):
-        known = ", ".join((*FORMAT_NAMES, *plugin_names("qgather.formats")))
-        raise UsageError(f"--format: unknown format {args.fmt!r}; known: {known}")
+    refuse_unknown_impl(args.impl)
+    refuse_unknown_formats([args.fmt], "--format")

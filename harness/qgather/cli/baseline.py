@@ -29,6 +29,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if not os.path.isfile(args.source):  # before torch loads, as every bad input is refused
         return usage("baseline", f"--from {args.source}: no such file (a run's verdicts.json, from --report-dir)")
+    # deferred: the baseline's modules import torch, which bad arguments must not wait for
     from qgather.pytest_plugin.baseline import BaselineError, dumps, load_findings, update
     from qgather.pytest_plugin.baseline_text import updated_text
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from qgather.cli.common import USAGE_ERROR, add_run_options, refusing_in_one_line, run_options, shutdown_pools, usage
 from qgather.errors import UsageError
+from qgather.model.case import CaseSpec  # torch-free: a case id is read before torch loads
 from qgather.model.repro import repro_command
 
 if TYPE_CHECKING:  # imported when a case runs: the CLI starts without torch
@@ -27,8 +28,6 @@ def main_case(argv: Sequence[str]) -> int:
                         help="e.g. reference:nvfp4_2d:136x64:bf16:ws8:gather:s0")
     add_run_options(parser)
     args = parser.parse_args(argv)
-    from qgather.model.case import CaseSpec
-
     try:
         specs = [CaseSpec.parse(case_id) for case_id in args.case_ids]  # a malformed id: said before torch loads
     except UsageError as exc:
@@ -68,8 +67,6 @@ def main_repro(argv: Sequence[str]) -> int:
         return usage("repro", "-o/--output names the --standalone script's file: add --standalone")
     if args.standalone:
         return _write_standalone(args.case_id, args.output)
-    from qgather.model.case import CaseSpec
-
     try:
         spec = CaseSpec.parse(args.case_id)  # a malformed id: said before torch loads
     except UsageError as exc:

@@ -8,15 +8,14 @@ and the rank whose shard held those rows.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from qgather.formats import Format, QuantizedTensor
+from qgather.instruments import fused
 from qgather.model.case import ShardLayout
 from qgather.model.records import BufferDiff, Comparison, DiffProblem
 
@@ -183,8 +182,10 @@ def _count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elements whose bits differ (a 0-dim tensor on a's device: read it when needed), counted in
     blocks of rows: the boolean mask of a large buffer would be as large as the buffer itself. A
     large strided pair on a GPU (a transposed golden view) is counted by one compiled kernel."""
-    if _fusable(a, b):
-        return _fused_count(a, b)
+    if fused.strided_pair(a, b):
+        count = fused.count_differing(a, b)
+        if count is not None:
+            return count
     if a.dim() == 0 or a.numel() <= _DEVICE_CHUNK:
         return (a != b.to(a.device)).sum()
     step = max(1, _DEVICE_CHUNK // max(1, a[0].numel()))
@@ -192,53 +193,6 @@ def _count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for start in range(0, a.shape[0], step):
         total += (a[start:start + step] != b[start:start + step].to(a.device)).sum()
     return total
-
-
-#: A strided pair of at least this many elements on a GPU is compared by a compiled kernel: read
-#: element by element through a transposed view, the eager comparison ran at about a tenth of the
-#: HBM bandwidth (3.5 ms for 235 M bytes on an H200); torch.compile reads it in tiles.
-FUSED_MIN_ELEMENTS = 1 << 22
-
-
-def _fusable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.device.type == "cuda" and b.device == a.device and a.numel() >= FUSED_MIN_ELEMENTS
-            and not (a.is_contiguous() and b.is_contiguous()) and not _FUSED_BROKEN)
-
-
-_FUSED_BROKEN: list[str] = []  # why the compiled comparison cannot run in this process, once it could not
-
-
-def _fused_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    try:
-        return _compiled_count()(a, b)
-    except Exception as exc:  # noqa: BLE001 - no compiler here: the eager blocks count the same
-        _compiler_broken(exc)
-        return _count_differing(a, b)
-
-
-def _compiler_broken(exc: Exception) -> None:
-    """Said once: from now on this process compares large tensors eagerly (the same counts)."""
-    _FUSED_BROKEN.append(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
-    if len(_FUSED_BROKEN) == 1:
-        warnings.warn(f"qgather: the compiled comparison cannot run here ({_FUSED_BROKEN[0]}); large "
-                      "tensors are compared eagerly", RuntimeWarning, stacklevel=3)
-
-
-@functools.cache
-def _compiled_count():
-    return torch.compile(_count_mask, fullgraph=True, dynamic=False)
-
-
-def _count_mask(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(a != b).sum(), in TILE x TILE tiles where both dims allow: a tile's elements of a strided
-    operand lie in TILE rows of its storage, which a compiled reduction then reads while cached."""
-    if a.dim() == 2 and a.shape[0] % TILE == 0 and a.shape[1] % TILE == 0:
-        tiles = (a.shape[0] // TILE, TILE, a.shape[1] // TILE, TILE)
-        return (a.reshape(tiles) != b.reshape(tiles)).sum(dim=(1, 3)).sum()
-    return (a != b).sum()
-
-
-TILE = 32
 
 
 def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> Comparison:
@@ -312,28 +266,12 @@ def _made(want: torch.Tensor | Deferred) -> torch.Tensor:
 def _differing_values(got: torch.Tensor, want: torch.Tensor | Deferred) -> torch.Tensor:
     """Elements of `got` whose bits differ from `want`'s (in float32 where their dtypes differ), on
     want's device, without waiting."""
-    if isinstance(want, Deferred) and _fusable_values(got, want):
-        try:
-            return _compiled_value_count(want.fn)(got, *want.tensors)
-        except Exception as exc:  # noqa: BLE001 - no compiler here: the values are made and compared
-            _compiler_broken(exc)
+    if isinstance(want, Deferred):
+        count = fused.count_differing_values(got, want.fn, want.tensors)
+        if count is not None:
+            return count
     got, want = _aligned(got, _made(want))
     return (_bits(got) != _bits(want)).sum()
-
-
-def _fusable_values(got: torch.Tensor, want: Deferred) -> bool:
-    return (got.device.type == "cuda" and got.numel() >= FUSED_MIN_ELEMENTS and not _FUSED_BROKEN
-            and all(t.device == got.device for t in want.tensors))
-
-
-@functools.cache
-def _compiled_value_count(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def count(got: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        want = fn(*tensors)
-        got = got.to(want.dtype)  # float32: compare_values compares other dtypes as float32 values
-        return (got.view(torch.int32) != want.view(torch.int32)).sum()
-
-    return torch.compile(count, fullgraph=True, dynamic=False)
 
 
 def locate(

@@ -52,9 +52,7 @@ def parse_impls(text: str) -> tuple[str, ...]:
     if not names:
         raise OptionError("--impl: no implementation named")
     for name in names:  # a name nothing could load is refused before torch is imported
-        if is_unknown_impl(name):
-            known = impl_choices((*BUILTIN_IMPLS, *plugin_names("qgather.impls")))
-            raise OptionError(f"--impl: unknown implementation {name!r}; available: {known}")
+        refuse_unknown_impl(name)
     # deferred: the registry imports torch and the adapters, which the CLI's --help must not
     from qgather.impls import UnknownImplementationError, get_impl
 
@@ -67,11 +65,24 @@ def parse_impls(text: str) -> tuple[str, ...]:
     return names
 
 
+def refuse_unknown_impl(name: str, option: str = "--impl") -> None:
+    """OptionError when `name` certainly names no implementation (checked without importing torch;
+    whether a name that may exist loads is the registry's check)."""
+    if is_unknown_impl(name):
+        known = impl_choices((*BUILTIN_IMPLS, *plugin_names("qgather.impls")))
+        raise OptionError(f"{option}: unknown implementation {name!r}; available: {known}")
+
+
+def refuse_unknown_formats(names: Sequence[str], option: str = "--formats") -> None:
+    """OptionError naming the first of `names` that no built-in or plugin format has (no torch)."""
+    if unknown_names(names, FORMAT_NAMES, "qgather.formats"):
+        _known_names(option, "format", ",".join(names), (*FORMAT_NAMES, *plugin_names("qgather.formats")))
+
+
 def parse_formats(text: str) -> tuple[str, ...]:
     """--formats: format names the registry knows (entry-point formats included)."""
     names = split_names(text)
-    if unknown_names(names, FORMAT_NAMES, "qgather.formats"):  # refused before torch is imported
-        return _known_names("--formats", "format", text, (*FORMAT_NAMES, *plugin_names("qgather.formats")))
+    refuse_unknown_formats(names)  # before torch is imported
     if all(name in FORMAT_NAMES for name in names):
         return names  # built-in names: known without importing the formats (torch)
     from qgather.formats import FORMATS  # deferred: the formats import torch (an entry point's loads here)

@@ -17,7 +17,7 @@ from itertools import product
 from typing import Protocol, TypeVar, runtime_checkable
 
 from qgather.formats import FORMATS
-from qgather.model.case import CaseSpec
+from qgather.model.case import DTYPES, CaseSpec
 from qgather.model.config import DEFAULT, FsdpConfig
 from qgather.suite import covering, shape_space
 
@@ -52,7 +52,6 @@ def narrow(values: Iterable[T], selection: Iterable[Hashable] | None,
 
 
 CPU_WORLD_SIZES = (1, 2, 3, 4, 8)
-DTYPES = ("bf16", "fp32")
 
 # K per format: a multiple of every format's K block, small enough for 2-core CI.
 K = 64

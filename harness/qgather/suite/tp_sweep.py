@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from qgather.formats import FORMATS
-from qgather.model.case import CaseSpec
+from qgather.model.case import DTYPES, CaseSpec
 from qgather.model.config import FsdpConfig
 from qgather.model.layout import column_block
 from qgather.suite.covering import pairwise
@@ -31,7 +31,6 @@ from qgather.suite.sweeps import SuiteSweep, narrow
 
 MESHES = ("tp-2x2", "tp-2x2-row", "tp-1x2", "tp-2x1", "tp-2x4", "tp-4x2-row")
 SCENARIOS = ("gather", "steps", "reshard")
-DTYPES = ("bf16", "fp32")
 #: checkpoints saved at one dp size and loaded at another, the tp size and style unchanged
 #: (dcp-wsA under tp-DxT: saved at tp-(A/T)xT; -trained: after a training forward there)
 CHECKPOINTS = ("tp-4x2+dcp-ws4", "tp-2x2+dcp-ws8", "tp-1x2-row+dcp-ws4-trained", "tp-2x2-row+dcp-ws2")
