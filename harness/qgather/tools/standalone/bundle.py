@@ -53,7 +53,7 @@ def sources(param_class: type) -> dict[str, str]:
 
 def reference_formats() -> tuple[str, ...]:
     """The formats the carried sources hold (every built-in one)."""
-    from qgather.formats import FORMATS
+    from qgather.formats import FORMATS  # deferred: the formats import torch; a bad id is refused before
 
     return tuple(name for name, fmt in FORMATS.items() if type(fmt).__module__.rpartition(".")[2] in _FORMATS)
 

@@ -126,6 +126,7 @@ def _steps_constants(spec: CaseSpec) -> tuple[tuple[str, str, str], ...]:
 
 def _param_class(spec: CaseSpec) -> type:
     """The reference's or the mutant's parameter class; UnsupportedCase for a bug in the adapter."""
+    # deferred: the registry imports torch and the adapters, which a TE or torchao script never needs
     from qgather.impls import get_impl
     from qgather.impls.reference import ReferenceImplementation
 
