@@ -40,6 +40,7 @@ def _weight(shape=(512, 64)) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4_2d", "fp8_tensor"])
 def test_a_parked_golden_dequantizes_as_one_on_the_device(fmt, host_on_cpu, monkeypatch):
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     weight = _weight()
     kept = golden_module.golden_for(FORMATS[fmt], weight)
     parked = golden_module.golden_for(FORMATS[fmt], weight, parked=True)
@@ -102,6 +103,8 @@ def test_a_case_judged_against_a_parked_golden_gets_the_same_records(case_id, ho
     from qgather.scenarios import virtual
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     kept = virtual.run_virtual(CaseSpec.parse(case_id))
     made = []
 

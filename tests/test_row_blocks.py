@@ -37,6 +37,7 @@ def test_row_blocks_give_the_bits_of_one_pass(name, shape, monkeypatch):
     fmt, weight = FORMATS[name], _weight(shape)
     whole = fmt.quantize(weight)
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     blocks = fmt.row_blocks(shape)
     assert len(blocks) > 1, "the shape must span several blocks, or the test proves nothing"
     blocked = fmt.quantize(weight)
@@ -52,11 +53,13 @@ def test_row_blocks_scale_with_the_given_amax(name, monkeypatch):
     amax = torch.tensor(3.0 * float(weight.float().abs().max()))
     whole = fmt.quantize(weight, amax=amax)
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     assert fmt.quantize(weight, amax=amax).mismatches(whole) == []
 
 
 def test_blocks_start_on_whole_scale_blocks(monkeypatch):
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 1000)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", 1000)
     for fmt in FORMATS.values():
         starts = [start for start, _ in fmt.row_blocks((1024, 16))]
         assert all(start % fmt.row_block_multiple == 0 for start in starts), fmt.name
@@ -66,6 +69,7 @@ def test_blocks_start_on_whole_scale_blocks(monkeypatch):
 def test_a_block_that_splits_a_scale_block_is_refused(monkeypatch):
     fmt = FORMATS["fp8_block"]
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     q = fmt.quantize(_weight((448, 64)))
     with pytest.raises(FormatError, match=r"rows \[64, 192\) are not a row block"):
         fmt.dequantize_rows(q, 64, 192)
@@ -81,14 +85,21 @@ BLOCKED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("check_blocks", [1, 2, 1 << 20], ids=["check=quantize", "check=2x", "one-check-block"])
 @pytest.mark.parametrize("case_id", BLOCKED_CASES)
-def test_a_case_judged_in_row_blocks_gets_the_same_records(case_id, monkeypatch):
+def test_a_case_judged_in_row_blocks_gets_the_same_records(case_id, check_blocks, monkeypatch):
     """Every comparison of a case (values, dequantized weight, outputs, the map of differing rows)
-    is the same whether the golden is dequantized whole or in row blocks."""
+    is the same whether the golden is dequantized whole or in row blocks, the check's blocks as
+    large as the quantization's, larger, or one block holding a tensor quantized in several."""
     from qgather.scenarios.virtual import run_virtual
 
     whole = run_virtual(CaseSpec.parse(case_id))
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS * check_blocks)
+    shape = CaseSpec.parse(case_id).shape
+    fmt = FORMATS[CaseSpec.parse(case_id).fmt]
+    assert not fmt.judged_whole(shape) and len(fmt.row_blocks(shape)) > 1
+    assert (len(fmt.check_blocks(shape)) == 1) is (check_blocks == 1 << 20)
     blocked = run_virtual(CaseSpec.parse(case_id))
     assert [repr(r) for r in blocked] == [repr(r) for r in whole]
 
@@ -97,6 +108,8 @@ def test_the_blocked_comparison_counts_what_differs(monkeypatch):
     from qgather.scenarios.virtual import run_virtual
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     stage = run_virtual(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0"))[0].stages[0]
     assert stage.dequantized.n_diff > 0 and not stage.dequantized.equal
 
@@ -114,6 +127,8 @@ def test_an_adapter_yielding_another_number_of_blocks_is_named(yielded, monkeypa
         return (torch.zeros(stop - start, param.shape[-1]) for _ in range(yielded))
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     monkeypatch.setattr(ReferenceImplementation, "own_dequantize_blocks", wrong_count)
     results = run_virtual(CaseSpec.parse("reference:fp8_tensor:512x64:bf16:ws2:gather:s0"))
     assert all(isinstance(r, Exception) for r in results)
@@ -149,6 +164,8 @@ def test_a_large_output_is_checked_block_by_block_on_both_sides(corrupt, monkeyp
     from qgather.model.case import shard_layout
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
     golden = golden_for(fmt, weight)
     spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
@@ -187,6 +204,8 @@ def test_a_kept_golden_is_dequantized_once_per_judge_after_the_first(corrupt, mo
     from qgather.model.case import shard_layout
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
     golden = golden_for(fmt, weight)
     spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
@@ -205,3 +224,91 @@ def test_a_kept_golden_is_dequantized_once_per_judge_after_the_first(corrupt, mo
     alone, _, _ = Inspector(spec, _RowsOnly(fmt, golden.q, corrupt), fmt, x, shard_layout(spec))._forward(
         weight.to(torch.bfloat16), golden_for(fmt, weight))
     assert stage.output == alone and stage.output.equal is (corrupt is None)
+
+
+class _OwnRowsForward(_RowsAndOwn):
+    """`_RowsAndOwn` whose layer output multiplies its own dequantization (`forward_own_rows`): the
+    inspection then takes the output from the value check's blocks; `forward_rows` must not run."""
+
+    def __init__(self, fmt, q, corrupt_block=None, raise_in_forward=False):
+        super().__init__(fmt, q, corrupt_block)
+        self.own_passes, self.raise_in_forward = 0, raise_in_forward
+
+    def own_dequantize_blocks(self, param, fmt, blocks):
+        self.own_passes += 1
+        for index, (start, stop) in enumerate(blocks):
+            values = fmt.dequantize_rows(self.q, start, stop)
+            if index == self.corrupt_block:
+                values[0, 0] += 1
+            yield values
+
+    def forward_rows(self, param, x, start, stop):
+        raise AssertionError("the output was not taken from the value check's blocks")
+
+    def forward_own_rows(self, x, own_rows):
+        if self.raise_in_forward:
+            raise RuntimeError("GEMM refused the block")
+        return torch.matmul(x, own_rows.to(x.dtype).transpose(-1, -2))
+
+
+@pytest.mark.parametrize("corrupt", [None, 1])
+def test_the_output_comes_from_the_value_checks_own_blocks(corrupt, monkeypatch):
+    """An adapter whose forward multiplies its own dequantization is dequantized once per judge
+    (both checks read the same blocks): the output's comparison is the one `forward_rows` would have
+    given, a corrupted block shows in the value check and in the output, and a forward that raises
+    is the stage's forward error next to the value check."""
+    from qgather.check.golden import golden_for
+    from qgather.check.inspection import Inspector
+    from qgather.model.case import shard_layout
+
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
+    golden = golden_for(fmt, weight)
+    spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    impl = _OwnRowsForward(fmt, golden.q, corrupt)
+    stage = Inspector(spec, impl, fmt, x, shard_layout(spec)).judge(weight.to(torch.bfloat16), golden, "unshard 1")
+    assert impl.own_passes == (1 if corrupt is None else 2)  # again only to size a difference
+    alone, _, _ = Inspector(spec, _RowsOnly(fmt, golden.q, corrupt), fmt, x, shard_layout(spec))._forward(
+        weight.to(torch.bfloat16), golden_for(fmt, weight))
+    assert stage.output == alone and stage.forward_error == ""
+    assert stage.own_dequantized.equal is stage.output.equal is (corrupt is None)
+    raising = _OwnRowsForward(fmt, golden.q, raise_in_forward=True)
+    failed = Inspector(spec, raising, fmt, x, shard_layout(spec)).judge(weight.to(torch.bfloat16), golden, "unshard 1")
+    assert failed.forward_error == "RuntimeError: GEMM refused the block" and failed.output is None
+    assert failed.own_dequantized.equal
+
+
+def test_one_block_of_the_librarys_values_is_held_at_a_time(monkeypatch):
+    """While the library makes its next own block, no earlier block is still referenced by the
+    inspection (the value check, the output columns, the pairing with the golden): a large weight's
+    check holds one block of float32 values, not two."""
+    import weakref
+
+    from qgather.check.golden import golden_for
+    from qgather.check.inspection import Inspector
+    from qgather.model.case import shard_layout
+
+    class Watched(_OwnRowsForward):
+        def own_dequantize_blocks(self, param, fmt, blocks):
+            self.made, self.alive_when_making = [], []
+            for start, stop in blocks:
+                self.alive_when_making.append(sum(ref() is not None for ref in self.made))
+                values = fmt.dequantize_rows(self.q, start, stop)
+                self.made.append(weakref.ref(values))
+                yield values
+                del values
+
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    fmt, weight = FORMATS["fp8_block"], _weight((1024, 64))
+    golden = golden_for(fmt, weight)
+    spec = CaseSpec.parse("reference:fp8_block:1024x64:bf16:ws2:gather:s0")
+    impl = Watched(fmt, golden.q)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    stage = Inspector(spec, impl, fmt, x, shard_layout(spec)).judge(weight.to(torch.bfloat16), golden, "unshard 1")
+    assert stage.own_dequantized.equal and stage.output.equal
+    assert len(impl.alive_when_making) == len(fmt.check_blocks((1024, 64))) > 2
+    assert impl.alive_when_making == [0] * len(impl.alive_when_making)

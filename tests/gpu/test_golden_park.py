@@ -45,6 +45,7 @@ def test_a_parked_golden_dequantizes_block_by_block_as_on_the_gpu(fmt, cuda, mon
 
     monkeypatch.setattr(host, "PARK_BYTES", 1)
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 256 * 256)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", 256 * 256)
     weight = torch.randn(1024, 256, generator=torch.Generator(device="cuda").manual_seed(2), device=cuda)
     kept = golden_module.golden_for(FORMATS[fmt], weight.to(torch.bfloat16))
     parked = golden_module.golden_for(FORMATS[fmt], weight.to(torch.bfloat16), parked=True)

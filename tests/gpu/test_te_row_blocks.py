@@ -58,6 +58,7 @@ def test_te_dequantizes_row_blocks_as_the_whole(fmt, te_ready, monkeypatch):
     # 300 rows' worth: blocks round down to whole 128-row scale groups (TE checks NVFP4/MXFP8 scale
     # shapes against 128-row padding; a 16-row multiple such as 288 made TE refuse a block)
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 300 * SHAPE[1])
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", 300 * SHAPE[1])
     blocks = FORMATS[fmt].row_blocks(SHAPE)
     assert blocks == [(0, 256), (256, 512), (512, 768), (768, 1000)]
     assert row_slice(param, FORMATS[fmt], *blocks[0]) is not None, "the tensor was not cut: nothing tested"
@@ -76,6 +77,7 @@ def test_the_blocked_forward_weight_is_tes_own_rounding(fmt, te_ready, monkeypat
     param = _te_tensor(fmt, x)
     whole = param.dequantize(dtype=torch.bfloat16)
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 300 * SHAPE[1])
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", 300 * SHAPE[1])
     from qgather.impls.te.tensors import row_layout_of
 
     layout = row_layout_of(param)
@@ -116,6 +118,7 @@ def test_the_blocked_output_check_is_bit_for_bit_on_both_sides(te_ready, monkeyp
     x = torch.randn(SHAPE, generator=torch.Generator(device="cuda").manual_seed(4), device="cuda").to(torch.bfloat16)
     param = _te_tensor("fp8_block", x)
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 300 * SHAPE[1])
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", 300 * SHAPE[1])
     spec = CaseSpec.parse(f"te:fp8_block:{SHAPE[0]}x{SHAPE[1]}:bf16:ws2:gather:s0")
     impl = TEAdapter()
     golden = golden_for(FORMATS["fp8_block"], x, impl)

@@ -149,21 +149,21 @@ class Golden:
 
     def dequantized_blocks(self, deferred: bool = False) -> Iterator[tuple[slice, torch.Tensor | Deferred]]:
         """The golden's float32 values as (rows, block) over the flattened (M, K) weight: one block
-        (computed once, kept) up to the format's block size, else row blocks computed as they are
-        asked for, so that a large golden is never held dequantized whole.
+        (computed once, kept) while the format judges it whole, else its check blocks
+        (Format.check_blocks) computed as they are asked for, so that a large golden is never kept
+        dequantized.
         A parked golden stays on the host: each block's buffers come over as the block is asked for.
         deferred: row blocks of a golden on its device come as compare.Deferred where the format
         splits its dequantization so (a comparison may then never make the values).
         """
         m, _ = flat_dims(self.q.shape)
-        blocks = self.fmt.row_blocks(self.q.shape)
-        if len(blocks) == 1:
+        if self.fmt.judged_whole(self.q.shape):
             if self._whole is None:
                 self.unpark(self.value_buffers())
                 self._whole = self.fmt.dequantize(self.q).reshape(m, -1)
             yield slice(0, m), self._whole
             return
-        for start, stop in blocks:
+        for start, stop in self.fmt.check_blocks(self.q.shape):
             parts = self.fmt.dequantize_rows_parts(self.q, start, stop) if deferred and not self.parked else None
             if parts is not None:
                 yield slice(start, stop), Deferred(*parts, torch.Size((stop - start, flat_dims(self.q.shape)[1])))
@@ -176,6 +176,7 @@ class Golden:
         out = torch.empty((m, k), dtype=dtype, device=self.device)
         for rows, values in self.dequantized_blocks():
             out[rows] = values
+            del values  # not held while the next block is made
         return out.reshape(self.q.shape)
 
 

@@ -83,9 +83,12 @@ class Inspector:
             return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
                          values=_against_golden(values.reshape(m, k), golden))
         buffers_digest, diffs, dequantized, where = self._buffers(param, golden)
-        own = _own_blocks_against_golden(impl, fmt, param, golden, fmt.row_blocks(golden.q.shape))
+        blocks = fmt.check_blocks(golden.q.shape)
+        x = self.x.to(param.dtype)
+        columns = OwnRowOutputs(impl, x, len(blocks)) if len(golden.q.shape) == 2 and len(blocks) > 1 else None
+        own = _own_blocks_against_golden(impl, fmt, param, golden, blocks, columns)
         own_dequantized = None if own is None else compare_value_blocks(own)
-        output, output_digest, forward_error = self._forward(param, golden)
+        output, output_digest, forward_error = self._forward(param, golden, x, columns)
         return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
                      forward_error=forward_error, where=where, dtype_problem=dtype_problem)
@@ -125,12 +128,15 @@ class Inspector:
                                                     for rows, want in golden.dequantized_blocks()))
         return buffers_digest, diffs, dequantized, tuple(locate(fmt, gathered, golden.q, self.shards))
 
-    def _forward(self, param: torch.Tensor, golden: Golden) -> tuple[Comparison | None, str, str]:
-        """(the layer output against the golden layer's, its digest, the forward's error). The
-        golden layer's output is computed once per golden and input, then kept with the golden."""
-        x = self.x.to(param.dtype)
+    def _forward(self, param: torch.Tensor, golden: Golden, x: torch.Tensor | None = None,
+                 columns: OwnRowOutputs | None = None) -> tuple[Comparison | None, str, str]:
+        """(the layer output against the golden layer's, its digest, the forward's error) for the
+        input `x` in the weight's dtype (default: the case's); `columns`: the output as the value
+        check computed it from the library's own row blocks, where it did. The golden layer's output
+        is computed once per golden and input, then kept with the golden."""
+        x = self.x.to(param.dtype) if x is None else x
         try:
-            y, blocks = self._output(param, x, golden)
+            y, blocks = self._output(param, x, golden, columns)
         except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
             return None, "", _one_line(exc)
         y_ref = golden.kept_output(x, blocks)
@@ -139,10 +145,14 @@ class Inspector:
             golden.keep_output(x, blocks, y_ref)
         return compare_values(y, y_ref, self.impl.output_tolerance(self.fmt.name)), digest({"output": y}, {}), ""
 
-    def _output(self, param: torch.Tensor, x: torch.Tensor, golden: Golden) -> tuple[torch.Tensor, bool]:
+    def _output(self, param: torch.Tensor, x: torch.Tensor, golden: Golden,
+                columns: OwnRowOutputs | None) -> tuple[torch.Tensor, bool]:
         """The implementation's layer output, and whether it came block by block of the golden's rows
-        (a large 2-D weight whose adapter can cut it by rows: `forward_rows`)."""
-        blocks = golden.fmt.row_blocks(golden.q.shape) if len(golden.q.shape) == 2 else []
+        (a large 2-D weight whose adapter can cut it by rows: `forward_own_rows` or `forward_rows`)."""
+        tapped = None if columns is None else columns.output()
+        if tapped is not None:
+            return tapped, True
+        blocks = golden.fmt.check_blocks(golden.q.shape) if len(golden.q.shape) == 2 else []
         if len(blocks) > 1:
             first = self.impl.forward_rows(param, x, *blocks[0])
             if first is not None:
@@ -206,23 +216,73 @@ def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: 
     block when the implementation's output came so (the same GEMM shapes on both sides: bit for bit)."""
     if not blocks:
         return torch.matmul(x, golden.dequantized_as(dtype).transpose(-1, -2))
-    return torch.cat([torch.matmul(x, values.to(dtype).transpose(-1, -2))
-                      for _, values in golden.dequantized_blocks()], dim=-1)
+    columns = []
+    for _, values in golden.dequantized_blocks():
+        columns.append(torch.matmul(x, values.to(dtype).transpose(-1, -2)))
+        del values  # not held while the next block is made
+    return torch.cat(columns, dim=-1)
+
+
+class OwnRowOutputs:
+    """The layer output's columns, computed from each of the library's own row blocks while the value
+    check holds it (Implementation.forward_own_rows), so that a large weight is dequantized once for
+    both checks. `output` is None where the adapter declined or a block never came."""
+
+    def __init__(self, impl: Implementation, x: torch.Tensor, n_blocks: int) -> None:
+        self.impl, self.x, self.n_blocks = impl, x, n_blocks
+        self.columns: list[torch.Tensor] = []
+        self.declined = False
+        self.error: Exception | None = None
+
+    def tapped(self, own_blocks: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """`own_blocks`, each block's output columns computed as it passes."""
+        for rows in own_blocks:
+            self._take(rows)
+            yield rows
+            del rows  # not held while the next block is made
+
+    def _take(self, rows: torch.Tensor) -> None:
+        forward_own_rows = getattr(self.impl, "forward_own_rows", None)  # a duck-typed adapter may lack it
+        if forward_own_rows is None:
+            self.declined = True
+        if self.declined or self.error is not None:
+            return
+        try:
+            y = forward_own_rows(self.x, rows)
+        except Exception as exc:  # noqa: BLE001 - the forward's error, raised where the output is asked for
+            self.error = exc
+            return
+        if y is None:
+            self.declined = True
+        else:
+            self.columns.append(y)
+
+    def output(self) -> torch.Tensor | None:
+        """The whole output (its columns in order), None without one; the forward's error, raised."""
+        if self.error is not None:
+            raise self.error
+        if self.declined or len(self.columns) != self.n_blocks:
+            return None
+        return torch.cat(self.columns, dim=-1)
 
 
 def _own_blocks_against_golden(impl: Implementation, fmt: Format, param: torch.Tensor, golden: Golden,
-                               blocks: list[tuple[int, int]]
+                               blocks: list[tuple[int, int]], columns: OwnRowOutputs | None = None
                                ) -> Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor | Deferred]]] | None:
     """What compare_value_blocks reads for the implementation's own dequantization: a maker of
     (own block, golden block) pairs, the golden blocks deferred (compare.Deferred) where they can
-    be; None when the implementation has no dequantization of its own."""
+    be; None when the implementation has no dequantization of its own. `columns` takes the layer
+    output's columns from the first pass's blocks."""
     first = impl.own_dequantize_blocks(param, fmt, blocks)
     if first is None:
         return None
     made: list[bool] = []
 
     def pairs() -> Iterator[tuple[torch.Tensor, torch.Tensor | Deferred]]:
-        own = impl.own_dequantize_blocks(param, fmt, blocks) if made else first  # again: to size a difference
+        if made:
+            own = impl.own_dequantize_blocks(param, fmt, blocks)  # again: to size a difference
+        else:
+            own = first if columns is None else columns.tapped(first)
         made.append(True)
         return _paired_with_golden(impl, own, golden, len(blocks))
 
@@ -240,6 +300,7 @@ def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golde
             raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded {count} blocks for the {n_blocks} "
                                "row blocks it was asked for")
         yield got, want
+        del got, want  # not held while the next block is made: one block of the library's values at a time
     if next(own, None) is not None:
         raise HarnessFault(f"{impl.name}: own_dequantize_blocks yielded more than the {n_blocks} row blocks "
                            "it was asked for")

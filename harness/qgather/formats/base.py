@@ -22,6 +22,12 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: that the float32 temporaries stay bounded (a GPU rank holds the golden of an 8192x28672 weight
 #: next to the gathered one); the bits are the same as from one pass (tests/test_row_blocks.py).
 ROW_BLOCK_ELEMENTS = 1 << 24
+#: Such a tensor is judged (dequantized and compared: qgather.check) in row blocks of about this
+#: many elements: each block costs the host a fixed time (the library's dequantize, a compiled
+#: comparison's launch) that small blocks multiply, while a block's temporaries are a few float32
+#: copies of it (TE's blockwise dequantization: two, 8 bytes per element), which `qgather bench gpu`'s
+#: memory goal bounds: 48 Mi elements, a fifth of its 8192x28672 weight, make 0.8 bf16 weights of them.
+CHECK_BLOCK_ELEMENTS = 3 << 24
 #: rows TE pads the per-row scale buffers of MXFP8 and NVFP4 to (their GEMM's swizzle unit)
 SCALE_ROW_PADDING = 128
 
@@ -186,16 +192,29 @@ class Format:
         self._check_q(q)
         return self._dequantize(q).reshape(q.shape)
 
-    def row_blocks(self, shape) -> list[tuple[int, int]]:
-        """(start, stop) of the row blocks a tensor of `shape` is quantized and dequantized in: one
-        block up to ROW_BLOCK_ELEMENTS elements (or without rowwise_rows), else blocks of whole
-        scale blocks (every block starts at a multiple of `row_block_multiple`)."""
+    def row_blocks(self, shape, block_elements: int | None = None) -> list[tuple[int, int]]:
+        """(start, stop) of the row blocks a tensor of `shape` is quantized in: one block while it is
+        `judged_whole`, else blocks of whole scale blocks of about `block_elements` (default
+        ROW_BLOCK_ELEMENTS; every block starts at a multiple of `row_block_multiple`)."""
         m, k = flat_dims(tuple(shape))
-        if m * k <= ROW_BLOCK_ELEMENTS or not self.rowwise_rows:
+        if self.judged_whole(shape):
             return [(0, m)]
         unit = self.row_block_multiple
-        step = max(unit, ROW_BLOCK_ELEMENTS // max(1, k) // unit * unit)
+        step = max(unit, (block_elements or ROW_BLOCK_ELEMENTS) // max(1, k) // unit * unit)
         return [(start, min(m, start + step)) for start in range(0, m, step)]
+
+    def check_blocks(self, shape) -> list[tuple[int, int]]:
+        """The row blocks a tensor of `shape` is dequantized and compared in (qgather.check):
+        `row_blocks` of CHECK_BLOCK_ELEMENTS. Both sides of a comparison (the golden, the library's
+        own dequantization and layer output) are cut alike."""
+        return self.row_blocks(shape, CHECK_BLOCK_ELEMENTS)
+
+    def judged_whole(self, shape) -> bool:
+        """Whether a tensor of `shape` is quantized and dequantized in one pass (up to
+        ROW_BLOCK_ELEMENTS elements, or a format without rowwise_rows): its golden's values are
+        then made once and kept."""
+        m, k = flat_dims(tuple(shape))
+        return m * k <= ROW_BLOCK_ELEMENTS or not self.rowwise_rows
 
     @property
     def row_block_multiple(self) -> int:

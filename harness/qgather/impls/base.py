@@ -237,7 +237,7 @@ class Implementation(abc.ABC):
     def own_dequantize_blocks(self, param: torch.Tensor, fmt,
                               blocks: list[tuple[int, int]]) -> Iterator[torch.Tensor] | None:
         """`own_dequantize` of the rows [start, stop) of each block of the flattened (M, K) weight, in
-        order (qgather.formats.Format.row_blocks), or None when it has none. The default cuts one
+        order (qgather.formats.Format.check_blocks), or None when it has none. The default cuts one
         whole dequantization; an adapter whose tensors can be cut by rows overrides it, so that a
         large gathered weight is never held dequantized whole."""
         own = self.own_dequantize(param)
@@ -256,6 +256,13 @@ class Implementation(abc.ABC):
         by rows. With it, a large weight's output is checked block by block on both sides (the golden
         layer with the same blocks, so the comparison stays bit for bit) and never held in the layer's
         dtype whole."""
+        return None
+
+    def forward_own_rows(self, x: torch.Tensor, own_rows: torch.Tensor) -> torch.Tensor | None:
+        """`forward_rows`'s output columns from rows that `own_dequantize_blocks` just made (float32),
+        for an adapter whose forward multiplies its own dequantization (TE: its float32 rows rounded to
+        the layer's dtype): the inspection then dequantizes each row block once, for the value check
+        and the layer output alike. None (the default): `forward_rows` computes them."""
         return None
 
     def run_model(self, ctx, spec: CaseSpec, phases) -> object:

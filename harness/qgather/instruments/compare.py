@@ -252,10 +252,14 @@ def compare_value_blocks(pairs: Callable[[], Iterable[Block]]) -> Comparison:
         if tuple(got.shape) != tuple(want.shape):
             return _shape_mismatch(got)
         counts.append(_differing_values(got, want))
+        del got, want  # not held while the next block is made
     n_diff = sum(_to_host(counts))
     if not n_diff:
         return Comparison(True, 0, 0.0)
-    max_abs = max(compare_values(got, _made(want)).max_abs for got, want in pairs())
+    max_abs = 0.0
+    for got, want in pairs():
+        max_abs = max(max_abs, compare_values(got, _made(want)).max_abs)
+        del got, want
     return Comparison(False, n_diff, max_abs)
 
 

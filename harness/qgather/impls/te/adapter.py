@@ -93,15 +93,18 @@ class TEAdapter(Implementation):
         rows = row_slice(param, fmt, start, stop)
         if rows is None:
             return None
+        return self.forward_own_rows(x, rows.dequantize(dtype=torch.float32))
+
+    def forward_own_rows(self, x: torch.Tensor, own_rows: torch.Tensor) -> torch.Tensor:
         # The same rounding as _dequantized_in: TE's float32 rows, then the layer's dtype.
-        return torch.matmul(x, rows.dequantize(dtype=torch.float32).to(x.dtype).transpose(-1, -2))
+        return torch.matmul(x, own_rows.to(x.dtype).transpose(-1, -2))
 
     def _dequantized_in(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """TE's dequantization of the weight in the layer's dtype. A large weight is dequantized to
         float32 row block by row block and rounded into one buffer: TE's own dequantize(dtype=...)
         of some classes goes through a whole float32 copy first (the same rounding, 3x the memory)."""
         fmt = row_layout_of(param)
-        blocks = fmt.row_blocks(tuple(param.shape)) if fmt is not None else []
+        blocks = fmt.check_blocks(tuple(param.shape)) if fmt is not None else []
         if len(blocks) <= 1:
             return param.dequantize(dtype=dtype)
         out = torch.empty(tuple(param.shape), dtype=dtype, device=param.device)
