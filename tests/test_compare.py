@@ -172,3 +172,26 @@ def test_the_tiled_count_is_the_plain_count(shape):
     rowwise = torch.randint(0, 4, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     got = torch.randint(0, 4, (shape[1], shape[0]), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
     assert int(_count_mask(got, rowwise.t())) == int((got != rowwise.t()).sum())
+
+
+def test_a_compiled_comparison_past_the_recompile_limit_compares_eagerly_and_keeps_the_compiler(monkeypatch):
+    """torch.compile's recompile limit (a function compiled for too many shapes) sends that one call
+    to the eager comparison; any other compiler failure marks the compiler as unusable here."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from qgather.instruments import fused
+
+    monkeypatch.setattr(fused, "_BROKEN", [])
+
+    def raising(exc):
+        def compiled():
+            def call(*tensors):
+                raise exc
+            return call
+        return compiled
+
+    assert fused._run(raising(FailOnRecompileLimitHit("limit")), torch.zeros(1)) is None
+    assert fused._BROKEN == []
+    with pytest.warns(RuntimeWarning, match="cannot run here"):
+        assert fused._run(raising(RuntimeError("no C compiler")), torch.zeros(1)) is None
+    assert fused._BROKEN == ["RuntimeError: no C compiler"]

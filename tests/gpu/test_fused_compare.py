@@ -15,10 +15,13 @@ from qgather.instruments import compare, fused
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("shape", ((3000, 2048), (4096, 2048)))  # untiled, and in 32 x 32 tiles
+@pytest.mark.parametrize("route", ("triton", "compiled"))
+@pytest.mark.parametrize("shape", ((3000, 2048), (4096, 2048), (4100, 2050)))  # whole tiles or not
 @pytest.mark.parametrize("dtype", (torch.uint8, torch.int32))
 @pytest.mark.parametrize("n_diff", (0, 1, 977))
-def test_the_compiled_count_of_a_transposed_view_is_the_eager_count(cuda, shape, dtype, n_diff):
+def test_the_compiled_count_of_a_transposed_view_is_the_eager_count(cuda, route, shape, dtype, n_diff, monkeypatch):
+    """Both routes of a transposed pair: the Triton kernel (count_by_triton) and, where Triton
+    could not run, the compiled tiled reduction."""
     generator = torch.Generator(device=cuda).manual_seed(n_diff)
     rowwise = torch.randint(0, 120, shape, dtype=dtype, device=cuda, generator=generator)
     got = rowwise.t().contiguous()
@@ -27,10 +30,36 @@ def test_the_compiled_count_of_a_transposed_view_is_the_eager_count(cuda, shape,
     flat[where] += 1
     view = rowwise.t()
     assert fused.strided_pair(got, view)
+    if route == "compiled":
+        monkeypatch.setattr(fused, "count_by_triton", lambda a, b: None)
+    else:
+        assert fused.count_by_triton(got, view) is not None, "Triton did not run: nothing tested"
     compiled = int(compare._count_differing(got, view))
     eager = int(sum((got[i:i + 256] != view[i:i + 256]).sum() for i in range(0, got.shape[0], 256)))
     assert compiled == eager == n_diff
-    assert not fused._BROKEN  # the compiled kernel ran, not the eager fallback
+    assert not fused._BROKEN and not fused._TRITON_BROKEN  # the kernels ran, not a fallback
+
+
+@pytest.mark.parametrize("route", ("triton", "compiled"))
+@pytest.mark.parametrize("nbytes", (1 << 25, (1 << 25) + 6, (1 << 25) + 4099))  # 8-, 2-, 1-byte words
+@pytest.mark.parametrize("n_diff", (0, 1, 977))
+def test_the_compiled_count_of_two_buffers_is_the_eager_count(cuda, route, nbytes, n_diff, monkeypatch):
+    generator = torch.Generator(device=cuda).manual_seed(n_diff)
+    want = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=cuda, generator=generator)
+    got = want.clone()
+    words = compare._widest(got)
+    assert fused.large_pair(words, compare._widest(want))
+    width = words.element_size()
+    where = torch.randperm(words.numel(), device=cuda, generator=generator)[:n_diff] * width  # one byte a word
+    got[where] ^= 0x10
+    if route == "compiled":
+        monkeypatch.setattr(fused, "count_by_triton", lambda a, b: None)
+    else:
+        assert fused.count_by_triton(words, compare._widest(want)) is not None, "Triton did not run"
+    compiled = int(compare._differing_words(got, want))
+    eager = int((got != want).sum())
+    assert compiled == eager == n_diff
+    assert not fused._BROKEN and not fused._TRITON_BROKEN  # the kernels ran, not a fallback
 
 
 def test_a_kept_fp8_block_golden_judges_a_broken_columnwise_copy(cuda):
@@ -48,12 +77,14 @@ def test_a_kept_fp8_block_golden_judges_a_broken_columnwise_copy(cuda):
 
 @pytest.mark.parametrize("fmt_name", ("fp8_block", "nvfp4_2d"))
 @pytest.mark.parametrize("n_diff", (0, 1, 513))
-def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cuda, fmt_name, n_diff):
+def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cuda, fmt_name, n_diff, monkeypatch):
     """The golden's row blocks dequantized inside the compiled comparison (never made) against the
     same blocks made and compared eagerly, with differences planted (sign flips, one ulp)."""
     from qgather.check.golden import golden_for
+    from qgather.formats import base as format_base
     from qgather.instruments.compare import Deferred, compare_value_blocks
 
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", 1 << 24)  # two check blocks of this golden
     generator = torch.Generator(device=cuda).manual_seed(n_diff)
     golden = golden_for(FORMATS[fmt_name], torch.randn(4096, 8192, device=cuda, generator=generator))
     made = [values.clone() for _, values in golden.dequantized_blocks()]

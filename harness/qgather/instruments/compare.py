@@ -154,11 +154,16 @@ def _to_host(counts: list[torch.Tensor]) -> list[int]:
 def _differing_words(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many words of the two regions' bytes differ, on a's device, without waiting: the
     widest integer view both contiguous regions allow (a large buffer is read as 8-byte words,
-    so the comparison's temporary is an eighth of it); element by element where one is a strided
-    view or on another device. Zero exactly when every bit agrees."""
+    so the comparison's temporary is an eighth of it; on a GPU one kernel with none, fused.py);
+    element by element where one is a strided view or on another device. Zero exactly when every
+    bit agrees."""
     if a.dim() == 0 or b.device != a.device or not (a.is_contiguous() and b.is_contiguous()):
         return _count_differing(a, b)  # a golden waiting on the host comes over block by block
     wa, wb = _widest(a), _widest(b)
+    if wa.dtype == wb.dtype and fused.large_pair(wa, wb):
+        count = fused.count_differing(wa, wb)
+        if count is not None:
+            return count
     total = torch.zeros((), dtype=torch.int64, device=a.device)
     for start in range(0, wa.numel(), _WORD_CHUNK):
         total += (wa[start:start + _WORD_CHUNK] != wb[start:start + _WORD_CHUNK]).sum()
