@@ -81,6 +81,35 @@ def test_the_cache_is_bounded_and_keeps_no_error():
     assert cache.get(keys[1], lambda: _golden(5)).nbytes == 5
 
 
+def test_a_forgotten_cache_computes_the_golden_again():
+    from qgather.check.golden_cache import forget, kept_in
+
+    kept: dict = {}
+    key = GoldenKey.of(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s0"), torch.device("cpu"))
+    first = kept_in(kept).get(key, lambda: _golden(10))
+    assert kept_in(kept).get(key, lambda: _golden(10)) is first
+    forget(kept)
+    forget(kept)  # nothing kept: nothing to do
+    assert kept_in(kept).get(key, lambda: _golden(10)) is not first and kept_in(kept).misses == 1
+
+
+def test_the_layer_input_is_drawn_once_per_seed_and_k():
+    from qgather.scenarios.data import make_input
+
+    cache, drawn = GoldenCache(), []
+
+    def draw(spec):
+        drawn.append(spec.id)
+        return make_input(spec)
+
+    first = cache.layer_input(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s0"), draw)
+    again = cache.layer_input(CaseSpec.parse("reference:nvfp4_2d:256x64:bf16:ws4:steps:s0"), draw)  # same seed, K
+    other = cache.layer_input(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s1"), draw)
+    assert again is first and len(drawn) == 2
+    assert torch.equal(first, make_input(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s0")))
+    assert not torch.equal(other, first)
+
+
 def test_a_buffer_identical_to_the_golden_takes_the_goldens_digest_part(monkeypatch):
     """On a device, digest fingerprints large buffers; a gathered buffer bit-identical to the golden
     (same shape and dtype) hashes as the golden's, computed once. Here CPU buffers of 64 elements or

@@ -1,4 +1,5 @@
-"""Goldens, and the library's one-device twin outputs, kept for the later cases of one rank process.
+"""Goldens, the library's one-device twin outputs and the layer inputs, kept for the later cases of
+one rank process.
 
 A case's first golden depends on its implementation, its format and its weight, which the case's
 shape, dtype and seed determine (qgather.scenarios.data.make_weight), and on the device the weight is
@@ -70,6 +71,7 @@ class GoldenCache:
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
         self._goldens: OrderedDict[GoldenKey, Golden] = OrderedDict()
         self._twins: OrderedDict[TwinKey, TwinOutput] = OrderedDict()
+        self._inputs: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.hits = self.misses = 0
 
@@ -87,6 +89,18 @@ class GoldenCache:
             while len(self._twins) > self.max_entries:
                 self._twins.popitem(last=False)
         return twin
+
+    def layer_input(self, spec: CaseSpec, make: Callable[[CaseSpec], torch.Tensor]) -> torch.Tensor:
+        """The case's layer input as `make` draws it (qgather.scenarios.data.make_input), kept by the
+        seed and K it depends on: drawing it costs a case of a large K a millisecond or two of host
+        time. Read-only."""
+        key = (spec.seed, spec.shape[-1])
+        x = self._inputs.get(key)
+        if x is None:
+            x = self._inputs[key] = make(spec)
+            while len(self._inputs) > self.max_entries:
+                self._inputs.popitem(last=False)
+        return x
 
     def get(self, key: GoldenKey, compute: Callable[[], Golden]) -> Golden:
         """The golden kept for `key`, else `compute()`'s, kept when it holds a quantization (a golden
@@ -109,6 +123,11 @@ class GoldenCache:
     def _evict(self) -> None:
         while len(self._goldens) > self.max_entries or sum(g.nbytes for g in self._goldens.values()) > self.max_bytes:
             self._goldens.popitem(last=False)
+
+
+def forget(kept: MutableMapping[str, Any]) -> None:
+    """Let go of every golden and twin output kept in `kept` (the next case computes its own)."""
+    kept.pop(_KEPT_AS, None)
 
 
 def kept_in(kept: MutableMapping[str, Any]) -> GoldenCache:

@@ -43,7 +43,7 @@ class RankCase:
         if (spec.config.saved_at_world_size is None) != (checkpoint is None):
             raise HarnessFault("a dcp-wsA case runs with the checkpoint its runner saved (qgather.engine.checkpoint)")
         setup = fsdp_setup.prepare(ctx, spec)
-        x = make_input(spec)
+        x = golden_cache.kept_in(ctx.kept).layer_input(spec, make_input)
         if setup.tp is not None:  # a rowwise TP rank multiplies its K / T columns of the input
             x = setup.tp.input_piece(x).contiguous()
         return cls(ctx, spec, impl, fmt, phases, setup, x.to(ctx.device), checkpoint)

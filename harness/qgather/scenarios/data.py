@@ -21,6 +21,9 @@ INPUT_ROWS = 8
 #: device's generator gives every rank of one run the same weight (same seed, same GPU model); a CPU run
 #: and a GPU run of such a case hold different weights.
 LARGE_WEIGHT = 1 << 22
+#: A large weight is drawn on its device in float32 blocks of about this many elements (256 MiB),
+#: each rounded straight into the weight: a few launches, and the float32 draw never at full size.
+DRAW_BLOCK_ELEMENTS = 1 << 26
 
 
 def _generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -36,11 +39,11 @@ def _randn_scaled(spec: CaseSpec, seed: int, device: torch.device | str | None, 
     # Row by row blocks from one device generator: the float32 draw never exists at full size.
     out = torch.empty(spec.shape, dtype=dtype, device=device)
     generator, scales = _generator(seed, device), row_scales(spec, device)
-    step = max(1, LARGE_WEIGHT // max(1, math.prod(spec.shape[1:])))
+    step = max(1, DRAW_BLOCK_ELEMENTS // max(1, math.prod(spec.shape[1:])))
     for start in range(0, spec.shape[0], step):
         rows = out[start:start + step]
         block = torch.randn(rows.shape, generator=generator, device=device)
-        rows.copy_(block.mul_(scales[start:start + step]))
+        torch.mul(block, scales[start:start + step], out=rows)  # the product rounded once, into the weight
     return out
 
 
