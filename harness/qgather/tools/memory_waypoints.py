@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,11 +49,19 @@ def recording(device: torch.device, targets: Sequence[tuple[object, str]], basel
     """Record the peaks of `targets` ((owner, attribute name): a module's function or a class's
     method) while the block runs; the originals are restored after it."""
     points = Waypoints(device, baseline)
+    with wrapping(targets, lambda label, fn: _wrapped(points, label, fn)):
+        yield points
+
+
+@contextlib.contextmanager
+def wrapping(targets: Sequence[tuple[object, str]], wrap: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """Each target ((owner, attribute name)) replaced by wrap(its label, the original) while the block
+    runs, the label "<owner's name>.<name>"; the originals are restored after it."""
     originals = [(owner, name, getattr(owner, name), name in vars(owner)) for owner, name in targets]
     for owner, name, original, _ in originals:
-        setattr(owner, name, _wrapped(points, f"{getattr(owner, '__name__', owner)}.{name}", original))
+        setattr(owner, name, wrap(f"{getattr(owner, '__name__', owner)}.{name}", original))
     try:
-        yield points
+        yield
     finally:
         for owner, name, original, own in reversed(originals):
             if own:
