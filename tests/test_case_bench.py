@@ -10,7 +10,7 @@ import torch
 
 from qgather.model.records import RankResult
 from qgather.model.verdict import Verdict
-from qgather.tools import bench_report, case_bench
+from qgather.tools import bench_report, case_bench, case_profile
 
 
 def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
@@ -103,9 +103,9 @@ def test_the_profile_says_each_steps_host_time_in_a_range_of_its_own():
     from torch.profiler import ProfilerActivity, profile
 
     owner = types.SimpleNamespace(__name__="steps", work=lambda n: torch.ones(n).sum())
-    with profile(activities=[ProfilerActivity.CPU]) as prof, case_bench._ranges([(owner, "work")]):
+    with profile(activities=[ProfilerActivity.CPU]) as prof, case_profile._ranges([(owner, "work")]):
         owner.work(8)
         owner.work(16)
-    table = case_bench._range_table(prof.key_averages())
+    table = case_profile._range_table(prof.key_averages())
     assert table.splitlines()[1].split()[0] == "steps.work" and table.splitlines()[1].split()[-1] == "2", table
     assert owner.work(4) == 4 and not hasattr(owner.work, "__wrapped__")  # the original is back

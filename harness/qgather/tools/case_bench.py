@@ -22,12 +22,7 @@ where TransformerEngine imports, else `reference`.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import functools
 import gc
-import io
-import math
-import pstats
 import statistics
 import sys
 import time
@@ -35,22 +30,19 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.profiler import ProfilerActivity, profile, record_function
 
-from qgather.check import golden, golden_cache, inspection
 from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.impls.te.environment import te_import_error
-from qgather.instruments import fused
 from qgather.model.case import CaseSpec
 from qgather.runtime import PoolSpec, get_pool, shutdown_pools
-from qgather.scenarios import context, fsdp, fsdp_setup
+from qgather.scenarios import fsdp_setup
 from qgather.scenarios.data import make_weight
 from qgather.scenarios.module import own_sharded_module
 from qgather.scenarios.registry import run_on_rank
-from qgather.tools import memory_waypoints, peak_anatomy
+from qgather.tools import case_profile
 from qgather.tools.bench_report import BareWork, report
+from qgather.tools.case_profile import settle
 from qgather.tools.nccl_projection import (
     BUS_BANDWIDTH,
     BUS_BANDWIDTH_SOURCE,
@@ -67,7 +59,7 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     then runs the case once more under torch.profiler and returns its table."""
     spec = CaseSpec.parse(case_id)
     cuda = ctx.device.type == "cuda"
-    baseline = _settle(ctx.device)
+    baseline = settle(ctx.device)
     runs = []
     for _ in range(reps + 1):
         dist.barrier(group=ctx.group)  # every run starts on every rank at once, as the pool starts a case
@@ -81,7 +73,7 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     nbytes = max(int(runs[-1]["result"].wire.collective_bytes), 1)
     weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
     bare = _bare_work(ctx, spec, weight, nbytes, reps)
-    table = _profiled(ctx, case_id) if profile else ""
+    table = case_profile.profiled(ctx, case_id) if profile else ""
     return {"runs": runs, "bare": bare, "peak_bytes": peak, "weight_bytes": weight.numel() * weight.element_size(),
             "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "profile": table,
             "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
@@ -131,107 +123,6 @@ def _timed_result(fn, cuda: bool):
     if cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start, value
-
-
-PROFILE_ROWS = 30
-
-
-def _profiled(ctx, case_id: str) -> str:
-    """Where one case's time goes: torch.profiler's operators (device and host time), then the
-    Python functions by cumulative time (cProfile), on rank 0; the other ranks run the case along."""
-    spec = CaseSpec.parse(case_id)
-    cuda = ctx.device.type == "cuda"
-    if cuda:  # the memory steps of a run that computes the golden, as the warm-up run did
-        golden_cache.forget(ctx.kept)
-    if ctx.rank != 0:  # runs along: twice for the memory steps (on CUDA), once under the profiler
-        for _ in range(3 if cuda else 1):
-            run_on_rank(ctx, spec)
-        return ""
-    steps = ""
-    if cuda:
-        steps = ("  a run that computes the golden (as the warm-up run):\n" + _memory_steps(ctx, case_id)
-                 + "\n  a run that finds it kept (as the measured runs):\n" + _memory_steps(ctx, case_id))
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-    python = cProfile.Profile()
-    with profile(activities=activities, profile_memory=True) as prof, _ranges(_step_targets(spec)):
-        python.enable()
-        run_on_rank(ctx, spec)
-        python.disable()
-    sort = "cuda_time_total" if ctx.device.type == "cuda" else "cpu_time_total"
-    out = io.StringIO()
-    pstats.Stats(python, stream=out).sort_stats("cumulative").print_stats(PROFILE_ROWS)
-    memory = "self_cuda_memory_usage" if ctx.device.type == "cuda" else "self_cpu_memory_usage"
-    averages = prof.key_averages()
-    return "\n".join((steps, _range_table(averages), averages.table(sort_by=sort, row_limit=PROFILE_ROWS),
-                      averages.table(sort_by=memory, row_limit=PROFILE_ROWS), out.getvalue()))
-
-
-RANGE = "qgather: "  # the profiler ranges of `_ranges`
-
-
-def _ranges(targets: list[tuple[object, str]]):
-    """Each target ((owner, attribute name)) runs inside a profiler range of its own name while the
-    block runs, so that the profile says the host and the device time of each step."""
-    return memory_waypoints.wrapping(targets, _in_range)
-
-
-def _in_range(label: str, fn):
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        with record_function(RANGE + label):
-            return fn(*args, **kwargs)
-
-    return call
-
-
-def _range_table(averages) -> str:
-    """Host and device milliseconds of each step's range (nested ones included in their callers')."""
-    rows = sorted((e for e in averages if e.key.startswith(RANGE)), key=lambda e: -e.cpu_time_total)
-    lines = [f"  {'step (profiler range)':<60} {'host ms':>9} {'device ms':>10} {'calls':>6}"]
-    for e in rows:
-        device = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
-        lines.append(f"  {e.key[len(RANGE):]:<60} {e.cpu_time_total / 1e3:9.2f} {device / 1e3:10.2f} {e.count:6d}")
-    return "\n".join(lines)
-
-
-def _memory_steps(ctx, case_id: str) -> str:
-    """The case once more with the peak device memory of each of its steps recorded."""
-    spec = CaseSpec.parse(case_id)
-    baseline = _settle(ctx.device)
-    with peak_anatomy.recorded(ctx.device) as found, \
-            memory_waypoints.recording(ctx.device, _step_targets(spec), baseline) as points:
-        run_on_rank(ctx, spec)
-    unit = math.prod(spec.shape) * 2
-    return points.table(unit, "bf16 weights") + "\n" + found[0].table(unit, "bf16 weights")
-
-
-def _step_targets(spec: CaseSpec) -> list[tuple[object, str]]:
-    """The functions of a case's steps, where the case looks each up (a module's global, or a method
-    of the inspection, the format or the implementation)."""
-    impl_type, fmt_type = type(get_impl(spec.impl)), type(FORMATS[spec.fmt])
-    targets = [(fsdp, n) for n in ("make_weight", "build_sharded_module")] + [(context, "golden_for")]
-    targets += [(inspection.Inspector, n) for n in ("twin_output", "judge", "module_check", "_buffers", "_forward")]
-    targets += [(inspection, n) for n in ("compare_buffers", "compare_values", "compare_value_blocks", "digest",
-                                          "_golden_output")]
-    targets += [(golden, "compare_buffers")] + [(fused, n) for n in ("count_differing", "count_differing_values")]
-    targets += [(fmt_type, n) for n in ("quantize", "dequantize", "dequantize_rows")] + [(FSDPModule, "unshard")]
-    targets += [(impl_type, n) for n in ("own_quantization", "own_quantization_parts", "own_dequantize",
-                                         "own_dequantize_blocks", "forward", "forward_rows", "forward_own_rows",
-                                         "read_buffers",
-                                         "single_device_output", "module_output", "make_sharded_module")
-                if hasattr(impl_type, n)]
-    return targets
-
-
-def _settle(device: torch.device) -> int:
-    """Free what earlier runs left in reference cycles (a sharded module's hooks) and start the peak
-    counter; returns the bytes still allocated, which the case's peak is measured above."""
-    gc.collect()
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
 
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single; torch 2.11 (the GPU hosts) lacks the latter.
