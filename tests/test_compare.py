@@ -149,7 +149,6 @@ def test_a_goldens_deferred_row_blocks_are_its_dequantized_rows(fmt_name, monkey
     from qgather.instruments.compare import Deferred, compare_value_blocks
 
     monkeypatch.setattr(base, "ROW_BLOCK_ELEMENTS", 1 << 15)  # row blocks of a small weight
-
     monkeypatch.setattr(base, "CHECK_BLOCK_ELEMENTS", 1 << 15)
     spec = CaseSpec.parse(f"reference:{fmt_name}:512x256:bf16:ws2:gather:s0")
     golden = golden_for(FORMATS[fmt_name], make_weight(spec))

@@ -103,7 +103,6 @@ def test_a_case_judged_against_a_parked_golden_gets_the_same_records(case_id, ho
     from qgather.scenarios import virtual
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
-
     monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     kept = virtual.run_virtual(CaseSpec.parse(case_id))
     made = []

@@ -108,7 +108,6 @@ def test_the_blocked_comparison_counts_what_differs(monkeypatch):
     from qgather.scenarios.virtual import run_virtual
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
-
     monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     stage = run_virtual(CaseSpec.parse("mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0"))[0].stages[0]
     assert stage.dequantized.n_diff > 0 and not stage.dequantized.equal
@@ -127,12 +126,23 @@ def test_an_adapter_yielding_another_number_of_blocks_is_named(yielded, monkeypa
         return (torch.zeros(stop - start, param.shape[-1]) for _ in range(yielded))
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
-
     monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     monkeypatch.setattr(ReferenceImplementation, "own_dequantize_blocks", wrong_count)
     results = run_virtual(CaseSpec.parse("reference:fp8_tensor:512x64:bf16:ws2:gather:s0"))
     assert all(isinstance(r, Exception) for r in results)
     assert "own_dequantize_blocks yielded" in str(results[0]) and "4 row blocks" in str(results[0])
+
+
+def _nvfp4_case_in_small_blocks(monkeypatch):
+    """(format, weight, golden, case, layer input) of a 448x64 NVFP4 case, its row blocks small
+    enough to cut it in several."""
+    from qgather.check.golden import golden_for
+
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
+    spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
+    return fmt, weight, golden_for(fmt, weight), spec, torch.randn(4, 64).to(torch.bfloat16)
 
 
 class _RowsOnly:
@@ -164,7 +174,6 @@ def test_a_large_output_is_checked_block_by_block_on_both_sides(corrupt, monkeyp
     from qgather.model.case import shard_layout
 
     monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
-
     monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
     fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
     golden = golden_for(fmt, weight)
@@ -203,13 +212,7 @@ def test_a_kept_golden_is_dequantized_once_per_judge_after_the_first(corrupt, mo
     from qgather.check.inspection import Inspector
     from qgather.model.case import shard_layout
 
-    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
-
-    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
-    fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
-    golden = golden_for(fmt, weight)
-    spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
-    x = torch.randn(4, 64).to(torch.bfloat16)
+    fmt, weight, golden, spec, x = _nvfp4_case_in_small_blocks(monkeypatch)
     passes, blocks_of = [], Golden.dequantized_blocks
     monkeypatch.setattr(Golden, "dequantized_blocks",
                         lambda self, deferred=False: passes.append(deferred) or blocks_of(self, deferred))
@@ -261,13 +264,7 @@ def test_the_output_comes_from_the_value_checks_own_blocks(corrupt, monkeypatch)
     from qgather.check.inspection import Inspector
     from qgather.model.case import shard_layout
 
-    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
-
-    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
-    fmt, weight = FORMATS["nvfp4_2d"], _weight((448, 64))
-    golden = golden_for(fmt, weight)
-    spec = CaseSpec.parse("reference:nvfp4_2d:448x64:bf16:ws2:gather:s0")
-    x = torch.randn(4, 64).to(torch.bfloat16)
+    fmt, weight, golden, spec, x = _nvfp4_case_in_small_blocks(monkeypatch)
     impl = _OwnRowsForward(fmt, golden.q, corrupt)
     stage = Inspector(spec, impl, fmt, x, shard_layout(spec)).judge(weight.to(torch.bfloat16), golden, "unshard 1")
     assert impl.own_passes == (1 if corrupt is None else 2)  # again only to size a difference
