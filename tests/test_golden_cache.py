@@ -183,3 +183,18 @@ def test_the_golden_layer_output_is_kept_for_the_same_input_only():
     assert golden.kept_output(other, False) is None
     golden.replace_buffers({"amax_rowwise": golden.q.buffers["amax_rowwise"] * 2})  # other values
     assert golden.kept_output(x, False) is None
+
+
+def test_each_case_gets_its_own_copy_of_the_kept_layer_input():
+    """A library's forward that wrote into its input must not change the next case's."""
+    from types import SimpleNamespace
+
+    from qgather.model.phases import PhaseTracker
+    from qgather.scenarios.context import RankCase
+
+    ctx = SimpleNamespace(kept={}, device=torch.device("cpu"), mesh=None, rank=0, world_size=2)
+    spec = CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s0")
+    first = RankCase.prepare(ctx, spec, PhaseTracker())
+    first.x.zero_()
+    second = RankCase.prepare(ctx, spec, PhaseTracker())
+    assert second.x.abs().sum() > 0 and second.x.data_ptr() != first.x.data_ptr()

@@ -86,21 +86,24 @@ class GoldenCache:
         """Keep `twin` (None, the library has no twin: nothing to keep) for `key`; returns it."""
         if twin is not None:
             self._twins[key] = twin
-            while len(self._twins) > self.max_entries:
-                self._twins.popitem(last=False)
+            self._trim(self._twins)
         return twin
 
     def layer_input(self, spec: CaseSpec, make: Callable[[CaseSpec], torch.Tensor]) -> torch.Tensor:
         """The case's layer input as `make` draws it (qgather.scenarios.data.make_input), kept by the
         seed and K it depends on: drawing it costs a case of a large K a millisecond or two of host
-        time. Read-only."""
+        time. The caller copies it before handing it to a library (which could write into it)."""
         key = (spec.seed, spec.shape[-1])
         x = self._inputs.get(key)
         if x is None:
             x = self._inputs[key] = make(spec)
-            while len(self._inputs) > self.max_entries:
-                self._inputs.popitem(last=False)
+            self._trim(self._inputs)
         return x
+
+    def _trim(self, kept: OrderedDict) -> None:
+        """The least recently kept entries of `kept` let go, down to `max_entries`."""
+        while len(kept) > self.max_entries:
+            kept.popitem(last=False)
 
     def get(self, key: GoldenKey, compute: Callable[[], Golden]) -> Golden:
         """The golden kept for `key`, else `compute()`'s, kept when it holds a quantization (a golden
@@ -126,7 +129,7 @@ class GoldenCache:
 
 
 def forget(kept: MutableMapping[str, Any]) -> None:
-    """Let go of every golden and twin output kept in `kept` (the next case computes its own)."""
+    """Let go of every golden, twin output and layer input kept in `kept` (the next case makes its own)."""
     kept.pop(_KEPT_AS, None)
 
 

@@ -242,13 +242,10 @@ class OwnRowOutputs:
             del rows  # not held while the next block is made
 
     def _take(self, rows: torch.Tensor) -> None:
-        forward_own_rows = getattr(self.impl, "forward_own_rows", None)  # a duck-typed adapter may lack it
-        if forward_own_rows is None:
-            self.declined = True
         if self.declined or self.error is not None:
             return
         try:
-            y = forward_own_rows(self.x, rows)
+            y = self.impl.forward_own_rows(self.x, rows)
         except Exception as exc:  # noqa: BLE001 - the forward's error, raised where the output is asked for
             self.error = exc
             return

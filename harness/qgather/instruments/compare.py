@@ -186,8 +186,8 @@ def _widest(t: torch.Tensor) -> torch.Tensor:
 def _count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elements whose bits differ (a 0-dim tensor on a's device: read it when needed), counted in
     blocks of rows: the boolean mask of a large buffer would be as large as the buffer itself. A
-    large strided pair on a GPU (a transposed golden view) is counted by one compiled kernel."""
-    if fused.strided_pair(a, b):
+    large pair on a GPU (e.g. a transposed golden view) is counted by one kernel (fused.py)."""
+    if fused.large_pair(a, b):
         count = fused.count_differing(a, b)
         if count is not None:
             return count

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import torch
 
-#: Pairs of at least this many elements on a GPU are compared by a compiled kernel: read element by
-#: element through a transposed view, the eager comparison ran at about a tenth of the HBM bandwidth
-#: (3.5 ms for 235 M bytes on an H200), and a dequantized golden block is a float32 block more.
+#: Pairs of at least this many elements on a GPU are compared by one kernel: read element by element
+#: through a transposed view, the eager comparison ran at about a tenth of the HBM bandwidth (3.5 ms
+#: for 235 M bytes on an H200), and a dequantized golden block is a float32 block more.
 FUSED_MIN_ELEMENTS = 1 << 22
 TILE = 32  # a strided pair is reduced in TILE x TILE tiles first (where Triton is missing)
 
@@ -31,12 +31,7 @@ _TRITON_BROKEN: list[str] = []  # the same for count_by_triton's kernels alone
 
 def large_pair(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `count_differing` takes this pair: both on one GPU, large."""
-    return a.device.type == "cuda" and b.device == a.device and a.numel() >= FUSED_MIN_ELEMENTS and not _BROKEN
-
-
-def strided_pair(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """A `large_pair` that is not both contiguous (e.g. a golden's transposed view)."""
-    return large_pair(a, b) and not (a.is_contiguous() and b.is_contiguous())
+    return a.device.type == "cuda" and b.device == a.device and a.numel() >= FUSED_MIN_ELEMENTS
 
 
 def count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -44,7 +39,7 @@ def count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     GPU, by one Triton kernel where Triton imports (`count_by_triton`), else one compiled kernel;
     None where neither can run."""
     count = count_by_triton(a, b)
-    if count is not None:
+    if count is not None or _BROKEN:
         return count
     return _run(_compiled_count, a, b)
 

@@ -45,8 +45,9 @@ class RankCase:
         setup = fsdp_setup.prepare(ctx, spec)
         x = golden_cache.kept_in(ctx.kept).layer_input(spec, make_input)
         if setup.tp is not None:  # a rowwise TP rank multiplies its K / T columns of the input
-            x = setup.tp.input_piece(x).contiguous()
-        return cls(ctx, spec, impl, fmt, phases, setup, x.to(ctx.device), checkpoint)
+            x = setup.tp.input_piece(x)
+        # a contiguous copy of the kept input, on every device: a library's forward could write into it
+        return cls(ctx, spec, impl, fmt, phases, setup, x.to(ctx.device, copy=True), checkpoint)
 
     def golden(self, weight: torch.Tensor, parked: bool = False) -> Golden:
         """What this rank's gathered weight must equal for the full `weight`: its golden, cut to

@@ -23,6 +23,7 @@ INPUT_ROWS = 8
 LARGE_WEIGHT = 1 << 22
 #: A large weight is drawn on its device in float32 blocks of about this many elements (256 MiB),
 #: each rounded straight into the weight: a few launches, and the float32 draw never at full size.
+#: The block size is part of the values: the generator's stream is cut where the blocks are.
 DRAW_BLOCK_ELEMENTS = 1 << 26
 
 
