@@ -29,7 +29,6 @@ class Finding:
         library: the project the draft is for.
         versions: what it was seen on.
         expected, actual, cause, fix: the draft's sections (Markdown).
-        cpu: whether `python FILE` runs on the CPU (gloo), else it needs the GPUs the header names.
     """
 
     name: str
@@ -42,7 +41,6 @@ class Finding:
     actual: str
     cause: str
     fix: str
-    cpu: bool
 
 
 FINDINGS: tuple[Finding, ...] = (
@@ -64,8 +62,7 @@ FINDINGS: tuple[Finding, ...] = (
               "\"tp\". test/float8/test_fsdp2_tp.py checks no numerics (\"TODO(future PR): test numerics\").",
         fix="Reduce the amax over every mesh dimension the weight is split on: when the wrapped tensor is "
             "a DTensor shard of a TP-distributed weight, all-reduce over its full mesh (as "
-            "`precompute_float8_dynamic_scale_for_fsdp` does through a `Partial(max)` DTensor).",
-        cpu=True),
+            "`precompute_float8_dynamic_scale_for_fsdp` does through a `Partial(max)` DTensor)."),
     Finding(
         "torchao-uneven-shards", "torchao:fp8_tensor:5x64:bf16:ws2:gather:s0",
         "float8 FSDP2 all-gather: uneven shards send fewer bytes from the short rank", "torchao-uneven-shards",
@@ -82,8 +79,7 @@ FINDINGS: tuple[Finding, ...] = (
               "FSDP2 checks that every all-gather input has the padded shard size only for the five-argument "
               "hook, so the rank with 2 rows hands the collective 128 bytes while the other hands 192.",
         fix="Take FSDP2's five-argument signature and pad the float8 data to the padded shard size "
-            "(FSDP2 then checks it), or refuse uneven shards on every rank before the collective.",
-        cpu=True),
+            "(FSDP2 then checks it), or refuse uneven shards on every rank before the collective."),
     Finding(
         "torchao-zero-row-shard", "torchao:fp8_tensor:5x64:bf16:ws4:gather:s0",
         "float8 FSDP2 all-gather: a rank with zero rows raises, the others wait", "torchao-uneven-shards",
@@ -96,8 +92,7 @@ FINDINGS: tuple[Finding, ...] = (
         cause="`tensor_to_amax` (torchao/float8/float8_utils.py:65) computes `torch.max(torch.abs(x))`, which "
               "raises for an empty tensor, on the zero-row rank only.",
         fix="`torch.abs(x).amax()` with an empty-tensor guard (amax 0) before the all-reduce, so that every "
-            "rank enters it.",
-        cpu=True),
+            "rank enters it."),
     Finding(
         "torchao-precompute-uneven-hang", "torchao:precompute:fp8_tensor:5x64:bf16:ws2:gather:s0",
         "float8 FSDP2 with precomputed scales: uneven shards hang", "torchao-uneven-shards",
@@ -111,8 +106,7 @@ FINDINGS: tuple[Finding, ...] = (
               "dynamically and all-reduces its amax (`tensor_to_amax`, torchao/float8/float8_utils.py:75) "
               "while the other rank enters the all-gather.",
         fix="Keep `_precomputed_scale` across the re-wrap (`__tensor_unflatten__` / the padding path), or "
-            "compute the dynamic scale on every rank whenever any rank lacks a precomputed one.",
-        cpu=True),
+            "compute the dynamic scale on every rank whenever any rank lacks a precomputed one."),
     Finding(
         "te-fp8-block-tile-split", "te:fp8_block:200x256:bf16:ws2:gather:s0",
         "Float8BlockwiseQTensor under FSDP2: shards that split a 128-row tile gather a different weight",
@@ -131,8 +125,7 @@ FINDINGS: tuple[Finding, ...] = (
               "blocks, nvfp4_tensor.py:597-602): the tile that straddles rows 0-127 gets rank 0's 100 rows "
               "and rank 1's first 28 rows quantized separately.",
         fix="Refuse, in the pre-hook on every rank, a shard whose first row is not a multiple of 128 "
-            "(naming the constraint), as the NVFP4 hook does for 16.",
-        cpu=False),
+            "(naming the constraint), as the NVFP4 hook does for 16."),
     Finding(
         "te-fp8-tensor-uneven-shards", "te:fp8_tensor:31x128:bf16:ws2:gather:s0",
         "Float8Tensor under FSDP2: uneven shards raise on the padded ranks only",
@@ -146,8 +139,7 @@ FINDINGS: tuple[Finding, ...] = (
               "FSDP2 requires every input at the padded shard size and checks it only on the ranks that have "
               "padding.",
         fix="Pad `_data` to the padded shard size in the pre-hook (FSDP2 hands the hook the sizes), or "
-            "refuse uneven shards on every rank.",
-        cpu=False),
+            "refuse uneven shards on every rank."),
     Finding(
         "te-fp8-block-uneven-sizes", "te:fp8_block:255x128:bf16:ws2:gather:s0",
         "Float8BlockwiseQTensor under FSDP2: uneven shards hand the collective different sizes",
@@ -160,8 +152,7 @@ FINDINGS: tuple[Finding, ...] = (
                "75 s after a 30 s process-group timeout on 2 x H200).",
         cause="FSDP2's padded-size check does not fire for the blockwise pre-hook's inputs "
               "(float8_blockwise_tensor.py:603-662), and the short rank's buffers are not padded.",
-        fix="Pad every all-gather input to the padded shard's size, or refuse uneven shards on every rank.",
-        cpu=False),
+        fix="Pad every all-gather input to the padded shard's size, or refuse uneven shards on every rank."),
     Finding(
         "te-world-size-1-post-hooks", "te:fp8_block:1024x64:bf16:ws1:gather:s0",
         "FSDP2 at world size 1 breaks the blockwise and NVFP4 post-all-gather hooks",
@@ -174,8 +165,7 @@ FINDINGS: tuple[Finding, ...] = (
               "(`rowwise_data, rowwise_scale_inv = all_gather_outputs[:2]`, float8_blockwise_tensor.py:686, "
               "nvfp4_tensor.py:667, mxfp8_tensor.py:708).",
         fix="Pack every buffer into the first input at world size 1 (qgather's reference subclass does), or "
-            "have FSDP2 pass every input (a torch fix).",
-        cpu=False),
+            "have FSDP2 pass every input (a torch fix)."),
     Finding(
         "te-current-scaling-own-amax", "te:fp8_tensor:128x64:bf16:ws2:steps:s0",
         "Float8Tensor under FSDP2: a shard re-quantized before the first all-gather keeps its own amax",
@@ -192,8 +182,7 @@ FINDINGS: tuple[Finding, ...] = (
               "group, so current scaling takes each shard's own amax, and each rank then gathers every rank's "
               "bytes under its own scale.",
         fix="Give the weight's quantizer its amax reduction group when the parameter is sharded (at "
-            "`reset_parameters` under FSDP2), not in the first pre-hook.",
-        cpu=False),
+            "`reset_parameters` under FSDP2), not in the first pre-hook."),
     Finding(
         "te-shard-dim1-copy-out", "te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1",
         "Float8BlockwiseQTensor under FSDP2 Shard(1): the all-gather copy-out fails on every rank",
@@ -209,8 +198,7 @@ FINDINGS: tuple[Finding, ...] = (
               "`Float8BlockwiseQTensor.fsdp_pre_all_gather` (float8_blockwise_tensor.py:603-662) hands it scale "
               "buffers laid out for dim-0 shards without looking at the placement (NVFP4's pre-hook likewise).",
         fix="Refuse a non-zero shard dim in the pre-hook with an error that names it, or lay the scales out for "
-            "the shard dim.",
-        cpu=False),
+            "the shard dim."),
     Finding(
         "te-blockwise-single-row", "te:fp8_block:1x512:bf16:ws1:gather:s0",
         "Float8BlockwiseQTensor under FSDP2: a single-row weight breaks the flat view FSDP2 takes of its shard",
@@ -224,6 +212,5 @@ FINDINGS: tuple[Finding, ...] = (
               "ctx.shape[-2]`; for a flat target the first test is normally true (TE then warns and dequantizes), "
               "but for 1 x K viewed as (K,) it is false and `shape[-2]` raises.",
         fix="Test `len(shape)` before indexing `shape[-2]`: a view to fewer dimensions takes the "
-            "warn-and-dequantize path as any other flat view does.",
-        cpu=False),
+            "warn-and-dequantize path as any other flat view does."),
 )

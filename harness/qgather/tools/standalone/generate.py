@@ -1,6 +1,7 @@
 """A case as a standalone script: `render(case_id)` is the text `qgather repro ID --standalone`
 writes, made of the functions in qgather.tools.standalone.pieces (copied with inspect.getsource,
-docstrings dropped, so the script runs exactly the code the tests check) and the case's constants.
+docstrings dropped and each `if` on the case's constants decided, so the script runs the code the
+tests check, less the branches its case does not take) and the case's constants.
 
 Templates exist per library route and format: torchao's float8 all-gather (fp8_tensor; FSDP2
 alone or with torchao's colwise tensor parallelism, the gather scenario), TransformerEngine's FSDP2
