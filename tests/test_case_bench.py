@@ -7,10 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from qgather.model.case import CaseSpec
 from qgather.model.records import RankResult
 from qgather.model.verdict import Verdict
-from qgather.tools import bench_report, case_bench, case_profile
+from qgather.tools import bench_report, case_bench, case_profile, memory_waypoints
 
 
 def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
@@ -70,7 +72,7 @@ def _gpu_results(golden_s):
         result = RankResult(rank, (), seconds=tuple(seconds.items()), started=(("golden", 0.0), ("collective", 1.0)))
         warm_up = {"full_s": 0.02, "result": result, "peak_bytes": 2 * 470_000_000}
         measured = {"full_s": 0.02, "result": result, "peak_bytes": 3 * 470_000_000 // 2}
-        results.append({"runs": [warm_up, measured], "bare": bare, "peak_bytes": 2 * 470_000_000,
+        results.append({"runs": [warm_up, measured], "bare": bare,
                         "weight_bytes": 470_000_000, "weight_bf16_bytes": 470_000_000,
                         "collective_bytes": 117_000_000, "device_name": "NVIDIA H100 80GB HBM3"})
     return results
@@ -98,14 +100,22 @@ def test_on_nccl_each_of_qgathers_own_steps_is_a_goal_against_its_floor(capsys, 
 
 
 def test_the_profile_says_each_steps_host_time_in_a_range_of_its_own():
-    import types
-
-    from torch.profiler import ProfilerActivity, profile
-
-    owner = types.SimpleNamespace(__name__="steps", work=lambda n: torch.ones(n).sum())
+    owner = SimpleNamespace(__name__="steps", work=lambda n: torch.ones(n).sum())
     with profile(activities=[ProfilerActivity.CPU]) as prof, case_profile._ranges([(owner, "work")]):
         owner.work(8)
         owner.work(16)
     table = case_profile._range_table(prof.key_averages())
     assert table.splitlines()[1].split()[0] == "steps.work" and table.splitlines()[1].split()[-1] == "2", table
     assert owner.work(4) == 4 and not hasattr(owner.work, "__wrapped__")  # the original is back
+
+
+@pytest.mark.parametrize("case_id", ["reference:nvfp4_2d:256x512:bf16:ws2:gather:s0",
+                                     "te:fp8_block:8192x28672:bf16:ws2:gather:s0"])
+def test_every_step_the_profile_wraps_exists(case_id):
+    """--profile wraps the case's step functions by name (private ones among them): a renamed one
+    would fail only there, on a GPU host."""
+    targets = case_profile._step_targets(CaseSpec.parse(case_id))
+    assert len(targets) > 15
+    with memory_waypoints.wrapping(targets, lambda label, fn: fn):
+        pass
+

@@ -58,7 +58,7 @@ def test_make_s_own_failure_keeps_make_s_code():
 
 
 def test_the_gpu_target_on_a_host_without_a_gpu_exits_with_gpu_check_s_code():
-    import torch
+    import torch  # here only: the other tests of this file drive make through a stand-in, torch unneeded
 
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU: the target would run the GPU suite")

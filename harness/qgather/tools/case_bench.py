@@ -40,9 +40,8 @@ from qgather.scenarios import fsdp_setup
 from qgather.scenarios.data import make_weight
 from qgather.scenarios.module import own_sharded_module
 from qgather.scenarios.registry import run_on_rank
-from qgather.tools import case_profile
+from qgather.tools import case_profile, memory_waypoints
 from qgather.tools.bench_report import BareWork, report
-from qgather.tools.case_profile import settle
 from qgather.tools.nccl_projection import (
     BUS_BANDWIDTH,
     BUS_BANDWIDTH_SOURCE,
@@ -59,7 +58,7 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     then runs the case once more under torch.profiler and returns its table."""
     spec = CaseSpec.parse(case_id)
     cuda = ctx.device.type == "cuda"
-    baseline = settle(ctx.device)
+    baseline = memory_waypoints.settle(ctx.device)
     runs = []
     for _ in range(reps + 1):
         dist.barrier(group=ctx.group)  # every run starts on every rank at once, as the pool starts a case
@@ -69,12 +68,11 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
         run_peak = torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0
         runs.append({"full_s": seconds, "result": result, "peak_bytes": run_peak})
         gc.collect()  # a sharded module's reference cycles, before the next run allocates its own
-    peak = max(run["peak_bytes"] for run in runs)
     nbytes = max(int(runs[-1]["result"].wire.collective_bytes), 1)
     weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
     bare = _bare_work(ctx, spec, weight, nbytes, reps)
     table = case_profile.profiled(ctx, case_id) if profile else ""
-    return {"runs": runs, "bare": bare, "peak_bytes": peak, "weight_bytes": weight.numel() * weight.element_size(),
+    return {"runs": runs, "bare": bare, "weight_bytes": weight.numel() * weight.element_size(),
             "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "profile": table,
             "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
 

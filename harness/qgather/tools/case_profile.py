@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import cProfile
 import functools
-import gc
 import io
 import math
 import pstats
 
-import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -91,7 +89,7 @@ def _range_table(averages) -> str:
 def _memory_steps(ctx, case_id: str) -> str:
     """The case once more with the peak device memory of each of its steps recorded."""
     spec = CaseSpec.parse(case_id)
-    baseline = settle(ctx.device)
+    baseline = memory_waypoints.settle(ctx.device)
     with peak_anatomy.recorded(ctx.device) as found, \
             memory_waypoints.recording(ctx.device, _step_targets(spec), baseline) as points:
         run_on_rank(ctx, spec)
@@ -115,14 +113,3 @@ def _step_targets(spec: CaseSpec) -> list[tuple[object, str]]:
                                          "single_device_output", "module_output", "make_sharded_module")
                 if hasattr(impl_type, n)]
     return targets
-
-
-def settle(device: torch.device) -> int:
-    """Free what earlier runs left in reference cycles (a sharded module's hooks) and start the peak
-    counter; returns the bytes still allocated, which the case's peak is measured above."""
-    gc.collect()
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)

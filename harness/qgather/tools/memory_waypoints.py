@@ -3,13 +3,15 @@
 Wraps named functions for the duration of one call and records, per function, the highest device
 memory allocated while it ran (nested calls included), in units the caller chooses. CUDA only:
 torch's allocator statistics are what is read; the peak counter is reset at each entry and folded
-back into every enclosing call's peak at each exit, so nesting stays correct.
+back into every enclosing call's peak at each exit, so nesting stays correct. `settle` gives the
+bytes a case's peak is measured above (what earlier runs left), `wrapping` the patching itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -80,3 +82,14 @@ def _wrapped(points: Waypoints, label: str, fn):
             points.leave(label)
 
     return call
+
+
+def settle(device: torch.device) -> int:
+    """Free what earlier runs left in reference cycles (a sharded module's hooks) and start the peak
+    counter; returns the bytes still allocated, which the case's peak is measured above."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
