@@ -232,3 +232,15 @@ def test_bench_passes_options_to_the_one_named_benchmark_and_refuses_them_for_se
     finally:
         bench.BENCHES.clear()
         bench.BENCHES.update(original)
+
+
+def test_each_light_parser_says_what_its_tool_says_of_itself():
+    """The parsers built before torch loads carry their tool's description as a copy: it must stay
+    the tool docstring's first paragraph."""
+    from qgather.cli import arguments as cli_arguments
+    from qgather.cli import sweep
+    from qgather.tools import arguments, golden, selftest
+
+    for parser, module in ((arguments.selftest_parser(), selftest), (arguments.golden_parser(), golden),
+                           (cli_arguments.sweep_parser(), sweep)):
+        assert parser.description == " ".join(module.__doc__.split("\n\n")[0].split()), module.__name__

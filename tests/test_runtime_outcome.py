@@ -117,3 +117,12 @@ def test_alike_exceptions_of_many_ranks_share_one_formatted_record():
     assert errors[0] == RankError.from_exception(0, results[0])
     assert errors[1] == RankError.from_exception(1, results[1])
     assert errors[3].message == "shard 2 of 136" and "shard 2 of 136" in errors[3].traceback_text
+
+
+def test_an_exception_chain_that_is_a_cycle_is_still_recorded():
+    """A cause that is its own context's cause (a cycle, which traceback's formatting tolerates)
+    gives a rank error, not a RecursionError in the runner."""
+    first, second = ValueError("shard 1"), RuntimeError("wrapped")
+    first.__context__, second.__cause__ = second, first
+    errors = RankError.from_exceptions([first, first])
+    assert sorted(errors) == [0, 1] and errors[0].message == "shard 1"

@@ -96,3 +96,21 @@ def test_an_unreadable_or_unwritable_memo_is_computed_instead(cache, monkeypatch
     _new_process()
     assert memo.cases("test_x", sweep, ["torchao"])[0].impl == "torchao" and sweep.calls == 3
     assert not list(cache.glob(".tmp-*"))
+
+
+def test_a_pass_over_many_sweeps_writes_the_memo_once(cache, monkeypatch):
+    writes, store = [], memo._store
+    monkeypatch.setattr(memo, "_store", lambda path, entries: writes.append(len(entries)) or store(path, entries))
+    sweep, kept = CountingSweep(), memo.Memo()
+    for module in ("test_x", "test_y", "test_z"):
+        kept.cases(module, sweep, ["reference"], formats=["nvfp4_2d"])
+    assert writes == []
+    kept.flush()
+    kept.flush()  # nothing new: nothing written
+    assert writes == [3]
+    _new_process()
+    again = memo.Memo()
+    for module in ("test_x", "test_y", "test_z"):
+        again.cases(module, sweep, ["reference"], formats=["nvfp4_2d"])
+    again.flush()
+    assert sweep.calls == 3 and writes == [3]  # all served from the file: no second write

@@ -46,7 +46,7 @@ class Command:
     help: str
     runs_cases: bool = False  # SIGTERM and Ctrl-C unwind through the pools' cleanup
     # where the command's module imports torch: a check of its arguments that imports nothing heavy
-    check: Callable[[list[str]], object] | None = None
+    check: Callable[[list[str]], None] | None = None
 
     def main(self, argv: Sequence[str]) -> int:
         """Import the command's module (only now: see the module docstring) and run it; a command with
@@ -60,19 +60,20 @@ class Command:
         return int(run(list(argv)) or 0)
 
 
-def _check_selftest(argv: list[str]) -> object:
+# One check per command that has one: each imports only its parser's light module, when it runs.
+def _check_selftest(argv: list[str]) -> None:
     from qgather.tools.arguments import selftest_parser
-    return selftest_parser().parse_args(argv)
+    selftest_parser().parse_args(argv)
 
 
-def _check_golden(argv: list[str]) -> object:
+def _check_golden(argv: list[str]) -> None:
     from qgather.tools.arguments import golden_parser
-    return golden_parser().parse_args(argv)
+    golden_parser().parse_args(argv)
 
 
-def _check_sweep(argv: list[str]) -> object:
+def _check_sweep(argv: list[str]) -> None:
     from qgather.cli.arguments import check_sweep
-    return check_sweep(argv)
+    check_sweep(argv)
 
 
 # One loader per command: each imports its module when the command runs, not when qgather starts.

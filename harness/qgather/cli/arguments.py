@@ -11,7 +11,11 @@ from collections.abc import Sequence
 from qgather.cli.common import add_run_options
 from qgather.model.case import DTYPES
 from qgather.suite.options import refuse_unknown_formats, refuse_unknown_impl
-from qgather.tools.arguments import DEFAULT_BUDGET_S, DEFAULT_COLS, DEFAULT_WORLD_SIZES, REAL_SCENARIOS
+
+REAL_SCENARIOS = ("steps", "gather", "reshard", "hooks")  # the sweep's scenarios run on rank pools
+DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
+DEFAULT_COLS = (64,)
+DEFAULT_BUDGET_S = 300.0
 
 SWEEP_DESCRIPTION = ("`qgather sweep`: explore shapes x world sizes of one implementation and format, group the "
                      "failures by (verdict, signature), and shrink each group to a minimal case with the command "

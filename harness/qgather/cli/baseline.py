@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from qgather.cli.common import usage
-from qgather.paths import BASELINE_FILE as DEFAULT_FILE
+from qgather.paths import BASELINE_FILE
 
 if TYPE_CHECKING:  # imported once the arguments are read: bad input is refused before torch loads
     from qgather.model.case_record import CaseRecord
@@ -25,7 +25,7 @@ def main(argv: Sequence[str]) -> int:
     up = sub.add_parser("update", help="update the baseline from a run's verdicts.json (a minimal diff)")
     up.add_argument("--from", dest="source", required=True, metavar="VERDICTS_JSON",
                     help="the verdicts.json of a run (--report-dir) whose failures the baseline lists")
-    up.add_argument("--file", default=DEFAULT_FILE, help=f"the baseline to update (default: {DEFAULT_FILE})")
+    up.add_argument("--file", default=BASELINE_FILE, help=f"the baseline to update (default: {BASELINE_FILE})")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.source):  # before torch loads, as every bad input is refused
         return usage("baseline", f"--from {args.source}: no such file (a run's verdicts.json, from --report-dir)")

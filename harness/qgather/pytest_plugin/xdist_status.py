@@ -19,13 +19,13 @@ def once_per_status(config: pytest.Config) -> None:
     if reporter is None or not hasattr(reporter, "ensure_show_status"):
         return
     show = reporter.ensure_show_status
-    written: list[str] = []
+    last: list[str] = []  # the status written last (one at most)
 
     def ensure_show_status() -> None:
         status = reporter.getstatus()
-        if written and written[-1] == status:
+        if last == [status]:
             return
-        written.append(status)
+        last[:] = [status]
         show()
 
     reporter.ensure_show_status = ensure_show_status

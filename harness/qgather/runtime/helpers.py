@@ -78,7 +78,7 @@ def preload_compile_warmup() -> str | None:
     value, for `restore_preload` when the run ends (a later run in this process, or a subprocess,
     starts without it)."""
     previous = os.environ.get(PRELOAD_ENV)
-    names = [name.strip() for name in (previous or "").split(",") if name.strip()]
+    names = _preload_names()
     if COMPILE_WARMUP not in names:
         os.environ[PRELOAD_ENV] = ",".join([*names, COMPILE_WARMUP])
     return previous
@@ -94,8 +94,12 @@ def restore_preload(previous: str | None) -> None:
 
 def forkserver_preload() -> list[str]:
     """FORKSERVER_PRELOAD plus the modules QGATHER_FORKSERVER_PRELOAD names."""
-    extra = [name.strip() for name in os.environ.get(PRELOAD_ENV, "").split(",") if name.strip()]
-    return FORKSERVER_PRELOAD + [name for name in extra if name not in FORKSERVER_PRELOAD]
+    return FORKSERVER_PRELOAD + [name for name in _preload_names() if name not in FORKSERVER_PRELOAD]
+
+
+def _preload_names() -> list[str]:
+    """The modules PRELOAD_ENV names, comma-separated."""
+    return [name.strip() for name in os.environ.get(PRELOAD_ENV, "").split(",") if name.strip()]
 
 _owned_helpers: dict[str, int | None] = {}  # multiprocessing helpers this runtime started
 

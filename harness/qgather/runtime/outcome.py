@@ -30,14 +30,16 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # "[.../pair.c
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
-def _raised_at(exc: BaseException | None) -> tuple:
+def _raised_at(exc: BaseException | None, seen: frozenset[int] = frozenset()) -> tuple:
     """What an exception's formatted traceback is made of: its type, message and frames, and its
-    cause's and context's likewise."""
-    if exc is None:
+    cause's and context's likewise (an exception already in the chain ends it, as in traceback's
+    formatting: a chain can be a cycle)."""
+    if exc is None or id(exc) in seen:
         return ()
+    seen = seen | {id(exc)}
     frames = tuple((tb.tb_frame.f_code.co_filename, tb.tb_lineno) for tb in _tracebacks(exc.__traceback__))
-    return (type(exc), str(exc), frames, _raised_at(exc.__cause__),
-            _raised_at(exc.__context__) if not exc.__suppress_context__ else ())
+    return (type(exc), str(exc), frames, _raised_at(exc.__cause__, seen),
+            _raised_at(exc.__context__, seen) if not exc.__suppress_context__ else ())
 
 
 def _tracebacks(tb: Any) -> Iterator[Any]:

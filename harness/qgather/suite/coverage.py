@@ -156,7 +156,8 @@ def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None
     command line's listing and run check; a caller that patches a generator in-process computes)."""
     cases, primary = [], set()
     on = device_type(device)
-    generate = _memo.cases if memo else _generated
+    kept = _memo.Memo() if memo else None
+    generate = kept.cases if kept else _generated
     for module, sweep, fixed in suite_sweeps():
         if not exhaustive and "slow" in getattr(sweep, "marks", ()):
             continue
@@ -167,8 +168,11 @@ def suite_cases(impls: list[str], formats=None, world_sizes=None, scenarios=None
         if configs:
             primary.add(configs[0].token or DEFAULT_CONFIG)
     for module, sweep, own in () if named else suite_companions():
-        generated = generate(module, sweep, own, formats=formats, world_sizes=world_sizes, scenarios=scenarios)
+        generated = generate(f"{module} (companions)", sweep, own, formats=formats, world_sizes=world_sizes,
+                             scenarios=scenarios)
         cases += runnable(generated, None, on)
+    if kept:
+        kept.flush()
     return cases, primary
 
 

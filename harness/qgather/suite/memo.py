@@ -14,7 +14,9 @@ FORMATS, so with any installed the memo is not used. One file per key's source p
 `$QGATHER_CACHE_DIR`, else `$XDG_CACHE_HOME/qgather`, else `~/.cache/qgather`; `QGATHER_CACHE_DIR=off`
 turns the memo off. A file that cannot be read or written is ignored: the cases are computed instead.
 
+    memo = Memo()
     generated = memo.cases("test_alignment", sweep, impls, formats=..., world_sizes=..., scenarios=...)
+    memo.flush()
 """
 
 from __future__ import annotations
@@ -38,18 +40,39 @@ _PREFIX = "cases-"
 KEEP = 8  # memo files kept, newest first
 
 
+class Memo:
+    """One pass over the sweeps: cases served from the memo file or computed, the file written once
+    at the end (`flush`), with whatever this pass computed."""
+
+    def __init__(self) -> None:
+        self.path = _memo_path()
+        self.entries = dict(_entries(self.path)) if self.path else {}
+        self.added = False
+
+    def cases(self, module: str, sweep: Any, impls: Sequence[str], **selection: Any) -> list[CaseSpec]:
+        """`sweep.cases(impls, **selection)`, from the memo when this source has computed it before."""
+        key = repr((module, tuple(impls), sorted((k, _frozen(v)) for k, v in selection.items())))
+        if key in self.entries:
+            return list(self.entries[key])
+        generated = list(sweep.cases(list(impls), **selection))
+        if self.path:
+            self.entries[key], self.added = generated, True
+        return generated
+
+    def flush(self) -> None:
+        """Write what this pass computed (nothing when it computed nothing)."""
+        if self.added:
+            _store(self.path, self.entries)
+            _entries.cache_clear()  # this process reads the new file next
+            self.added = False
+
+
 def cases(module: str, sweep: Any, impls: Sequence[str], **selection: Any) -> list[CaseSpec]:
-    """`sweep.cases(impls, **selection)`, from the memo when this source has computed it before."""
-    path = _memo_path()
-    key = repr((module, tuple(impls), sorted((k, _frozen(v)) for k, v in selection.items())))
-    entries = _entries(path) if path else {}
-    if key in entries:
-        return list(entries[key])
-    generated = list(sweep.cases(list(impls), **selection))
-    if path:
-        entries[key] = generated
-        _store(path, entries)
-    return generated
+    """One sweep's cases through a Memo of its own, written at once."""
+    memo = Memo()
+    found = memo.cases(module, sweep, impls, **selection)
+    memo.flush()
+    return found
 
 
 def cache_dir() -> str | None:
@@ -99,7 +122,7 @@ def _modules_under(root: str) -> list[str]:
 
 @cache
 def _entries(path: str) -> dict[str, list[CaseSpec]]:
-    """The memo file's entries, read once per process (and added to as this process computes more)."""
+    """The memo file's entries, read once per process until this process writes it (Memo copies them)."""
     try:
         with open(path, "rb") as fh:
             entries = pickle.load(fh)

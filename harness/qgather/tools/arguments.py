@@ -1,7 +1,8 @@
 """The argument parsers of the tools whose modules import torch (`qgather selftest`, `qgather
-golden`) and the sweep's defaults (its parser: qgather.cli.arguments): here, where nothing heavy is
-imported, so that the command line refuses bad input before torch loads (qgather.cli's
-Command.arguments); the tool parses its arguments with the same parser.
+golden`) and the sweep's bounds its exploration shares (its parser: qgather.cli.arguments): here,
+where nothing heavy is imported, so that the command line refuses bad input before torch loads
+(qgather.cli's Command.check); the tool parses its arguments with the same parser. Each description
+is its tool's docstring's first paragraph (tests/test_bad_input.py checks they agree).
 """
 
 from __future__ import annotations
@@ -10,10 +11,6 @@ import argparse
 
 from qgather.paths import golden_dir
 
-REAL_SCENARIOS = ("steps", "gather", "reshard", "hooks")  # the sweep's scenarios run on rank pools
-DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
-DEFAULT_COLS = (64,)
-DEFAULT_BUDGET_S = 300.0
 MAX_REAL_WORLD = 64  # above this a sweep's world size runs as the virtual scenario
 MAX_ROWS = 1 << 16
 
