@@ -72,6 +72,7 @@ def _print(path: str, result: Update) -> None:
 
 def read_run(path: str) -> list[CaseRecord]:
     """The case records of a verdicts.json (its `cases`) or of a --qgather-json file (a list of them)."""
+    # deferred, as in main: called once the arguments are read
     from qgather.model.case_record import CaseRecord, RecordError
     from qgather.pytest_plugin.baseline import BaselineError
 
