@@ -75,18 +75,30 @@ def test_a_kept_fp8_block_golden_judges_a_broken_columnwise_copy(cuda):
     assert [(d.name, d.n_diff) for d in diffs] == [("columnwise_data", 1)]
 
 
-@pytest.mark.parametrize("fmt_name", ("fp8_block", "nvfp4_2d"))
+@pytest.mark.parametrize("route", ("triton", "compiled"))
+@pytest.mark.parametrize("fmt_name", ("fp8_block", "nvfp4_2d", "nvfp4_1d"))
+@pytest.mark.parametrize("shape", ((4096, 8192), (4000, 8208)))  # whole tiles and programs or not
 @pytest.mark.parametrize("n_diff", (0, 1, 513))
-def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cuda, fmt_name, n_diff, monkeypatch):
-    """The golden's row blocks dequantized inside the compiled comparison (never made) against the
-    same blocks made and compared eagerly, with differences planted (sign flips, one ulp)."""
+def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cuda, route, fmt_name, shape, n_diff,
+                                                                              monkeypatch):
+    """The golden's row blocks dequantized inside the comparison (never made), by the format's
+    Triton kernel (qgather.instruments.fused_values) or, where it cannot run, the compiled one, against
+    the same blocks made and compared eagerly, with differences planted (one ulp)."""
     from qgather.check.golden import golden_for
     from qgather.formats import base as format_base
+    from qgather.instruments import fused_values
     from qgather.instruments.compare import Deferred, compare_value_blocks
 
     monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", 1 << 24)  # two check blocks of this golden
+    launched = []
+    if route == "compiled":
+        monkeypatch.setattr(fused_values, "count", lambda got, fn, tensors: None)
+    else:
+        real = fused_values.count
+        monkeypatch.setattr(fused_values, "count", lambda *a: launched.append(real(*a)) or launched[-1])
     generator = torch.Generator(device=cuda).manual_seed(n_diff)
-    golden = golden_for(FORMATS[fmt_name], torch.randn(4096, 8192, device=cuda, generator=generator))
+    scales = torch.logspace(-3, 3, shape[0], device=cuda).reshape(-1, 1)  # row blocks of very different scales
+    golden = golden_for(FORMATS[fmt_name], torch.randn(shape, device=cuda, generator=generator) * scales)
     made = [values.clone() for _, values in golden.dequantized_blocks()]
     deferred = [want for _, want in golden.dequantized_blocks(deferred=True)]
     assert len(made) > 1 and all(isinstance(want, Deferred) for want in deferred)
@@ -98,7 +110,9 @@ def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cu
     eager = compare_value_blocks(lambda: zip(got, made))
     assert (compiled.equal, compiled.n_diff, compiled.max_abs) == (eager.equal, eager.n_diff, eager.max_abs)
     assert compiled.n_diff == n_diff
-    assert not fused._BROKEN  # the compiled comparison ran
+    assert not fused._BROKEN and not fused._TRITON_BROKEN  # the comparison ran, not a fallback
+    if route == "triton":
+        assert len(launched) >= len(deferred) and all(c is not None for c in launched), "Triton did not run"
 
 
 def test_the_e2m1_pair_table_is_built_alike_on_the_gpu(cuda):

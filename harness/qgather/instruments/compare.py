@@ -233,7 +233,7 @@ def _shape_mismatch(got: torch.Tensor) -> Comparison:
 @dataclass(frozen=True)
 class Deferred:
     """Values not made yet, `fn(*tensors)` of `shape` (a golden's row block: Format.dequantize_rows_parts),
-    for a comparison that on a GPU never holds them: one compiled pass dequantizes and compares."""
+    for a comparison that on a GPU never holds them: one kernel dequantizes and compares (fused.py)."""
 
     fn: Callable[..., torch.Tensor]
     tensors: tuple[torch.Tensor, ...]

@@ -1,8 +1,9 @@
 """Comparisons of large tensors on a GPU as one kernel each, for qgather.instruments.compare: two
 buffers read flat (no boolean temporary), a strided pair (a golden's transposed view) read in
 tiles, both by Triton kernels of their own where Triton imports (else by torch.compile), and a golden
-row block dequantized in registers by a torch.compile'd kernel and compared with the library's
-values, so that the block's values never exist in memory. Each returns a count of elements whose
+row block dequantized in registers and compared with the library's values, so that the block's
+values never exist in memory (the format's own Triton kernel, qgather.instruments.fused_values, else
+a torch.compile'd one). Each returns a count of elements whose
 bits differ, the same count the eager comparison gives (tests/gpu/test_fused_compare.py), or None
 where it does not apply: below FUSED_MIN_ELEMENTS, off a GPU, or in a process where the kernel
 cannot run.
@@ -16,6 +17,8 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import torch
+
+from qgather.instruments import fused_values
 
 #: Pairs of at least this many elements on a GPU are compared by one kernel: read element by element
 #: through a transposed view, the eager comparison ran at about a tenth of the HBM bandwidth (3.5 ms
@@ -134,12 +137,27 @@ def _triton_kernels():
 def count_differing_values(got: torch.Tensor, fn: Callable[..., torch.Tensor],
                            tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Elements of `got` whose bits differ from fn(*tensors) (float32; `got` compared as float32),
-    the values made only inside the kernel; None off a GPU, below FUSED_MIN_ELEMENTS, with `tensors`
-    on another device, or where the compiler cannot run."""
-    if got.device.type != "cuda" or got.numel() < FUSED_MIN_ELEMENTS or _BROKEN \
-            or any(t.device != got.device for t in tensors):
+    the values made only inside the kernel: the format's own Triton kernel where it has one, else a
+    compiled one; None off a GPU, below FUSED_MIN_ELEMENTS, with `tensors` on another device, or
+    where neither can run."""
+    if got.device.type != "cuda" or got.numel() < FUSED_MIN_ELEMENTS or any(t.device != got.device for t in tensors):
         return None
+    count = _values_by_triton(got, fn, tensors)
+    if count is not None or _BROKEN:
+        return count
     return _run(functools.partial(_compiled_value_count, fn), got, *tensors)
+
+
+def _values_by_triton(got: torch.Tensor, fn: Callable[..., torch.Tensor],
+                      tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The format's own Triton kernel (qgather.instruments.fused_values), or None."""
+    if _TRITON_BROKEN:
+        return None
+    try:
+        return fused_values.count(got, fn, tensors)
+    except Exception as exc:  # noqa: BLE001 - the compiled comparison counts the same, slower
+        _note_broken(exc, _TRITON_BROKEN, "the Triton comparison")
+        return None
 
 
 #: what torch.compile raises (fullgraph=True) once a function was compiled for as many shapes and
