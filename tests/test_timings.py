@@ -107,3 +107,16 @@ def test_timings_page_sums_steps_and_lists_the_slowest_first():
 def test_step_seconds_survive_the_record_round_trip():
     record = _record("a", 1.0, {"golden": 0.5})
     assert CaseRecord.from_dict(record.to_dict()) == record
+
+
+
+def test_fsdp2s_reshard_is_a_step_of_its_own():
+    """The library's reshard after the first inspection is not charged to the inspection (qgather's
+    own, held to its HBM floor by bench gpu)."""
+    from qgather.engine.run import RunOptions, run_case
+    from qgather.model.case import CaseSpec
+
+    report = run_case(CaseSpec.parse("reference:fp8_tensor:64x64:bf16:ws2:gather:s0"),
+                      RunOptions(backend="gloo", device="cpu"))
+    assert report.verdict is Verdict.EXACT, report.render()
+    assert {Step.RESHARD.value, Phase.INSPECTION.value} <= dict(report.seconds).keys(), report.seconds

@@ -38,6 +38,7 @@ class Step(str, enum.Enum):
     GOLDEN = "golden"
     SHARDED_MODULE = "sharded module"
     LIBRARY_FORWARD = "library forward"
+    RESHARD = "reshard"  # FSDP2's reshard after the first inspection: the library's, not the inspection's
 
 
 #: phases in which no byte of the weight has moved between ranks yet

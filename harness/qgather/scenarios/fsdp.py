@@ -75,7 +75,8 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
             checked = inspector.module_check(module, twin, setup.param_dtype)
         first = replace(first, module=checked, note=loaded)
     stages = [first]
-    module.reshard()
+    with phases.labelled(Step.RESHARD):
+        module.reshard()
     compiled = CaseForward(case, module) if spec.config.compile else None  # one compile for the whole case
     try:
         if compiled is not None:
