@@ -120,6 +120,10 @@ class GoldenCache:
             self._evict()
         return golden
 
+    def holds(self, key: GoldenKey) -> bool:
+        """Whether a golden is kept for `key`; computes nothing, and counts as no hit and no use."""
+        return key in self._goldens
+
     def __len__(self) -> int:
         return len(self._goldens)
 

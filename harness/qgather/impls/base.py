@@ -87,6 +87,12 @@ class Implementation(abc.ABC):
     #: A class matches by its qualified name (module.qualname), so a class of the same name from
     #: another module never does; a string matches by bare class name (qgather.impls.rejections).
     rejection_types: tuple[RejectionType, ...] = ()
+    #: True: `make_sharded_module` builds the module and reads no more of `master` than this rank's
+    #: part, `setup.master_slice(master)` (TE's route writes just those rows). A gather case whose golden
+    #: and twin are kept may then draw only those rows, the others NaN (qgather.scenarios.fsdp.rows_to_draw).
+    #: False (the default): the full master is read, as the harness's route does (make_param quantizes
+    #: the FULL weight: a tensor-wise amax, say, reads every row).
+    reads_own_rows_only: bool = False
 
     def refusal_problem(self, error: object) -> str:
         """Whether `error` is one of this implementation's declared refusals (`rejection_types`).

@@ -74,6 +74,13 @@ class RankCase:
         golden.keep_on_device()  # parked only while computed: the inspection reads it with no host copy
         return golden
 
+    def golden_kept(self) -> bool:
+        """Whether `first_golden` will find its golden kept (qgather.check.golden_cache), so that it
+        reads nothing of the weight it is handed; never under tensor parallelism (a piece is cut anew)."""
+        if self.setup.tp is not None:
+            return False
+        return golden_cache.kept_in(self.ctx.kept).holds(golden_cache.GoldenKey.of(self.spec, self.ctx.device))
+
     def kept_twin(self) -> TwinOutput | None:
         """The one-device twin's output an earlier case of this rank process computed for the same
         weight, configuration and compute dtype (qgather.check.golden_cache), or None."""

@@ -48,6 +48,7 @@ class TransformerEngineRoute(TEAdapter):
     recipes = RECIPES
     formats = (*RECIPES, *NOT_ON_THIS_ROUTE)
     scenarios = ("gather", "steps", "reshard", "model", "block")
+    reads_own_rows_only = True  # make_sharded_module writes only setup.master_slice(master) (`_writes`)
 
     def route_skip_reason(self, spec: CaseSpec) -> str | None:
         if spec.fmt in NOT_ON_THIS_ROUTE and spec.fmt not in self.recipes:
