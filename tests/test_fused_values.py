@@ -91,9 +91,12 @@ def _declined() -> list:
     """What the kernels leave to the compiled comparison: None each."""
     want = _deferred_blocks("fp8_block", (256, 256))[0]
     got = want.values()
+    nvfp4 = _deferred_blocks("nvfp4_2d", (256, 256))[0]
+    other_table = nvfp4.tensors[3] * 2  # not the E2M1 values the kernel decodes
     return [fused_values.count(got, lambda *t: want.fn(*t), want.tensors),  # not a format's own function
             fused_values.count(got.to(torch.bfloat16), want.fn, want.tensors),  # compared as float32 there
-            fused_values.count(got.t(), want.fn, want.tensors)]  # not contiguous
+            fused_values.count(got.t(), want.fn, want.tensors),  # not contiguous
+            fused_values.count(nvfp4.values(), nvfp4.fn, (*nvfp4.tensors[:3], other_table))]
 
 
 def _probe() -> dict:
@@ -139,7 +142,7 @@ def test_nvfp4_factor_takes_the_other_order_where_scale_times_amax_overflows(pro
 
 
 def test_no_kernel_for_a_function_of_its_own_or_other_values(probed):
-    assert probed["declined"] == [None, None, None]
+    assert probed["declined"] == [None, None, None, None]
 
 
 if __name__ == "__main__":

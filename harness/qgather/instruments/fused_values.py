@@ -23,7 +23,7 @@ from qgather.formats import numerics as nx
 
 ROWS = 32  # rows per program; a divisor of fp8_block's 128-row scale tiles
 FP8_COLUMNS = 128  # columns per program of the fp8_block kernel: one scale tile wide
-NVFP4_BYTES = 128  # packed bytes (256 values, 16 scale blocks) per row of a program of the NVFP4 kernel
+NVFP4_SCALE_BLOCKS = 16  # 1x16 scale blocks (256 values) per row of a program of the NVFP4 kernel
 
 
 def count(got: torch.Tensor, fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -40,11 +40,12 @@ def count(got: torch.Tensor, fn: Callable[..., torch.Tensor], tensors: Sequence[
     return launch(kernels, got, *tensors)
 
 
-def _count_fp8_tiles(kernels, got: torch.Tensor, data: torch.Tensor, tile_scale_inv: torch.Tensor) -> torch.Tensor:
+def _count_fp8_tiles(kernels, got: torch.Tensor, data: torch.Tensor, tile_scale_inv: torch.Tensor
+                     ) -> torch.Tensor | None:
     """fp8_block._tiles_dequantized(data, tile_scale_inv) against `got`."""
     rows, cols = got.shape
     if tuple(data.shape) != (rows, cols) or data.stride(1) != 1:
-        raise ValueError(f"fp8 codes {tuple(data.shape)} (strides {data.stride()}) for values {tuple(got.shape)}")
+        return None
     grid = (-(-rows // ROWS), -(-cols // FP8_COLUMNS))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=got.device)
     kernels.fp8_tiles[grid](got, data, tile_scale_inv, _fp8_values(got.device), partial, rows, cols,
@@ -54,18 +55,41 @@ def _count_fp8_tiles(kernels, got: torch.Tensor, data: torch.Tensor, tile_scale_
 
 
 def _count_nvfp4_blocks(kernels, got: torch.Tensor, packed: torch.Tensor, scale_bits: torch.Tensor,
-                        amax: torch.Tensor, pair_table: torch.Tensor) -> torch.Tensor:
-    """nvfp4._blocks_dequantized(packed, scale_bits, amax, pair_table) against `got`."""
+                        amax: torch.Tensor, pair_table: torch.Tensor) -> torch.Tensor | None:
+    """nvfp4._blocks_dequantized(packed, scale_bits, amax, pair_table) against `got`. The codes' values
+    are decoded from their bits in the kernel (no table gathers), and each is checked against the
+    pair table the format looks them up in (`_pair_table_is_e2m1`)."""
     rows, cols = got.shape
-    if tuple(packed.shape) != (rows, cols // 2) or packed.stride(1) != 1 or scale_bits.stride(1) != 1 \
-            or not pair_table.is_contiguous() or amax.numel() != 1:
-        raise ValueError(f"NVFP4 codes {tuple(packed.shape)} for values {tuple(got.shape)}")
-    grid = (-(-rows // ROWS), -(-(cols // 2) // NVFP4_BYTES))
+    blocks = cols // nvfp4.BLOCK
+    if tuple(packed.shape) != (rows, cols // 2) or cols % nvfp4.BLOCK or packed.stride(1) != 1 \
+            or tuple(scale_bits.shape) != (rows, blocks) or scale_bits.stride(1) != 1 or amax.numel() != 1 \
+            or not _pair_table_is_e2m1(pair_table):
+        return None
+    grid = (-(-rows // ROWS), -(-blocks // NVFP4_SCALE_BLOCKS))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=got.device)
-    kernels.nvfp4_blocks[grid](got, packed, scale_bits, amax, _nvfp4_inverse(got.device), pair_table,
-                               _fp8_values(got.device), partial, rows, cols // 2, packed.stride(0),
-                               scale_bits.stride(0), ROWS=ROWS, BYTES=NVFP4_BYTES, PAIRS=nvfp4.BLOCK // 2)
+    kernels.nvfp4_blocks[grid](got, packed, scale_bits, amax, _nvfp4_inverse(got.device), _fp8_values(got.device),
+                               partial, rows, blocks, packed.stride(0), scale_bits.stride(0),
+                               ROWS=ROWS, BLOCKS=NVFP4_SCALE_BLOCKS, PAIRS=nvfp4.BLOCK // 2)
     return partial.sum(dtype=torch.int64)
+
+
+def _pair_table_is_e2m1(pair_table: torch.Tensor) -> bool:
+    """Whether `pair_table` holds, bit for bit, the E2M1 values the kernel decodes (numerics.E2M1_VALUES
+    of each byte's low and high nibble). Checked once per table: the format keeps one per GPU, held
+    here with its answer so that no other tensor can come to share its address."""
+    for table, answer in _CHECKED_TABLES:
+        if table is pair_table:
+            return answer
+    want = nx.e2m1_pair_table(torch.empty(0, dtype=torch.uint8))
+    answer = pair_table.shape == want.shape and pair_table.dtype == torch.float32 and bool(
+        torch.equal(pair_table.detach().cpu().view(torch.int32), want.view(torch.int32)))
+    _CHECKED_TABLES.insert(0, (pair_table, answer))
+    del _CHECKED_TABLES[_KEPT_TABLES:]
+    return answer
+
+
+_KEPT_TABLES = 4
+_CHECKED_TABLES: list[tuple[torch.Tensor, bool]] = []
 
 
 _LAUNCHERS = {fp8_block._tiles_dequantized: _count_fp8_tiles, nvfp4._blocks_dequantized: _count_nvfp4_blocks}
@@ -109,29 +133,35 @@ def _kernels():
                  tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
 
     @triton.jit
-    def nvfp4_blocks(got_ptr, packed_ptr, scale_ptr, amax_ptr, inverse_ptr, pairs_ptr, values_ptr, out_ptr,
-                     rows, nbytes, packed_row, scale_row, ROWS: tl.constexpr, BYTES: tl.constexpr,
+    def nvfp4_blocks(got_ptr, packed_ptr, scale_ptr, amax_ptr, inverse_ptr, values_ptr, out_ptr,
+                     rows, blocks, packed_row, scale_row, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
                      PAIRS: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        j = tl.program_id(1) * BYTES + tl.arange(0, BYTES)
-        inside = (r[:, None] < rows) & (j[None, :] < nbytes)
-        codes = tl.load(packed_ptr + r[:, None] * packed_row + j[None, :], mask=inside, other=0).to(tl.int32)
-        scale_codes = tl.load(scale_ptr + r[:, None] * scale_row + j[None, :] // PAIRS, mask=inside, other=0)
-        s = tl.load(values_ptr + scale_codes.to(tl.int32))
+        b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        scale_codes = tl.load(scale_ptr + r[:, None] * scale_row + b[None, :],
+                              mask=(r[:, None] < rows) & (b[None, :] < blocks), other=0)
+        s = tl.load(values_ptr + scale_codes.to(tl.int32))  # (ROWS, BLOCKS): one factor per scale block
         amax = tl.load(amax_ptr)
         inverse = tl.load(inverse_ptr)
         product = s * amax
         # numerics.nvfp4_dequant_factor: where s * amax overflows, s * (amax * inverse)
         overflow = (product.to(tl.int32, bitcast=True) & 0x7FFFFFFF) == 0x7F800000
         factor = tl.where(overflow, s * (amax * inverse), product * inverse)
-        low = tl.load(pairs_ptr + codes * 2) * factor
-        high = tl.load(pairs_ptr + codes * 2 + 1) * factor
-        at = r[:, None] * (nbytes * 2) + j[None, :] * 2
-        got_low = tl.load(got_ptr + at, mask=inside, other=0.0)
-        got_high = tl.load(got_ptr + at + 1, mask=inside, other=0.0)
-        differ = ((got_low.to(tl.int32, bitcast=True) != low.to(tl.int32, bitcast=True)) & inside).to(tl.int32) \
-            + ((got_high.to(tl.int32, bitcast=True) != high.to(tl.int32, bitcast=True)) & inside).to(tl.int32)
+        factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (ROWS, BLOCKS, PAIRS)), (ROWS, BLOCKS * PAIRS))
+        j = tl.program_id(1) * BLOCKS * PAIRS + tl.arange(0, BLOCKS * PAIRS)  # packed bytes
+        inside = (r[:, None] < rows) & (j[None, :] < blocks * PAIRS)
+        codes = tl.load(packed_ptr + r[:, None] * packed_row + j[None, :], mask=inside, other=0).to(tl.int32)
+        # each nibble s ee m as float32 bits: (-1)^s * (ee ? 2^(ee-1) * (1 + m/2) : m/2), numerics._e2m1_of
+        nibbles = tl.join(codes & 15, codes >> 4)  # (ROWS, BYTES, 2): the low nibble first
+        exponent, mantissa = (nibbles >> 1) & 3, nibbles & 1
+        bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
+        low, high = tl.split((bits | ((nibbles >> 3) << 31)).to(tl.float32, bitcast=True))
+        want = tl.interleave(low * factor, high * factor)  # element 2j: the low nibble
+        c = tl.program_id(1) * BLOCKS * PAIRS * 2 + tl.arange(0, BLOCKS * PAIRS * 2)
+        inside = (r[:, None] < rows) & (c[None, :] < blocks * PAIRS * 2)
+        got = tl.load(got_ptr + r[:, None] * (blocks * PAIRS * 2) + c[None, :], mask=inside, other=0.0)
+        differ = (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & inside
         tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                 tl.sum(tl.sum(differ, axis=1), axis=0))
+                 tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
 
     return SimpleNamespace(fp8_tiles=fp8_tiles, nvfp4_blocks=nvfp4_blocks)
