@@ -8,6 +8,7 @@ from qgather.tools.bench_steps import (
     COLLECTIVE,
     FLOOR_GOAL,
     WAIT,
+    WAIT_ON_LIBRARY,
     RankSteps,
     floor_misses,
     floor_seconds,
@@ -33,6 +34,27 @@ def test_the_wait_for_the_last_rank_is_split_out_of_the_collective():
     assert (table["golden"].slowest_rank, table["golden"].slowest_s) == (1, 0.09)
     lines = "\n".join(table_lines(spreads(split), {}, last))
     assert "rank 1 reached the collective last" in lines and "(r0)" in lines
+
+
+def test_the_part_of_a_wait_the_last_rank_spent_in_the_librarys_steps_is_the_librarys():
+    """Rank 1 arrives 0.10 s late: 0.07 s longer in its sharded module build, 0.01 s in FSDP2's unshard,
+    0.02 s in qgather's build/quantize. Rank 0's wait is 0.08 s on the library, 0.02 s on qgather."""
+    ranks = [RankSteps(0, {"build/quantize": 0.01, "sharded module": 0.10, "shard": 0.02, COLLECTIVE: 0.11},
+                       {COLLECTIVE: 10.0}),
+             RankSteps(1, {"build/quantize": 0.03, "sharded module": 0.17, "shard": 0.03, COLLECTIVE: 0.01},
+                       {COLLECTIVE: 10.1})]
+    split, last = split_waits(ranks)
+    assert last == 1
+    assert split[0].seconds[WAIT_ON_LIBRARY] == pytest.approx(0.08) and split[0].seconds[WAIT] == pytest.approx(0.02)
+    assert split[0].seconds[COLLECTIVE] == pytest.approx(0.01)
+    assert split[1].seconds[WAIT_ON_LIBRARY] == split[1].seconds[WAIT] == 0.0
+    floors = floor_seconds({COLLECTIVE: 100}, bandwidth=1e6)  # the wait held to 5 x 0.1 ms
+    assert [step for step, _, _ in floor_misses(spreads(split), floors)] == [WAIT]  # the library's part is no goal
+    faster_library = [RankSteps(0, {**ranks[0].seconds, "sharded module": 0.30}, ranks[0].started), ranks[1]]
+    split, _ = split_waits(faster_library)  # the late rank was quicker in the library: all of it is qgather's
+    assert split[0].seconds[WAIT_ON_LIBRARY] == 0.0 and split[0].seconds[WAIT] == pytest.approx(0.1)
+    lines = "\n".join(table_lines(spreads(split), {}, 1))
+    assert WAIT_ON_LIBRARY in lines and "sharded module, shard, pre-all-gather hook" in lines
 
 
 def test_a_wait_never_exceeds_the_collective_and_a_rank_without_one_leaves_the_table_as_it_was():

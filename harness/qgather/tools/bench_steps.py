@@ -5,7 +5,10 @@ A collective starts only when the last rank reaches it, so a rank's "collective"
 waiting for the others. Each rank notes when it first entered the collective (RankResult.started,
 one wall clock for the ranks of a host); the wait is the time from its arrival to the last rank's,
 and the collective's own seconds are what is left (`split_waits`). The rank that arrived last is
-the one whose earlier work the others waited for.
+the one whose earlier work the others waited for, and that work says whose wait it is: as much of
+it as the last rank spent longer than the waiting one in the library's own steps before the
+collective (its sharded module build, FSDP2's unshard up to the collective) is a wait on the
+library (WAIT_ON_LIBRARY), the rest a wait on qgather's steps or on no one's (WAIT, held to a floor).
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from dataclasses import dataclass, replace
 from qgather.model.phases import Phase, Step
 
 WAIT = "wait before the collective"
+WAIT_ON_LIBRARY = "wait on the library's steps"
 COLLECTIVE = Phase.COLLECTIVE.value
+#: the library's own steps before a gather case's collective (the one-device twin, the golden and the
+#: build/quantize step, the case's data, are qgather's)
+LIBRARY_BEFORE_COLLECTIVE = (Step.SHARDED_MODULE.value, Phase.SHARD.value, Phase.PRE_HOOK.value)
 #: qgather's own steps (not the library's), each held to FLOOR_GOAL times its HBM floor
 OWN_STEPS = (Step.GOLDEN.value, Phase.INSPECTION.value, Step.TWIN.value, WAIT)
 FLOOR_GOAL = 5.0
@@ -43,19 +50,27 @@ class StepSpread:
 
 
 def split_waits(ranks: Sequence[RankSteps]) -> tuple[list[RankSteps], int | None]:
-    """Each rank's collective split into the wait for the last rank to arrive (WAIT) and the rest
-    (COLLECTIVE), and the rank that arrived last (None, and the ranks unchanged, when a rank never
-    reached a collective)."""
+    """Each rank's collective split into the wait for the last rank to arrive and the rest
+    (COLLECTIVE), the wait into the part the last rank spent longer in the library's steps before the
+    collective (WAIT_ON_LIBRARY) and the rest (WAIT); and the rank that arrived last (None, and the
+    ranks unchanged, when a rank never reached a collective). A gather case: one collective."""
     arrivals = {r.rank: r.started.get(COLLECTIVE) for r in ranks}
     if not arrivals or any(a is None for a in arrivals.values()):
         return list(ranks), None
     last_rank = max(arrivals, key=lambda rank: arrivals[rank])
+    last = next(r for r in ranks if r.rank == last_rank)
     split = []
     for r in ranks:
         total = r.seconds.get(COLLECTIVE, 0.0)
         wait = min(max(arrivals[last_rank] - arrivals[r.rank], 0.0), total)
-        split.append(replace(r, seconds={**r.seconds, WAIT: wait, COLLECTIVE: total - wait}))
+        on_library = min(max(_library_seconds(last) - _library_seconds(r), 0.0), wait)
+        split.append(replace(r, seconds={**r.seconds, WAIT: wait - on_library, WAIT_ON_LIBRARY: on_library,
+                                         COLLECTIVE: total - wait}))
     return split, last_rank
+
+
+def _library_seconds(r: RankSteps) -> float:
+    return sum(r.seconds.get(step, 0.0) for step in LIBRARY_BEFORE_COLLECTIVE)
 
 
 def spreads(ranks: Sequence[RankSteps]) -> list[StepSpread]:
@@ -101,6 +116,8 @@ def table_lines(table: Sequence[StepSpread], floors: Mapping[str, float], last_r
             line += f"   {floor * 1e3:7.3f} ms {s.slowest_s / floor:7.1f}x{own}"
         lines.append(line)
     if last_rank is not None:
-        lines.append(f"      (rank {last_rank} reached the collective last: the others' wait is its earlier work; "
-                     "the collective row is what is left once it arrived)")
+        lines.append(f"      (rank {last_rank} reached the collective last: the others' wait is its earlier work, "
+                     f"\"{WAIT_ON_LIBRARY}\" as much of it as it spent longer in the library's steps before the "
+                     f"collective ({', '.join(LIBRARY_BEFORE_COLLECTIVE)}); the collective row is what is left once it "
+                     "arrived)")
     return lines
