@@ -18,20 +18,11 @@ from qgather.formats import Format, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation, NoSingleDeviceTwin
 from qgather.instruments import compare
-from qgather.instruments.compare import (
-    Deferred,
-    compare_value_blocks,
-    compare_values,
-    digest,
-    locate,
-    start_buffer_comparison,
-)
+from qgather.instruments.compare import Deferred, compare_buffers, compare_value_blocks, compare_values, digest, locate
 from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
 from qgather.model.records import Comparison, ModuleCheck, Stage
 
 IDENTICAL_BUFFERS = "the same dequantization of bit-identical buffers"
-#: (digest, differences, dequantized values, where they differ) of the gathered buffers
-Evidence = tuple[str, tuple, Comparison | None, tuple]
 
 
 @dataclass(frozen=True)
@@ -91,48 +82,38 @@ class Inspector:
             values = param.detach().float().reshape(golden.q.shape)
             return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
                          values=_against_golden(values.reshape(m, k), golden))
-        buffers = self._buffers(param, golden)
+        buffers_digest, diffs, dequantized, where = self._buffers(param, golden)
         blocks = fmt.check_blocks(golden.q.shape)
         x = self.x.to(param.dtype)
         columns = OwnRowOutputs(impl, x, len(blocks)) if len(golden.q.shape) == 2 and len(blocks) > 1 else None
         own = _own_blocks_against_golden(impl, fmt, param, golden, blocks, columns)
         own_dequantized = None if own is None else compare_value_blocks(own)
-        buffers_digest, diffs, dequantized, where = buffers()
         output, output_digest, forward_error = self._forward(param, golden, x, columns)
         return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
                      forward_error=forward_error, where=where, dtype_problem=dtype_problem)
 
-    def _buffers(self, param: torch.Tensor, golden: Golden) -> Callable[[], Evidence]:
-        """Queues the comparison of the gathered buffers with the golden's and returns what finishes
-        it: (digest, differences, dequantized values, where they differ). The inspection finishes it
-        once the value checks are queued too, so that the device compares the buffers while the host
-        queues those. What the implementation derived to show them (e.g. TE's columnwise copy) lives
-        until then: the checks in between read the weight through the library, not these buffers."""
+    def _buffers(self, param: torch.Tensor, golden: Golden) -> tuple[str, tuple, Comparison | None, tuple]:
+        """(digest, differences, dequantized values, where they differ) of the gathered buffers. What
+        the implementation derived to show them (e.g. TE's columnwise copy) is let go on return: the
+        checks after this one read the weight through the library, not these buffers."""
         got = self.impl.read_buffers(param)
         # A parked golden comes over whole, once per inspection (not chunk by chunk for each check), after
         # the gather's own buffers exist; what the value checks after the comparison do not read waits on
-        # the host again (its host copy is kept: no copy back; the queued comparisons read the device
-        # copies before the device frees them, in the stream's order).
+        # the host again before the digest's temporaries (its host copy is kept: no copy back).
         parked = golden.parked
         golden.unpark()
         try:
-            pending = start_buffer_comparison(got, golden.q)
+            diffs = tuple(compare_buffers(got, golden.q))
+            if parked:
+                golden.park(keep=golden.value_buffers())
+            return self._evidence(got, golden, diffs)
         finally:
             if parked:
                 golden.park(keep=golden.value_buffers())
 
-        def finish() -> Evidence:
-            diffs = tuple(pending.result())
-            try:
-                return self._evidence(got, golden, diffs)
-            finally:
-                if parked:
-                    golden.park(keep=golden.value_buffers())
-
-        return finish
-
-    def _evidence(self, got: dict[str, torch.Tensor], golden: Golden, diffs: tuple) -> Evidence:
+    def _evidence(self, got: dict[str, torch.Tensor], golden: Golden, diffs: tuple
+                  ) -> tuple[str, tuple, Comparison | None, tuple]:
         """(digest, differences, dequantized values, where they differ) once the buffers are compared."""
         fmt = self.fmt
         buffers_digest = digest(got, golden.q.valid, golden.digest_parts(_identical(got, golden, diffs)))

@@ -117,65 +117,26 @@ def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> li
     """Each of the golden's buffers that `got` lacks, holds in another shape or element size, or
     whose valid region differs in any bit (padding is never compared). Every region is compared
     where the gathered buffer lives, in one pass, and only the counts come back to the host, all
-    at once (`start_buffer_comparison`, then `PendingBufferDiffs.result`)."""
-    return start_buffer_comparison(got, golden).result()
-
-
-def start_buffer_comparison(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> PendingBufferDiffs:
-    """compare_buffers' comparisons queued on the device, nothing read back yet: the host may queue
-    other work while the device compares. A large region on a GPU is counted element by element at
-    once (fused.py: the count the report gives); elsewhere its words are counted first, and a region
-    whose words differ is counted again element by element when the result is read."""
-    decided, queued = [], []
+    at once; a region that differs is counted again element by element for the report."""
+    diffs, pending = [], []
     for name, want in golden.buffers.items():
         have = got.get(name)
         if have is None:
-            decided.append(BufferDiff(name, DiffProblem.MISSING, detail="(the implementation has no such buffer)"))
+            diffs.append(BufferDiff(name, DiffProblem.MISSING, detail="(the implementation has no such buffer)"))
         elif tuple(have.shape) != tuple(want.shape):
             shapes = f"{tuple(have.shape)} != golden {tuple(want.shape)}"
-            decided.append(BufferDiff(name, DiffProblem.SHAPE, detail=shapes))
+            diffs.append(BufferDiff(name, DiffProblem.SHAPE, detail=shapes))
         elif have.dtype != want.dtype and have.element_size() != want.element_size():
-            decided.append(BufferDiff(name, DiffProblem.DTYPE, detail=f"{have.dtype} != golden {want.dtype}"))
+            diffs.append(BufferDiff(name, DiffProblem.DTYPE, detail=f"{have.dtype} != golden {want.dtype}"))
         else:
             region = golden.valid[name]
             a, b = _bits(have[region]), _bits(want[region]).view(_bits(have).dtype)
-            elements = fused.count_differing(a, b) if fused.large_pair(a, b) else None
-            if elements is not None:
-                queued.append(_Queued(name, a.numel(), elements))
-            else:
-                queued.append(_Queued(name, a.numel(), _differing_words(a, b), (a, b)))
-    return PendingBufferDiffs(decided, queued, list(golden.buffers))
-
-
-@dataclass(frozen=True)
-class _Queued:
-    """One region's count on the device: of elements, or of words when `pair` (a, b) is kept to count
-    the elements of a differing region."""
-
-    name: str
-    n_valid: int
-    count: torch.Tensor
-    pair: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-@dataclass(frozen=True)
-class PendingBufferDiffs:
-    """Buffer comparisons queued by start_buffer_comparison: the differences found without the
-    device, and the counts still on it."""
-
-    decided: list[BufferDiff]
-    queued: list[_Queued]
-    order: list[str]
-
-    def result(self) -> list[BufferDiff]:
-        """The differences in the golden's buffer order, the device's counts read back at once."""
-        diffs = list(self.decided)
-        for queued, count in zip(self.queued, _to_host([q.count for q in self.queued]), strict=True):
-            if count and queued.pair is not None:  # the word count says only that the region differs
-                count = int(_count_differing(*queued.pair))
-            if count:
-                diffs.append(BufferDiff(queued.name, DiffProblem.BITS, n_diff=count, n_valid=queued.n_valid))
-        return sorted(diffs, key=lambda d: self.order.index(d.name))
+            pending.append((name, a, b, _differing_words(a, b)))
+    for (name, a, b, _), words in zip(pending, _to_host([w for *_, w in pending])):
+        if words:  # the word count says only that the region differs: the report counts elements
+            diffs.append(BufferDiff(name, DiffProblem.BITS, n_diff=int(_count_differing(a, b)), n_valid=a.numel()))
+    order = list(golden.buffers)
+    return sorted(diffs, key=lambda d: order.index(d.name))
 
 
 def _to_host(counts: list[torch.Tensor]) -> list[int]:
