@@ -125,7 +125,8 @@ def test_a_buffer_identical_to_the_golden_takes_the_goldens_digest_part(monkeypa
     got["columnwise_data"][3, 5] ^= 1
     diffs = compare.compare_buffers(got, golden.q)
     identical = _identical(got, golden, diffs)
-    assert sorted(identical) == ["columnwise_scale_inv", "rowwise_data", "rowwise_scale_inv"]  # amax: too small
+    assert sorted(identical) == ["amax_columnwise", "amax_rowwise", "columnwise_scale_inv", "rowwise_data",
+                                 "rowwise_scale_inv"]  # small ones too: their bytes hash as the golden's
     parts = golden.digest_parts(identical)
     assert compare.digest(got, golden.q.valid, parts) == compare.digest(got, golden.q.valid)
     # the next case's gather, all identical: the kept parts serve it, the one missing is added
@@ -198,3 +199,31 @@ def test_each_case_gets_its_own_copy_of_the_kept_layer_input():
     first.x.zero_()
     second = RankCase.prepare(ctx, spec, PhaseTracker())
     assert second.x.abs().sum() > 0 and second.x.data_ptr() != first.x.data_ptr()
+
+
+def test_an_output_bit_identical_to_the_kept_golden_output_takes_its_digest(monkeypatch):
+    """The inspection's output digest of an output equal bit for bit to the golden layer's is the
+    kept output's, computed once (no copy of the output to the host per case); another output is
+    digested itself."""
+    from qgather.check import inspection
+    from qgather.check.golden import golden_for
+    from qgather.formats import FORMATS
+    from qgather.impls import get_impl
+    from qgather.instruments import compare
+    from qgather.model.case import CaseSpec, ShardLayout
+
+    spec = CaseSpec.parse("reference:fp8_tensor:64x32:bf16:ws2:gather:s0")
+    golden = golden_for(FORMATS["fp8_tensor"], torch.randn(64, 32, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
+    inspector = inspection.Inspector(spec, get_impl("reference"), FORMATS["fp8_tensor"], x, ShardLayout(64, 2, 1))
+    weight = golden.dequantized_as(torch.float32)
+    exact, exact_digest, _ = inspector._forward(weight, golden)
+    assert exact.equal and exact_digest == compare.digest({"output": golden.kept_output(x, False)}, {})
+    digested = []
+    for module in (inspection, compare):
+        monkeypatch.setattr(module, "digest", lambda *a, real=compare.digest: digested.append(a) or real(*a))
+    assert inspector._forward(weight, golden)[1] == exact_digest and not digested  # kept: nothing digested
+    off = weight.clone()
+    off[0, 0] = off[0, 0] * 2 + 1
+    wrong, wrong_digest, _ = inspector._forward(off, golden)
+    assert not wrong.equal and wrong_digest != exact_digest and len(digested) == 1

@@ -43,6 +43,7 @@ class Golden:
     _host: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # each buffer's host copy, once made
     _away: set[str] = field(default_factory=set, repr=False)  # the buffers waiting on the host now
     _output: tuple[torch.Tensor, bool, torch.Tensor] | None = field(default=None, repr=False)  # kept_output's
+    _output_digest: str | None = field(default=None, repr=False)  # output_digest's, of _output's output
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +121,13 @@ class Golden:
     def keep_output(self, x: torch.Tensor, blocks: bool, output: torch.Tensor) -> None:
         """Keep the golden layer's output for input `x` (the last one only: a few rows of output)."""
         self._output = (x.detach().clone(), blocks, output.detach())
+        self._output_digest = None
+
+    def output_digest(self) -> str:
+        """compare.digest of the kept output (keep_output) as an inspection's output digest, computed once."""
+        if self._output_digest is None:
+            self._output_digest = compare.digest({"output": self._output[2]}, {})
+        return self._output_digest
 
     def replace_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """Let `buffers` (where the golden's buffers are now) stand for the golden's own."""
@@ -129,11 +137,11 @@ class Golden:
             if name in self._away:
                 self._host[name] = tensor
         self._digest_parts = {k: v for k, v in self._digest_parts.items() if k not in buffers}
-        self._output = None  # of other values
+        self._output = self._output_digest = None  # of other values
 
     def digest_parts(self, identical: dict[str, torch.Tensor]) -> dict[str, bytes]:
         """compare.digest_part of each of the `identical` buffers (gathered buffers whose valid regions
-        equal the golden's bit for bit, in the same shape and dtype, and that digest fingerprints):
+        equal the golden's bit for bit, in the same shape and dtype):
         what the golden's own buffer hashes to, computed from the first such buffer and kept with the
         golden, so that a kept golden serves it to every later case (also while it waits on the host)."""
         for name, tensor in identical.items():
