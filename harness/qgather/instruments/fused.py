@@ -85,18 +85,18 @@ FLAT_BLOCK_BYTES = 16384  # of each operand, per program of the flat kernel
 def _count_flat(kernels, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     block = FLAT_BLOCK_BYTES // a.element_size()
     programs = max(1, -(-a.numel() // block))
-    partial = torch.empty(programs, dtype=torch.int32, device=a.device)
+    partial = torch.empty(programs, dtype=torch.int64, device=a.device)
     kernels.flat[(programs,)](a, b, partial, a.numel(), BLOCK=block)
-    return partial.sum(dtype=torch.int64)
+    return partial.sum()  # int64 partials: one kernel, no cast
 
 
 def _count_tiled(kernels, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     tile = tile_for(a.element_size())
     grid = (-(-a.shape[0] // tile), -(-a.shape[1] // tile))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=a.device)
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.int64, device=a.device)
     kernels.tiled[grid](a, b, partial, a.shape[0], a.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                         TILE=tile)
-    return partial.sum(dtype=torch.int64)
+    return partial.sum()  # int64 partials: one kernel, no cast
 
 
 def _span(t: torch.Tensor) -> int:
@@ -119,7 +119,7 @@ def _triton_kernels():
         inside = i < n
         a = tl.load(a_ptr + i, mask=inside, other=0)
         b = tl.load(b_ptr + i, mask=inside, other=0)
-        tl.store(out_ptr + tl.program_id(0), tl.sum((a != b).to(tl.int32), axis=0))
+        tl.store(out_ptr + tl.program_id(0), tl.sum((a != b).to(tl.int32), axis=0).to(tl.int64))
 
     @triton.jit
     def tiled(a_ptr, b_ptr, out_ptr, rows, cols, a_row, a_col, b_row, b_col, TILE: tl.constexpr):
@@ -128,7 +128,7 @@ def _triton_kernels():
         inside = (r[:, None] < rows) & (c[None, :] < cols)
         a = tl.load(a_ptr + r[:, None] * a_row + c[None, :] * a_col, mask=inside, other=0)
         b = tl.load(b_ptr + r[:, None] * b_row + c[None, :] * b_col, mask=inside, other=0)
-        differing = tl.sum(tl.sum((a != b).to(tl.int32), axis=1), axis=0)
+        differing = tl.sum(tl.sum((a != b).to(tl.int32), axis=1), axis=0).to(tl.int64)
         tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), differing)
 
     return SimpleNamespace(flat=flat, tiled=tiled)

@@ -49,11 +49,11 @@ def _count_fp8_tiles(kernels, got: torch.Tensor, data: torch.Tensor, tile_scale_
     if tuple(data.shape) != (rows, cols) or data.stride(1) != 1:
         return None
     grid = (-(-rows // ROWS), -(-cols // FP8_COLUMNS))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=got.device)
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.int64, device=got.device)
     kernels.fp8_tiles[grid](got, data, tile_scale_inv, _fp8_values(got.device), partial, rows, cols,
                             data.stride(0), tile_scale_inv.stride(0), tile_scale_inv.stride(1),
                             ROWS=ROWS, COLUMNS=FP8_COLUMNS, TILE=fp8_block.BLOCK)
-    return partial.sum(dtype=torch.int64)
+    return partial.sum()  # int64 partials: one kernel, no cast
 
 
 def _count_nvfp4_blocks(kernels, got: torch.Tensor, packed: torch.Tensor, scale_bits: torch.Tensor,
@@ -68,11 +68,11 @@ def _count_nvfp4_blocks(kernels, got: torch.Tensor, packed: torch.Tensor, scale_
             or not _pair_table_is_e2m1(pair_table):
         return None
     grid = (-(-rows // ROWS), -(-blocks // NVFP4_SCALE_BLOCKS))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=got.device)
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.int64, device=got.device)
     kernels.nvfp4_blocks[grid](got, packed, scale_bits, amax, _nvfp4_inverse(got.device), _fp8_values(got.device),
                                partial, rows, blocks, packed.stride(0), scale_bits.stride(0),
                                ROWS=ROWS, BLOCKS=NVFP4_SCALE_BLOCKS, PAIRS=nvfp4.BLOCK // 2)
-    return partial.sum(dtype=torch.int64)
+    return partial.sum()  # int64 partials: one kernel, no cast
 
 
 def _pair_table_is_e2m1(pair_table: torch.Tensor) -> bool:
@@ -132,7 +132,7 @@ def _kernels():
         got = tl.load(got_ptr + r[:, None] * cols + c[None, :], mask=inside, other=0.0)
         differ = (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & inside
         tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                 tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
+                 tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0).to(tl.int64))
 
     @triton.jit
     def nvfp4_blocks(got_ptr, packed_ptr, scale_ptr, amax_ptr, inverse_ptr, values_ptr, out_ptr,
@@ -164,6 +164,6 @@ def _kernels():
         got = tl.load(got_ptr + r[:, None] * (blocks * PAIRS * 2) + c[None, :], mask=inside, other=0.0)
         differ = (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & inside
         tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                 tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
+                 tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0).to(tl.int64))
 
     return SimpleNamespace(fp8_tiles=fp8_tiles, nvfp4_blocks=nvfp4_blocks)
