@@ -46,8 +46,9 @@ def _count_fp8_tiles(kernels, got: torch.Tensor, data: torch.Tensor, tile_scale_
                      ) -> torch.Tensor | None:
     """fp8_block._tiles_dequantized(data, tile_scale_inv) against `got`."""
     rows, cols = got.shape
-    if tuple(data.shape) != (rows, cols) or data.stride(1) != 1:
-        return None
+    tiles = (-(-rows // fp8_block.BLOCK), -(-cols // fp8_block.BLOCK))
+    if tuple(data.shape) != (rows, cols) or data.stride(1) != 1 or tuple(tile_scale_inv.shape) != tiles:
+        return None  # the kernel reads one scale per tile, unmasked: only a whole tile grid of them
     grid = (-(-rows // ROWS), -(-cols // FP8_COLUMNS))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.int64, device=got.device)
     kernels.fp8_tiles[grid](got, data, tile_scale_inv, _fp8_values(got.device), partial, rows, cols,
