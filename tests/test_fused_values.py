@@ -1,6 +1,7 @@
-"""The Triton kernels that dequantize a golden's row block in registers (qgather.instruments.fused_values)
-count what the eager comparison counts, run in Triton's interpreter on the CPU where Triton is
-installed (tests/gpu/test_fused_compare.py runs them compiled, on a GPU).
+"""qgather's Triton kernels count what the eager comparison counts: those that dequantize a golden's row
+block in registers (qgather.instruments.fused_values) and the buffer comparisons (fused.count_by_triton,
+flat and tiled), run in Triton's interpreter on the CPU where Triton is installed (the dev extra
+installs it; tests/gpu/test_fused_compare.py runs them compiled, on a GPU).
 
 The interpreter is switched on by TRITON_INTERPRET before Triton is imported, for a whole process:
 the checks run in a process of their own (this file, run as a script), so that no kernel of the
@@ -22,7 +23,7 @@ from qgather.check.golden import golden_for
 from qgather.formats import FORMATS
 from qgather.formats import base as format_base
 from qgather.formats import numerics as nx
-from qgather.instruments import fused_values
+from qgather.instruments import fused, fused_values
 from qgather.instruments.compare import Deferred
 
 HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "harness")
@@ -100,11 +101,26 @@ def _declined() -> list:
             fused_values.count(got, want.fn, (want.tensors[0], want.tensors[1][:, :1]))]  # too few tile scales
 
 
+def _buffers() -> dict:
+    """count_by_triton of two contiguous buffers (flat) and of a buffer against a transposed view
+    (tiled), with differences planted, against the eager count."""
+    out = {}
+    for dtype in (torch.uint8, torch.int32):
+        rowwise = torch.randint(0, 120, (300, 260), dtype=dtype, generator=torch.Generator().manual_seed(1))
+        got = rowwise.t().contiguous()
+        got.view(-1)[torch.randperm(got.numel(), generator=torch.Generator().manual_seed(2))[:41]] += 1
+        for layout, want in (("tiled", rowwise.t()), ("flat", rowwise.t().contiguous())):
+            counted = fused.count_by_triton(got, want)
+            out[f"{layout}-{dtype}"] = [None if counted is None else int(counted), int((got != want).sum()), 41]
+    return out
+
+
 def _probe() -> dict:
     results = {f"{f}-{s[0]}x{s[1]}-{n}": _planted(f, s, n) for f in FORMAT_NAMES for s in SHAPES for n in N_DIFFS}
     results.update({f"wrong-scales-{f}": _wrong_scales(f) for f in ("fp8_block", "nvfp4_2d")})
     results["overflow"] = _overflowing_factor()
     results["declined"] = _declined()
+    results.update(_buffers())
     return results
 
 
@@ -139,6 +155,14 @@ def test_a_block_dequantized_with_the_wrong_scales_differs_wholesale(probed, fmt
 def test_nvfp4_factor_takes_the_other_order_where_scale_times_amax_overflows(probed):
     counted, eager, planted, overflows, finite = probed["overflow"]
     assert overflows and finite, "the other order was not exercised"
+    assert counted == eager == planted
+
+
+@pytest.mark.parametrize("layout", ("flat", "tiled"))
+@pytest.mark.parametrize("dtype", (torch.uint8, torch.int32))
+def test_the_buffer_kernels_count_what_the_eager_comparison_counts(probed, layout, dtype):
+    counted, eager, planted = probed[f"{layout}-{dtype}"]
+    assert counted is not None, "no kernel ran: nothing tested"
     assert counted == eager == planted
 
 

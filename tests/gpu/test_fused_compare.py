@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qgather.formats import FORMATS
-from qgather.instruments import compare, fused
+from qgather.instruments import compare, fused, kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def test_the_compiled_count_of_a_transposed_view_is_the_eager_count(cuda, route,
     compiled = int(compare._count_differing(got, view))
     eager = int(sum((got[i:i + 256] != view[i:i + 256]).sum() for i in range(0, got.shape[0], 256)))
     assert compiled == eager == n_diff
-    assert not fused._BROKEN and not fused._TRITON_BROKEN  # the kernels ran, not a fallback
+    assert not fused._BROKEN and not kernels.TRITON_BROKEN  # the kernels ran, not a fallback
 
 
 @pytest.mark.parametrize("route", ("triton", "compiled"))
@@ -59,7 +59,7 @@ def test_the_compiled_count_of_two_buffers_is_the_eager_count(cuda, route, nbyte
     compiled = int(compare._differing_words(got, want))
     eager = int((got != want).sum())
     assert compiled == eager == n_diff
-    assert not fused._BROKEN and not fused._TRITON_BROKEN  # the kernels ran, not a fallback
+    assert not fused._BROKEN and not kernels.TRITON_BROKEN  # the kernels ran, not a fallback
 
 
 def test_a_kept_fp8_block_golden_judges_a_broken_columnwise_copy(cuda):
@@ -110,7 +110,7 @@ def test_a_compiled_golden_block_comparison_counts_what_the_made_values_count(cu
     eager = compare_value_blocks(lambda: zip(got, made))
     assert (compiled.equal, compiled.n_diff, compiled.max_abs) == (eager.equal, eager.n_diff, eager.max_abs)
     assert compiled.n_diff == n_diff
-    assert not fused._BROKEN and not fused._TRITON_BROKEN  # the comparison ran, not a fallback
+    assert not fused._BROKEN and not kernels.TRITON_BROKEN  # the comparison ran, not a fallback
     if route == "triton":  # every block large enough for a kernel (the last may be short) went to Triton's
         large = sum(want.shape.numel() >= fused.FUSED_MIN_ELEMENTS for want in deferred)
         assert large and len(launched) == large and all(c is not None for c in launched), "Triton did not run"

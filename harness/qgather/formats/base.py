@@ -23,10 +23,11 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: next to the gathered one); the bits are the same as from one pass (tests/test_row_blocks.py).
 ROW_BLOCK_ELEMENTS = 1 << 24
 #: Such a tensor is judged (dequantized and compared: qgather.check) in row blocks of about this
-#: many elements: each block costs the host a fixed time (the library's dequantize, a compiled
-#: comparison's launch) that small blocks multiply, while a block's temporaries are a few float32
-#: copies of it (TE's blockwise dequantization: two, 8 bytes per element), which `qgather bench gpu`'s
-#: memory goal bounds: 48 Mi elements, a fifth of its 8192x28672 weight, make 0.8 bf16 weights of them.
+#: many elements: each block costs the host a fixed time (the library's dequantize, a comparison
+#: kernel's launch, the output's GEMM) that small blocks multiply, while a block's temporaries are a
+#: few float32 copies of it (TE's blockwise dequantization: two, 8 bytes per element), which `qgather
+#: bench gpu`'s memory goal bounds: 48 Mi elements, a fifth of its 8192x28672 weight, make 0.8 bf16
+#: weights of them.
 CHECK_BLOCK_ELEMENTS = 3 << 24
 #: rows TE pads the per-row scale buffers of MXFP8 and NVFP4 to (their GEMM's swizzle unit)
 SCALE_ROW_PADDING = 128

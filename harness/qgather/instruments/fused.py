@@ -12,13 +12,12 @@ cannot run.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import torch
 
-from qgather.instruments import fused_values
+from qgather.instruments import fused_values, kernels
 
 #: Pairs of at least this many elements on a GPU are compared by one kernel: read element by element
 #: through a transposed view, the eager comparison ran at about a tenth of the HBM bandwidth (3.5 ms
@@ -27,9 +26,8 @@ FUSED_MIN_ELEMENTS = 1 << 22
 TILE = 32  # a strided pair is reduced in TILE x TILE tiles first (where Triton is missing)
 
 # Why the compiler cannot run in this process, once it could not: a property of the process (its
-# torch build, its compiler), not of a case, so it is kept where the kernels are.
+# torch build, its compiler), not of a case, so it is kept where the kernels are (Triton's: kernels.py).
 _BROKEN: list[str] = []
-_TRITON_BROKEN: list[str] = []  # the same for count_by_triton's kernels alone
 
 
 def large_pair(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,18 +56,15 @@ def count_by_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     None where it does not apply (no Triton, a float dtype, offsets beyond 32 bits, another layout)
     or cannot run."""
     if a.shape != b.shape or a.dtype != b.dtype or a.dtype.is_floating_point or a.dtype.is_complex \
-            or a.dtype == torch.bool or _TRITON_BROKEN or max(_span(a), _span(b)) >= 1 << 31:
+            or a.dtype == torch.bool or max(_span(a), _span(b)) >= 1 << 31:
         return None
-    kernels = _triton_kernels()
-    if kernels is None:
+    triton = _triton_kernels()
+    if triton is None:
         return None
-    try:
-        if a.is_contiguous() and b.is_contiguous():
-            return _count_flat(kernels, a.reshape(-1), b.reshape(-1))
-        if a.dim() == 2:
-            return _count_tiled(kernels, a, b)
-    except Exception as exc:  # noqa: BLE001 - the compiled comparison counts the same, slower
-        _note_broken(exc, _TRITON_BROKEN, "the Triton comparison")
+    if a.is_contiguous() and b.is_contiguous():
+        return _count_flat(triton, a.reshape(-1), b.reshape(-1))
+    if a.dim() == 2:
+        return _count_tiled(triton, a, b)
     return None
 
 
@@ -82,21 +77,16 @@ def tile_for(element_size: int) -> int:
 FLAT_BLOCK_BYTES = 16384  # of each operand, per program of the flat kernel
 
 
-def _count_flat(kernels, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _count_flat(triton, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     block = FLAT_BLOCK_BYTES // a.element_size()
-    programs = max(1, -(-a.numel() // block))
-    partial = torch.empty(programs, dtype=torch.int64, device=a.device)
-    kernels.flat[(programs,)](a, b, partial, a.numel(), BLOCK=block)
-    return partial.sum()  # int64 partials: one kernel, no cast
+    return kernels.counted(triton.flat, (max(1, -(-a.numel() // block)),), a.device, a, b, a.numel(), BLOCK=block)
 
 
-def _count_tiled(kernels, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _count_tiled(triton, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     tile = tile_for(a.element_size())
     grid = (-(-a.shape[0] // tile), -(-a.shape[1] // tile))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.int64, device=a.device)
-    kernels.tiled[grid](a, b, partial, a.shape[0], a.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                        TILE=tile)
-    return partial.sum()  # int64 partials: one kernel, no cast
+    return kernels.counted(triton.tiled, grid, a.device, a, b, a.shape[0], a.shape[1], a.stride(0), a.stride(1),
+                           b.stride(0), b.stride(1), TILE=tile)
 
 
 def _span(t: torch.Tensor) -> int:
@@ -104,17 +94,11 @@ def _span(t: torch.Tensor) -> int:
     return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True) if size)
 
 
-@functools.cache
-def _triton_kernels():
-    """The Triton kernels of `count_by_triton` (flat, tiled), or None where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+def _buffer_kernels(triton, tl) -> SimpleNamespace:
+    """The Triton kernels of `count_by_triton`: two buffers read flat, a strided pair in tiles."""
 
     @triton.jit
-    def flat(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def flat(out_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = i < n
         a = tl.load(a_ptr + i, mask=inside, other=0)
@@ -122,7 +106,7 @@ def _triton_kernels():
         tl.store(out_ptr + tl.program_id(0), tl.sum((a != b).to(tl.int32), axis=0).to(tl.int64))
 
     @triton.jit
-    def tiled(a_ptr, b_ptr, out_ptr, rows, cols, a_row, a_col, b_row, b_col, TILE: tl.constexpr):
+    def tiled(out_ptr, a_ptr, b_ptr, rows, cols, a_row, a_col, b_row, b_col, TILE: tl.constexpr):
         r = tl.program_id(0) * TILE + tl.arange(0, TILE)
         c = tl.program_id(1) * TILE + tl.arange(0, TILE)
         inside = (r[:, None] < rows) & (c[None, :] < cols)
@@ -134,6 +118,9 @@ def _triton_kernels():
     return SimpleNamespace(flat=flat, tiled=tiled)
 
 
+_triton_kernels = kernels.built(_buffer_kernels)
+
+
 def count_differing_values(got: torch.Tensor, fn: Callable[..., torch.Tensor],
                            tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Elements of `got` whose bits differ from fn(*tensors) (float32; `got` compared as float32),
@@ -142,22 +129,10 @@ def count_differing_values(got: torch.Tensor, fn: Callable[..., torch.Tensor],
     where neither can run."""
     if got.device.type != "cuda" or got.numel() < FUSED_MIN_ELEMENTS or any(t.device != got.device for t in tensors):
         return None
-    count = _values_by_triton(got, fn, tensors)
+    count = fused_values.count(got, fn, tensors)
     if count is not None or _BROKEN:
         return count
     return _run(functools.partial(_compiled_value_count, fn), got, *tensors)
-
-
-def _values_by_triton(got: torch.Tensor, fn: Callable[..., torch.Tensor],
-                      tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The format's own Triton kernel (qgather.instruments.fused_values), or None."""
-    if _TRITON_BROKEN:
-        return None
-    try:
-        return fused_values.count(got, fn, tensors)
-    except Exception as exc:  # noqa: BLE001 - the compiled comparison counts the same, slower
-        _note_broken(exc, _TRITON_BROKEN, "the Triton comparison")
-        return None
 
 
 #: what torch.compile raises (fullgraph=True) once a function was compiled for as many shapes and
@@ -171,16 +146,8 @@ def _run(compiled: Callable[[], Callable[..., torch.Tensor]], *tensors: torch.Te
         return compiled()(*tensors)
     except Exception as exc:  # noqa: BLE001 - no compiler here: the caller compares eagerly, the same count
         if type(exc).__name__ not in _RECOMPILE_LIMIT:
-            _note_broken(exc, _BROKEN, "the compiled comparison")
+            kernels.note_broken(exc, _BROKEN, "the compiled comparison")
         return None
-
-
-def _note_broken(exc: Exception, flag: list[str], what: str) -> None:
-    """Remember in `flag` that `what` cannot run in this process; warn the first time."""
-    flag.append(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
-    if len(flag) == 1:
-        warnings.warn(f"qgather: {what} cannot run here ({flag[0]}); large tensors are compared another way "
-                      "(the same counts)", RuntimeWarning, stacklevel=4)
 
 
 @functools.cache

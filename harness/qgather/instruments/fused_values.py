@@ -20,6 +20,7 @@ import torch
 
 from qgather.formats import fp8_block, nvfp4
 from qgather.formats import numerics as nx
+from qgather.instruments import kernels
 
 ROWS = 32  # rows per program; a divisor of fp8_block's 128-row scale tiles
 FP8_COLUMNS = 128  # columns per program of the fp8_block kernel: one scale tile wide
@@ -36,13 +37,13 @@ def count(got: torch.Tensor, fn: Callable[..., torch.Tensor], tensors: Sequence[
     if launch is None or got.dtype != torch.float32 or not got.is_contiguous() or got.dim() != 2 \
             or got.numel() >= 1 << 31:
         return None
-    kernels = _kernels()
-    if kernels is None:
+    triton = _kernels()
+    if triton is None:
         return None
-    return launch(kernels, got, *tensors)
+    return launch(triton, got, *tensors)
 
 
-def _count_fp8_tiles(kernels, got: torch.Tensor, data: torch.Tensor, tile_scale_inv: torch.Tensor
+def _count_fp8_tiles(triton, got: torch.Tensor, data: torch.Tensor, tile_scale_inv: torch.Tensor
                      ) -> torch.Tensor | None:
     """fp8_block._tiles_dequantized(data, tile_scale_inv) against `got`."""
     rows, cols = got.shape
@@ -50,14 +51,12 @@ def _count_fp8_tiles(kernels, got: torch.Tensor, data: torch.Tensor, tile_scale_
     if tuple(data.shape) != (rows, cols) or data.stride(1) != 1 or tuple(tile_scale_inv.shape) != tiles:
         return None  # the kernel reads one scale per tile, unmasked: only a whole tile grid of them
     grid = (-(-rows // ROWS), -(-cols // FP8_COLUMNS))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.int64, device=got.device)
-    kernels.fp8_tiles[grid](got, data, tile_scale_inv, _fp8_values(got.device), partial, rows, cols,
-                            data.stride(0), tile_scale_inv.stride(0), tile_scale_inv.stride(1),
-                            ROWS=ROWS, COLUMNS=FP8_COLUMNS, TILE=fp8_block.BLOCK)
-    return partial.sum()  # int64 partials: one kernel, no cast
+    return kernels.counted(triton.fp8_tiles, grid, got.device, got, data, tile_scale_inv, _fp8_values(got.device),
+                           rows, cols, data.stride(0), tile_scale_inv.stride(0), tile_scale_inv.stride(1),
+                           ROWS=ROWS, COLUMNS=FP8_COLUMNS, TILE=fp8_block.BLOCK)
 
 
-def _count_nvfp4_blocks(kernels, got: torch.Tensor, packed: torch.Tensor, scale_bits: torch.Tensor,
+def _count_nvfp4_blocks(triton, got: torch.Tensor, packed: torch.Tensor, scale_bits: torch.Tensor,
                         amax: torch.Tensor, pair_table: torch.Tensor) -> torch.Tensor | None:
     """nvfp4._blocks_dequantized(packed, scale_bits, amax, pair_table) against `got`. The codes' values
     are decoded from their bits in the kernel (no table gathers), and each is checked against the
@@ -69,11 +68,9 @@ def _count_nvfp4_blocks(kernels, got: torch.Tensor, packed: torch.Tensor, scale_
             or not _pair_table_is_e2m1(pair_table):
         return None
     grid = (-(-rows // ROWS), -(-blocks // NVFP4_SCALE_BLOCKS))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.int64, device=got.device)
-    kernels.nvfp4_blocks[grid](got, packed, scale_bits, amax, _nvfp4_inverse(got.device), _fp8_values(got.device),
-                               partial, rows, blocks, packed.stride(0), scale_bits.stride(0),
-                               ROWS=ROWS, BLOCKS=NVFP4_SCALE_BLOCKS, PAIRS=nvfp4.BLOCK // 2)
-    return partial.sum()  # int64 partials: one kernel, no cast
+    return kernels.counted(triton.nvfp4_blocks, grid, got.device, got, packed, scale_bits, amax,
+                           _nvfp4_inverse(got.device), _fp8_values(got.device), rows, blocks, packed.stride(0),
+                           scale_bits.stride(0), ROWS=ROWS, BLOCKS=NVFP4_SCALE_BLOCKS, PAIRS=nvfp4.BLOCK // 2)
 
 
 def _pair_table_is_e2m1(pair_table: torch.Tensor) -> bool:
@@ -110,17 +107,11 @@ def _nvfp4_inverse(device: torch.device) -> torch.Tensor:
     return nx.f32(1.0 / (nx.FP4_E2M1_MAX * nx.FP8_E4M3_MAX), device)
 
 
-@functools.cache
-def _kernels():
-    """The Triton kernels (fp8_tiles, nvfp4_blocks), or None where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+def _value_kernels(triton, tl) -> SimpleNamespace:
+    """The Triton kernels of `count` (fp8_tiles, nvfp4_blocks)."""
 
     @triton.jit
-    def fp8_tiles(got_ptr, data_ptr, scale_ptr, values_ptr, out_ptr, rows, cols, data_row, scale_row, scale_col,
+    def fp8_tiles(out_ptr, got_ptr, data_ptr, scale_ptr, values_ptr, rows, cols, data_row, scale_row, scale_col,
                   ROWS: tl.constexpr, COLUMNS: tl.constexpr, TILE: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         c = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
@@ -136,7 +127,7 @@ def _kernels():
                  tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0).to(tl.int64))
 
     @triton.jit
-    def nvfp4_blocks(got_ptr, packed_ptr, scale_ptr, amax_ptr, inverse_ptr, values_ptr, out_ptr,
+    def nvfp4_blocks(out_ptr, got_ptr, packed_ptr, scale_ptr, amax_ptr, inverse_ptr, values_ptr,
                      rows, blocks, packed_row, scale_row, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
                      PAIRS: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -168,3 +159,6 @@ def _kernels():
                  tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0).to(tl.int64))
 
     return SimpleNamespace(fp8_tiles=fp8_tiles, nvfp4_blocks=nvfp4_blocks)
+
+
+_kernels = kernels.built(_value_kernels)
