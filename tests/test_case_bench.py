@@ -62,16 +62,19 @@ def test_every_goal_is_printed_and_a_missed_one_fails(capsys, monkeypatch):
     assert "collective" in out.split("steps (run")[1]  # where the seconds went, step by step
 
 
-def _gpu_results(golden_s):
+def _gpu_results(golden_s, peak_steps=None):
     """Two ranks' records of one warm-up and one measured run, as measure_on_rank returns them from
-    an H100 (0.47 GB bf16 weight, 0.24 GB gathered per rank)."""
+    an H100 (0.47 GB bf16 weight, 0.24 GB gathered per rank); `peak_steps[rank][run]`: the step of
+    each run's peak (none without)."""
     bare = bench_report.BareWork(quantize_s=1e-3, collective_s=2e-3, build_s=5e-3, own_quantizer=True)
     results = []
     for rank in (0, 1):
         seconds = {"golden": golden_s, "collective": 1e-3, "inspection": 1e-3}
         result = RankResult(rank, (), seconds=tuple(seconds.items()), started=(("golden", 0.0), ("collective", 1.0)))
-        warm_up = {"full_s": 0.02, "result": result, "peak_bytes": 2 * 470_000_000}
+        warm_up = {"full_s": 0.02, "result": result, "peak_bytes": 2 * 470_000_000 + rank}
         measured = {"full_s": 0.02, "result": result, "peak_bytes": 3 * 470_000_000 // 2}
+        if peak_steps:
+            warm_up["peak_step"], measured["peak_step"] = peak_steps[rank]
         results.append({"runs": [warm_up, measured], "bare": bare,
                         "weight_bytes": 470_000_000, "weight_bf16_bytes": 470_000_000,
                         "collective_bytes": 117_000_000, "device_name": "NVIDIA H100 80GB HBM3"})
@@ -97,6 +100,28 @@ def test_on_nccl_each_of_qgathers_own_steps_is_a_goal_against_its_floor(capsys, 
     assert missed == ["fp8_block golden within 5x its HBM floor", "fp8_block qgather's own steps within their HBM "
                       "floors"], out
     assert "MISSED golden within 5x its HBM floor: 200.00 ms on its slowest rank vs floor" in out
+
+
+def test_the_memory_goal_names_the_step_and_rank_of_the_highest_peak(capsys, monkeypatch):
+    monkeypatch.setattr(bench_report, "classify_results", lambda results: SimpleNamespace(verdict=Verdict.EXACT,
+                                                                                          reason=""))
+    args = case_bench._parse(["--device", "cuda", "--world-size", "2"])
+    case_id = "te:fp8_block:8192x28672:bf16:ws2:gather:s0"
+    steps = [("golden", "shard"), ("sharded module", "collective")]  # rank 1's warm-up peaks highest
+    bench_report.report("fp8_block", case_id, _gpu_results(0.5e-3, steps), args, "nccl")
+    memory = next(line for line in capsys.readouterr().out.splitlines() if " memory: " in line)
+    assert memory.strip() == ("ok     memory: peak 2.00x the bf16 weight per rank (every run, warm-up included: the "
+                              "warm-up run 2.00x, the measured runs 1.50x) (goal: <= 3x); reached in the step "
+                              '"sharded module" (rank 1)'), memory
+    bench_report.report("fp8_block", case_id, _gpu_results(0.5e-3), args, "nccl")
+    memory = next(line for line in capsys.readouterr().out.splitlines() if " memory: " in line)
+    assert memory.strip().endswith("(goal: <= 3x)"), memory
+
+
+def test_a_runs_peak_step_is_the_step_with_the_highest_mark():
+    result = RankResult(0, (), high_water=(("build/quantize", 10), ("golden", 50), ("shard", 40)))
+    assert case_bench._peak_step(result) == "golden"
+    assert case_bench._peak_step(RankResult(0, ())) is None
 
 
 def test_the_profile_says_each_steps_host_time_in_a_range_of_its_own():

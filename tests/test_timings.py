@@ -37,6 +37,30 @@ def test_clock_notes_when_each_step_first_started(monkeypatch):
                                       Phase.COLLECTIVE.value: 103.0}
 
 
+def test_each_rise_of_the_memory_mark_is_charged_to_the_step_that_raised_it():
+    marks = iter([10, 30, 35, 20, 30, 50, 40, 60])  # one reading per synced lap; 20, 30 and 40 raise nothing
+    phases = PhaseTracker(sync=lambda: None, memory=lambda: next(marks))
+    with phases.labelled(Step.GOLDEN):  # build 10; golden 30, then 35 (the label spans a phase change)
+        phases.current = Phase.SHARD
+    phases.current = Phase.COLLECTIVE  # shard after the label: 20
+    phases.current = Phase.SHARD  # collective: 30
+    phases.current = Phase.INSPECTION  # shard again: 50
+    phases.current = Phase.SHARD  # inspection: 40
+    phases.seconds()  # shard: 60
+    assert phases.high_water() == ((Phase.BUILD.value, 10), ("golden", 35), (Phase.SHARD.value, 60))
+
+
+def test_the_memory_mark_is_read_only_after_the_device_was_waited_for():
+    readings = []
+    phases = PhaseTracker(memory=lambda: readings.append(1) or 5)  # no sync: nothing read
+    phases.current = Phase.SHARD
+    assert phases.high_water() == () and readings == []
+    phases = PhaseTracker(sync=lambda: None, memory=lambda: readings.append(1) or 5)
+    phases.seconds(sync=False)  # an error's lap
+    assert phases.high_water() == () and readings == []
+    assert PhaseTracker(sync=lambda: None).high_water() == ()  # no memory reader
+
+
 def test_labelled_block_keeps_the_error_phase():
     phases = PhaseTracker()
     try:

@@ -54,12 +54,18 @@ class PhaseTracker:
     step is charged to that step and not to the next one that waits for it. It also notes the wall
     clock (time.time(): one clock for every process of a host) when each step first starts, so that
     ranks can be compared: a rank that reaches a collective first waits there for the last one.
+    `memory` (e.g. torch.cuda.max_memory_allocated: a high-water mark, never lowered by the tracker)
+    is read after each synced reading, so that each rise of the mark is charged to the step that
+    raised it.
     """
 
-    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, sync: Callable[[], None] | None = None, memory: Callable[[], int] | None = None) -> None:
         self._current = Phase.BUILD
         self._label = ""
         self._sync = sync
+        self._memory = memory
+        self._highest = 0
+        self._high_water: dict[str, int] = {}
         self._since = time.perf_counter()
         self._seconds: dict[str, float] = {}
         self._started: dict[str, float] = {self._key: time.time()}
@@ -108,6 +114,11 @@ class PhaseTracker:
         """(step, wall-clock second it first started), in the order the steps first ran."""
         return tuple(self._started.items())
 
+    def high_water(self) -> tuple[tuple[str, int], ...]:
+        """(step, bytes) for each step in which the memory mark rose, the highest reading charged to
+        it, in the order the steps first raised it (empty without a memory reader)."""
+        return tuple(self._high_water.items())
+
     @property
     def _key(self) -> str:
         return self._label or self._current.value
@@ -117,12 +128,22 @@ class PhaseTracker:
             self._started[self._key] = time.time()
 
     def _lap(self, sync: bool = True) -> None:
-        if sync and self._sync is not None:
+        synced = sync and self._sync is not None
+        if synced:
             self._sync()
         now = time.perf_counter()
         key = self._key
         self._seconds[key] = self._seconds.get(key, 0.0) + now - self._since
         self._since = now
+        if synced and self._memory is not None:
+            self._note_memory(key)
+
+    def _note_memory(self, key: str) -> None:
+        # only on the laps that waited for the device: an error's lap (sync=False) asks the device nothing
+        reading = self._memory()
+        if reading > self._highest:
+            self._highest = reading
+            self._high_water[key] = reading
 
     @contextlib.contextmanager
     def tagging(self) -> Iterator[None]:

@@ -134,5 +134,7 @@ class RankResult:
     seconds: tuple[tuple[str, float], ...] = ()
     #: (step, wall-clock second it first started on this rank; one clock for the ranks of a host)
     started: tuple[tuple[str, float], ...] = ()
+    #: (step, bytes) for each step in which the device's peak memory rose (PhaseTracker.high_water)
+    high_water: tuple[tuple[str, int], ...] = ()
     #: a case of several weights (the layers scenario): each weight's first gather, labelled
     wires: tuple[WireSummary, ...] = ()

@@ -71,12 +71,13 @@ def run_on_rank(ctx: CaseContext, spec: CaseSpec, checkpoint: str | None = None)
     if runner is None:
         where = "runs in one process, not on a rank pool" if spec.scenario in IN_ONE_PROCESS else "is unknown"
         raise HarnessFault(f"case {spec.id}: scenario {spec.scenario!r} {where}")
-    phases = PhaseTracker(_device_sync(ctx.device))
+    phases = PhaseTracker(_device_sync(ctx.device), _device_memory(ctx.device))
     with phases.tagging():
         result = runner(ctx, spec, phases, checkpoint)
     if not isinstance(result, RankResult):
         return result
-    return replace(result, seconds=phases.seconds(), started=phases.started())
+    seconds = phases.seconds()  # the last reading, of the memory mark too: before high_water()
+    return replace(result, seconds=seconds, started=phases.started(), high_water=phases.high_water())
 
 
 def _device_sync(device: torch.device) -> Callable[[], None] | None:
@@ -84,3 +85,10 @@ def _device_sync(device: torch.device) -> Callable[[], None] | None:
     if device.type != "cuda":
         return None
     return lambda: torch.cuda.synchronize(device)
+
+
+def _device_memory(device: torch.device) -> Callable[[], int] | None:
+    """The device's high-water mark of allocated bytes, for the step clock to charge each rise to a step."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.max_memory_allocated(device)

@@ -63,7 +63,7 @@ def report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespace
         measured = _peak(results, range(1, runs))
         goals.append(Goal("memory", memory <= MEMORY_GOAL, f"peak {memory:.2f}x the bf16 weight per rank (every "
                           f"run, warm-up included: the warm-up run {warm_up:.2f}x, the measured runs {measured:.2f}x)",
-                          f"<= {MEMORY_GOAL:g}x"))
+                          f"<= {MEMORY_GOAL:g}x", _peak_where(results, range(runs))))
     print(f"    {_golden_line(results, rep)}")
     ranks, last_rank = bench_steps.split_waits([_rank_steps(r["runs"][rep]["result"]) for r in results])
     table = bench_steps.spreads(ranks)
@@ -107,6 +107,15 @@ def _peak(results: list[dict], runs: range) -> float:
     return max(r["runs"][i]["peak_bytes"] / r["weight_bf16_bytes"] for r in results for i in runs)
 
 
+def _peak_where(results: list[dict], runs: range) -> str:
+    """Where the highest peak of the runs `runs` was reached: its step and rank ("" when the runs name
+    no step, e.g. on the CPU)."""
+    _, run = max(((r, r["runs"][i]) for r in results for i in runs),
+                 key=lambda pair: pair[1]["peak_bytes"] / pair[0]["weight_bf16_bytes"])
+    step = run.get("peak_step")
+    return f'reached in the step "{step}" (rank {run["result"].rank})' if step else ""
+
+
 def _median_rep(results: list[dict]) -> int:
     """The measured run (the warm-up, run 0, is not one) whose slowest rank took the median time."""
     measured = range(1, len(results[0]["runs"]))
@@ -142,9 +151,11 @@ class Goal:
     met: bool
     measured: str
     wanted: str
+    where: str = ""  # what the measurement points at, after the goal (e.g. the step of a memory peak)
 
     def line(self) -> str:
-        return f"{'ok    ' if self.met else 'MISSED'} {self.name}: {self.measured} (goal: {self.wanted})"
+        where = f"; {self.where}" if self.where else ""
+        return f"{'ok    ' if self.met else 'MISSED'} {self.name}: {self.measured} (goal: {self.wanted}){where}"
 
 
 def _projection_line(p: Projection, nbytes: int, args: argparse.Namespace) -> str:

@@ -12,7 +12,8 @@ sharded module build where it has a route of its own, and the all-gather alone o
 rank as the case's collective moved), median of `--reps`. Goals: the case EXACT in every run; the
 case (its slowest rank) within 3x of the bare work (on NCCL: measured; with fewer GPUs than ranks,
 the ranks share the GPUs over gloo and the NCCL ratio is projected, qgather.tools.nccl_projection);
-peak GPU memory per rank within 3x the weight's bf16 size over every run, warm-up included; on
+peak GPU memory per rank within 3x the weight's bf16 size over every run, warm-up included, and the
+step (and rank) in which the highest run reached it (qgather.model.phases.PhaseTracker.high_water); on
 NCCL, each of qgather's own steps (golden, inspection, one-device twin, the wait before the
 collective) within 5x its HBM floor on its slowest rank (qgather.tools.bench_steps). Then the
 case's steps, each with its slowest and its fastest rank. The implementation defaults to `te`
@@ -66,7 +67,7 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
             torch.cuda.reset_peak_memory_stats(ctx.device)
         seconds, result = _timed_result(lambda: run_on_rank(ctx, spec), cuda)
         run_peak = torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0
-        runs.append({"full_s": seconds, "result": result, "peak_bytes": run_peak})
+        runs.append({"full_s": seconds, "result": result, "peak_bytes": run_peak, "peak_step": _peak_step(result)})
         gc.collect()  # a sharded module's reference cycles, before the next run allocates its own
     nbytes = max(int(runs[-1]["result"].wire.collective_bytes), 1)
     weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
@@ -75,6 +76,13 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     return {"runs": runs, "bare": bare, "weight_bytes": weight.numel() * weight.element_size(),
             "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "profile": table,
             "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
+
+
+def _peak_step(result) -> str | None:
+    """The step in which the run's device memory peaked (None without readings, e.g. on the CPU)."""
+    if not result.high_water:
+        return None
+    return max(result.high_water, key=lambda step_bytes: step_bytes[1])[0]
 
 
 def _bare_work(ctx, spec: CaseSpec, weight: torch.Tensor, nbytes: int, reps: int) -> BareWork:
