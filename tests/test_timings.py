@@ -61,6 +61,22 @@ def test_the_memory_mark_is_read_only_after_the_device_was_waited_for():
     assert PhaseTracker(sync=lambda: None).high_water() == ()  # no memory reader
 
 
+def test_reading_the_memory_mark_is_charged_to_no_step(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("qgather.model.phases.time.perf_counter", lambda: clock[0])
+
+    def reading() -> int:  # the reader's own cost: 10 s on the fake clock
+        clock[0] += 10.0
+        return 1
+
+    phases = PhaseTracker(sync=lambda: None, memory=reading)
+    clock[0] += 1.0
+    phases.current = Phase.SHARD  # build: 1 s, then the reading
+    clock[0] += 2.0
+    got = dict(phases.seconds())  # shard: 2 s, then the reading
+    assert got == {Phase.BUILD.value: 1.0, Phase.SHARD.value: 2.0}
+
+
 def test_labelled_block_keeps_the_error_phase():
     phases = PhaseTracker()
     try:

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import transformer_engine
 import transformer_engine.pytorch as te
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -94,8 +95,8 @@ def main() -> int:
     blockwise = rows[0]
     defect = blockwise["kept"] > blockwise["fp8"] // 2
     if rank == 0:
-        print(f"te.Linear {m}x{k} bf16 on {world} ranks, TE {te.__version__}, torch {torch.__version__}, "
-              f"{torch.cuda.get_device_name()}")
+        versions = f"TE {transformer_engine.__version__}, torch {torch.__version__}"
+        print(f"te.Linear {m}x{k} bf16 on {world} ranks, {versions}, {torch.cuda.get_device_name()}")
         for r in rows:
             print(f"  {r['name']}: shard {r['shard']}, {r['fp8'] / MiB:.0f} MiB of buffers; allocated after a "
                   f"forward+backward, grads freed: +{r['kept'] / MiB:.0f} MiB; FSDP2's flat shard: {r['flat']}; the "

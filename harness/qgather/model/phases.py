@@ -137,6 +137,7 @@ class PhaseTracker:
         self._since = now
         if synced and self._memory is not None:
             self._note_memory(key)
+            self._since = time.perf_counter()  # the reading is the clock's own cost: no step's
 
     def _note_memory(self, key: str) -> None:
         # only on the laps that waited for the device: an error's lap (sync=False) asks the device nothing

@@ -88,7 +88,14 @@ def _device_sync(device: torch.device) -> Callable[[], None] | None:
 
 
 def _device_memory(device: torch.device) -> Callable[[], int] | None:
-    """The device's high-water mark of allocated bytes, for the step clock to charge each rise to a step."""
+    """The device's high-water mark of allocated bytes, for the step clock to charge each rise to a step.
+    Read from the allocator's nested statistics: torch.cuda.max_memory_allocated flattens all of them
+    in Python first, 158 us a call against 23 on an H100 (`qgather bench gpu` reads it ~17 times a case)."""
     if device.type != "cuda":
         return None
-    return lambda: torch.cuda.max_memory_allocated(device)
+    return lambda: _allocated_peak(torch.cuda.memory_stats_as_nested_dict(device))
+
+
+def _allocated_peak(stats: dict) -> int:
+    """The "allocated_bytes.all.peak" of the allocator's nested statistics (0 before CUDA's first use)."""
+    return stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0)
