@@ -111,6 +111,19 @@ def test_word_compare_counts_every_differing_element_not_word(numel):
     assert (diff.name, diff.n_diff, diff.n_valid) == ("d", 4, numel)
 
 
+@pytest.mark.parametrize("chunk", [1 << 26, 3, 1])  # one pass, or a running total over chunks of words
+def test_every_chunk_of_words_is_compared(monkeypatch, chunk):
+    from qgather.instruments import compare
+    monkeypatch.setattr(compare, "_WORD_CHUNK", chunk)
+    want = torch.randint(0, 256, (80,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    assert compare.compare_buffers({"d": want.clone()}, _q({"d": want})) == []
+    for flipped in (0, 41, 79):  # the first, a middle and the last 8-byte word
+        got = want.clone()
+        got[flipped] ^= 4
+        (diff,) = compare.compare_buffers({"d": got}, _q({"d": want}))
+        assert (diff.n_diff, diff.n_valid) == (1, 80)
+
+
 def test_a_transposed_view_of_a_golden_buffer_compares_as_its_contiguous_copy():
     from qgather.instruments.compare import compare_buffers
     rowwise = torch.randint(0, 256, (96, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))

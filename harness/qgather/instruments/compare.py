@@ -164,6 +164,8 @@ def _differing_words(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         count = fused.count_differing(wa, wb)
         if count is not None:
             return count
+    if wa.numel() <= _WORD_CHUNK:  # a scale or amax buffer: two operations, not a running total
+        return (wa != wb).sum()
     total = torch.zeros((), dtype=torch.int64, device=a.device)
     for start in range(0, wa.numel(), _WORD_CHUNK):
         total += (wa[start:start + _WORD_CHUNK] != wb[start:start + _WORD_CHUNK]).sum()
