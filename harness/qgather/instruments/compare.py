@@ -164,12 +164,7 @@ def _differing_words(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         count = fused.count_differing(wa, wb)
         if count is not None:
             return count
-    if wa.numel() <= _WORD_CHUNK:  # a scale or amax buffer: two operations, not a running total
-        return (wa != wb).sum()
-    total = torch.zeros((), dtype=torch.int64, device=a.device)
-    for start in range(0, wa.numel(), _WORD_CHUNK):
-        total += (wa[start:start + _WORD_CHUNK] != wb[start:start + _WORD_CHUNK]).sum()
-    return total
+    return _counted_in_row_chunks(wa, wb, _WORD_CHUNK)
 
 
 _WORD_CHUNK = 1 << 26  # words per pass: bounds the comparison's boolean temporary to 64 MiB
@@ -193,12 +188,19 @@ def _count_differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         count = fused.count_differing(a, b)
         if count is not None:
             return count
-    if a.dim() == 0 or a.numel() <= _DEVICE_CHUNK:
+    if a.dim() == 0:
         return (a != b.to(a.device)).sum()
-    step = max(1, _DEVICE_CHUNK // max(1, a[0].numel()))
+    return _counted_in_row_chunks(a, b, max(1, _DEVICE_CHUNK // max(1, a[0].numel())))
+
+
+def _counted_in_row_chunks(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
+    """Elements of a and b (b brought to a's device chunk by chunk) whose bits differ, `rows` of their
+    first dimension at a time; in one pass (two operations, e.g. a scale buffer) when they fit in one."""
+    if a.shape[0] <= rows:
+        return (a != b.to(a.device)).sum()
     total = torch.zeros((), dtype=torch.int64, device=a.device)
-    for start in range(0, a.shape[0], step):
-        total += (a[start:start + step] != b[start:start + step].to(a.device)).sum()
+    for start in range(0, a.shape[0], rows):
+        total += (a[start:start + rows] != b[start:start + rows].to(a.device)).sum()
     return total
 
 

@@ -9,6 +9,7 @@ Every kernel takes its per-program int64 output first; the sum is one more kerne
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -42,10 +43,7 @@ def counted(kernel, grid: tuple[int, ...], device: torch.device, *args, **conste
     programs' counts summed (a 0-dim int64 tensor on `device`), or None where Triton cannot run."""
     if TRITON_BROKEN:
         return None
-    programs = 1
-    for side in grid:
-        programs *= side
-    partial = torch.empty(programs, dtype=torch.int64, device=device)
+    partial = torch.empty(math.prod(grid), dtype=torch.int64, device=device)
     try:
         kernel[grid](partial, *args, **constexprs)
     except Exception as exc:  # noqa: BLE001 - the caller compares another way, the same counts

@@ -54,9 +54,9 @@ class PhaseTracker:
     step is charged to that step and not to the next one that waits for it. It also notes the wall
     clock (time.time(): one clock for every process of a host) when each step first starts, so that
     ranks can be compared: a rank that reaches a collective first waits there for the last one.
-    `memory` (e.g. torch.cuda.max_memory_allocated: a high-water mark, never lowered by the tracker)
-    is read after each synced reading, so that each rise of the mark is charged to the step that
-    raised it.
+    `memory` (a high-water mark of device memory, e.g. the CUDA allocator's peak; never lowered by the
+    tracker) is read after each synced reading, off the clock, so that each rise of the mark is charged
+    to the step that raised it.
     """
 
     def __init__(self, sync: Callable[[], None] | None = None, memory: Callable[[], int] | None = None) -> None:
