@@ -5,7 +5,8 @@ import hashlib
 import pytest
 import torch
 
-from qgather.instruments.compare import _fingerprint, compare_values, digest, tensor_bytes
+from qgather.instruments.compare import compare_values
+from qgather.instruments.digest import _fingerprint, digest, tensor_bytes
 from qgather.model.case import CaseSpec
 from qgather.scenarios.data import make_weight, row_scales
 

@@ -117,9 +117,9 @@ def test_a_buffer_identical_to_the_golden_takes_the_goldens_digest_part(monkeypa
     from qgather.check.golden import golden_for
     from qgather.check.inspection import _identical
     from qgather.formats import FORMATS
-    from qgather.instruments import compare
+    from qgather.instruments import compare, digest
 
-    monkeypatch.setattr(compare, "is_fingerprinted", lambda region: region.numel() >= 64)
+    monkeypatch.setattr(digest, "is_fingerprinted", lambda region: region.numel() >= 64)
     golden = golden_for(FORMATS["nvfp4_2d"], torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))
     got = {name: t.clone() for name, t in golden.q.buffers.items()}
     got["columnwise_data"][3, 5] ^= 1
@@ -128,13 +128,13 @@ def test_a_buffer_identical_to_the_golden_takes_the_goldens_digest_part(monkeypa
     assert sorted(identical) == ["amax_columnwise", "amax_rowwise", "columnwise_scale_inv", "rowwise_data",
                                  "rowwise_scale_inv"]  # small ones too: their bytes hash as the golden's
     parts = golden.digest_parts(identical)
-    assert compare.digest(got, golden.q.valid, parts) == compare.digest(got, golden.q.valid)
+    assert digest.digest(got, golden.q.valid, parts) == digest.digest(got, golden.q.valid)
     # the next case's gather, all identical: the kept parts serve it, the one missing is added
     again = {name: t.clone() for name, t in golden.q.buffers.items()}
     kept = golden.digest_parts(_identical(again, golden, compare.compare_buffers(again, golden.q)))
-    assert kept == parts | {"columnwise_data": compare.digest_part("columnwise_data", again["columnwise_data"],
+    assert kept == parts | {"columnwise_data": digest.digest_part("columnwise_data", again["columnwise_data"],
                                                                    golden.q.valid)}
-    assert compare.digest(again, golden.q.valid, kept) == compare.digest(again, golden.q.valid)
+    assert digest.digest(again, golden.q.valid, kept) == digest.digest(again, golden.q.valid)
     got["rowwise_data"] = got["rowwise_data"].view(torch.int8)  # same bits, another dtype: not the golden's part
     assert "rowwise_data" not in _identical(got, golden, compare.compare_buffers(got, golden.q))
 
@@ -209,7 +209,7 @@ def test_an_output_bit_identical_to_the_kept_golden_output_takes_its_digest(monk
     from qgather.check.golden import golden_for
     from qgather.formats import FORMATS
     from qgather.impls import get_impl
-    from qgather.instruments import compare
+    from qgather.instruments import digest
     from qgather.model.case import CaseSpec, ShardLayout
 
     spec = CaseSpec.parse("reference:fp8_tensor:64x32:bf16:ws2:gather:s0")
@@ -218,10 +218,10 @@ def test_an_output_bit_identical_to_the_kept_golden_output_takes_its_digest(monk
     inspector = inspection.Inspector(spec, get_impl("reference"), FORMATS["fp8_tensor"], x, ShardLayout(64, 2, 1))
     weight = golden.dequantized_as(torch.float32)
     exact, exact_digest, _ = inspector._forward(weight, golden)
-    assert exact.equal and exact_digest == compare.digest({"output": golden.kept_output(x, False)}, {})
+    assert exact.equal and exact_digest == digest.digest({"output": golden.kept_output(x, False)}, {})
     digested = []
-    for module in (inspection, compare):
-        monkeypatch.setattr(module, "digest", lambda *a, real=compare.digest: digested.append(a) or real(*a))
+    for module in (inspection, digest):
+        monkeypatch.setattr(module, "digest", lambda *a, real=digest.digest: digested.append(a) or real(*a))
     assert inspector._forward(weight, golden)[1] == exact_digest and not digested  # kept: nothing digested
     off = weight.clone()
     off[0, 0] = off[0, 0] * 2 + 1

@@ -20,7 +20,7 @@ from qgather.errors import HarnessFault
 from qgather.formats import Format, FormatError, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation
-from qgather.instruments import compare
+from qgather.instruments import digest
 from qgather.instruments.compare import Deferred, compare_buffers
 from qgather.model.case import TensorParallelLayout
 from qgather.model.layout import column_block
@@ -124,9 +124,9 @@ class Golden:
         self._output_digest = None
 
     def output_digest(self) -> str:
-        """compare.digest of the kept output (keep_output) as an inspection's output digest, computed once."""
+        """digest.digest of the kept output (keep_output) as an inspection's output digest, computed once."""
         if self._output_digest is None:
-            self._output_digest = compare.digest({"output": self._output[2]}, {})
+            self._output_digest = digest.digest({"output": self._output[2]}, {})
         return self._output_digest
 
     def replace_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
@@ -140,13 +140,13 @@ class Golden:
         self._output = self._output_digest = None  # of other values
 
     def digest_parts(self, identical: dict[str, torch.Tensor]) -> dict[str, bytes]:
-        """compare.digest_part of each of the `identical` buffers (gathered buffers whose valid regions
+        """digest.digest_part of each of the `identical` buffers (gathered buffers whose valid regions
         equal the golden's bit for bit, in the same shape and dtype):
         what the golden's own buffer hashes to, computed from the first such buffer and kept with the
         golden, so that a kept golden serves it to every later case (also while it waits on the host)."""
         for name, tensor in identical.items():
             if name not in self._digest_parts:
-                self._digest_parts[name] = compare.digest_part(name, tensor, self.q.valid)
+                self._digest_parts[name] = digest.digest_part(name, tensor, self.q.valid)
         return {name: self._digest_parts[name] for name in identical}
 
     def value_buffers(self) -> list[str]:

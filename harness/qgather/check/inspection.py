@@ -17,7 +17,8 @@ from qgather.errors import HarnessFault
 from qgather.formats import Format, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation, NoSingleDeviceTwin
-from qgather.instruments.compare import Deferred, compare_buffers, compare_value_blocks, compare_values, digest, locate
+from qgather.instruments.compare import Deferred, compare_buffers, compare_value_blocks, compare_values, locate
+from qgather.instruments.digest import digest
 from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
 from qgather.model.records import Comparison, ModuleCheck, Stage
 

@@ -42,7 +42,8 @@ from qgather.check.inspection import Inspector
 from qgather.check.wire import WireLog, record_wire, summarize_wire
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS
-from qgather.instruments.compare import compare_values, digest
+from qgather.instruments.compare import compare_values
+from qgather.instruments.digest import digest
 from qgather.instruments.patches import hooks_moving_phase
 from qgather.model.block import BlockParams, PlainParam, block_params
 from qgather.model.case import CaseSpec, ShardLayout

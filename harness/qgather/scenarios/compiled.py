@@ -37,7 +37,8 @@ import os
 import torch
 
 from qgather.check.golden import Golden
-from qgather.instruments.compare import compare_values, digest
+from qgather.instruments.compare import compare_values
+from qgather.instruments.digest import digest
 from qgather.model.phases import Phase
 from qgather.model.records import Comparison, Stage
 from qgather.scenarios.context import RankCase

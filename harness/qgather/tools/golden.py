@@ -27,7 +27,7 @@ from qgather import __version__
 from qgather.errors import QgatherError
 from qgather.formats import FORMATS
 from qgather.impls.te.quantizers import te_quantize
-from qgather.instruments.compare import tensor_bytes
+from qgather.instruments.digest import tensor_bytes
 from qgather.model.case import torch_dtype_of
 from qgather.paths import golden_dir
 from qgather.tools.arguments import golden_parser

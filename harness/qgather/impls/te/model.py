@@ -32,7 +32,8 @@ from qgather.errors import HarnessFault
 from qgather.formats import FORMATS, FormatError
 from qgather.impls.te.environment import recipe_unavailable_reason
 from qgather.impls.te.recipes import make_recipe
-from qgather.instruments.compare import compare_values, digest
+from qgather.instruments.compare import compare_values
+from qgather.instruments.digest import digest
 from qgather.instruments.patches import hooks_moving_phase
 from qgather.model.case import CaseSpec, ShardLayout
 from qgather.model.phases import Phase, PhaseTracker
