@@ -176,12 +176,13 @@ def test_the_golden_layer_output_is_kept_for_the_same_input_only():
     golden = golden_for(FORMATS["nvfp4_2d"], torch.randn(64, 64))
     x, y = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64)
     golden.keep_output(x, False, y)
-    assert golden.kept_output(x.clone(), False) is not None
+    output, differing = golden.kept_output(x.clone(), False)
+    assert torch.equal(output, y) and int(differing) == 0
     assert golden.kept_output(x, True) is None  # computed block by block: other GEMM shapes
     assert golden.kept_output(x.float(), False) is None
     other = x.clone()
     other[3, 5] += 1
-    assert golden.kept_output(other, False) is None
+    assert int(golden.kept_output(other, False)[1]) == 1  # said by a count the caller reads with its own
     golden.replace_buffers({"amax_rowwise": golden.q.buffers["amax_rowwise"] * 2})  # other values
     assert golden.kept_output(x, False) is None
 
@@ -218,7 +219,7 @@ def test_an_output_bit_identical_to_the_kept_golden_output_takes_its_digest(monk
     inspector = inspection.Inspector(spec, get_impl("reference"), FORMATS["fp8_tensor"], x, ShardLayout(64, 2, 1))
     weight = golden.dequantized_as(torch.float32)
     exact, exact_digest, _ = inspector._forward(weight, golden)
-    assert exact.equal and exact_digest == digest.digest({"output": golden.kept_output(x, False)}, {})
+    assert exact.equal and exact_digest == digest.digest({"output": golden.kept_output(x, False)[0]}, {})
     digested = []
     for module in (inspection, digest):
         monkeypatch.setattr(module, "digest", lambda *a, real=digest.digest: digested.append(a) or real(*a))

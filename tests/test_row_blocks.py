@@ -312,3 +312,63 @@ def test_one_block_of_the_librarys_values_is_held_at_a_time(monkeypatch):
     assert stage.own_dequantized.equal and stage.output.equal
     assert len(impl.alive_when_making) == len(fmt.check_blocks((1024, 64))) > 2
     assert impl.alive_when_making == [0] * len(impl.alive_when_making)
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_an_inspection_reads_the_device_once(kept, monkeypatch):
+    """Every check of an inspection (the library's own blocks, the layer output, the buffers) is
+    launched before any count is read: one read of the device per judge, whether the golden layer's
+    output is computed or kept; the stage is the one of checks read one by one."""
+    from qgather.check.inspection import Inspector
+    from qgather.instruments import compare
+    from qgather.model.case import shard_layout
+
+    fmt, weight, golden, spec, x = _nvfp4_case_in_small_blocks(monkeypatch)
+    inspector = Inspector(spec, _OwnRowsForward(fmt, golden.q), fmt, x, shard_layout(spec))
+    if kept:
+        inspector.judge(weight.to(torch.bfloat16), golden, "unshard 1")
+    reads, to_host = [], compare._to_host
+    monkeypatch.setattr(compare, "_to_host", lambda counts: reads.append(len(counts)) or to_host(counts))
+    stage = inspector.judge(weight.to(torch.bfloat16), golden, "unshard 1")
+    n_blocks, n_buffers = len(fmt.check_blocks(golden.q.shape)), len(golden.q.buffers)
+    assert reads == [n_buffers + n_blocks + 1 + kept]  # + the output's count, + the kept input's
+    assert stage.own_dequantized.equal and stage.output.equal and stage.buffer_diffs == ()
+
+
+def test_a_kept_output_serves_only_the_input_it_was_computed_for(monkeypatch):
+    """The golden keeps its layer output for the last input; an inspection with another input of
+    the same shape compares with the golden layer's output for that input (computed, then kept)."""
+    from qgather.check.golden import golden_for
+    from qgather.check.inspection import Inspector
+    from qgather.model.case import shard_layout
+
+    fmt, weight, golden, spec, x = _nvfp4_case_in_small_blocks(monkeypatch)
+    other = x.clone()
+    other[1, 2] += 1
+    judged = {}
+    for name, layer_input in (("x", x), ("other", other), ("other again", other)):
+        inspector = Inspector(spec, _OwnRowsForward(fmt, golden.q), fmt, layer_input, shard_layout(spec))
+        judged[name] = inspector.judge(weight.to(torch.bfloat16), golden, "unshard 1")
+        assert judged[name].output.equal
+    fresh = Inspector(spec, _OwnRowsForward(fmt, golden.q), fmt, other, shard_layout(spec))
+    assert judged["other"] == judged["other again"] == fresh.judge(weight.to(torch.bfloat16),
+                                                                   golden_for(fmt, weight), "unshard 1")
+    assert judged["other"].output_digest != judged["x"].output_digest
+
+
+def test_a_golden_makes_its_deferred_blocks_once_while_its_buffers_stay(monkeypatch):
+    """The deferred golden blocks (views of its buffers) are made once and serve every later
+    inspection; a replaced buffer lets them go: the blocks then read the new buffer."""
+    fmt, weight, golden, _, _ = _nvfp4_case_in_small_blocks(monkeypatch)
+    made, parts_of = [], type(fmt).dequantize_rows_parts
+    monkeypatch.setattr(type(fmt), "dequantize_rows_parts",
+                        lambda self, q, start, stop: made.append(start) or parts_of(self, q, start, stop))
+
+    def values():
+        return torch.cat([want.values() for _, want in golden.dequantized_blocks(deferred=True)])
+
+    first = values()
+    n_blocks = len(fmt.check_blocks(golden.q.shape))
+    assert n_blocks > 1 and len(made) == n_blocks and torch.equal(values(), first) and len(made) == n_blocks
+    golden.replace_buffers({"amax_rowwise": golden.q.buffers["amax_rowwise"] * 2})
+    assert torch.equal(values(), first * 2) and len(made) == 2 * n_blocks

@@ -18,10 +18,10 @@ import torch
 from qgather.check import host
 from qgather.errors import HarnessFault
 from qgather.formats import Format, FormatError, QuantizedTensor
-from qgather.formats.base import flat_dims
+from qgather.formats.base import DequantizeParts, flat_dims
 from qgather.impls.base import Implementation
 from qgather.instruments import digest
-from qgather.instruments.compare import Deferred, compare_buffers
+from qgather.instruments.compare import Deferred, compare_buffers, differing_bits
 from qgather.model.case import TensorParallelLayout
 from qgather.model.layout import column_block
 from qgather.model.records import BufferDiff, DiffProblem
@@ -44,6 +44,7 @@ class Golden:
     _away: set[str] = field(default_factory=set, repr=False)  # the buffers waiting on the host now
     _output: tuple[torch.Tensor, bool, torch.Tensor] | None = field(default=None, repr=False)  # kept_output's
     _output_digest: str | None = field(default=None, repr=False)  # output_digest's, of _output's output
+    _parts: dict[tuple[int, int], DequantizeParts | None] = field(default_factory=dict, repr=False)  # _deferred_parts'
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +66,7 @@ class Golden:
                 self._host[name] = host.pinned_copy(tensor)
             self.q.buffers[name] = self._host[name]
             self._away.add(name)
+            self._parts.clear()  # views of the device copy: they would hold it
         self._device = device if self._away else None
         return self.parked
 
@@ -86,6 +88,7 @@ class Golden:
         for name in sorted(self._away if names is None else set(names) & self._away):
             self.q.buffers[name] = self._host[name].to(self._device, non_blocking=True)
             self._away.discard(name)
+            self._parts.clear()
         if not self._away:
             self._device = None
 
@@ -105,18 +108,22 @@ class Golden:
             if held.shape == view.shape and held.dtype == view.dtype and not compare_buffers(
                     {name: held}, QuantizedTensor(self.q.format, self.q.shape, {name: view}, self.q.valid)):
                 self.q.buffers[name] = view
+                self._parts.clear()
 
-    def kept_output(self, x: torch.Tensor, blocks: bool) -> torch.Tensor | None:
+    def kept_output(self, x: torch.Tensor, blocks: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The golden layer's output for input `x` (computed whole, or block of rows by block with
-        `blocks`) as an earlier inspection kept it (keep_output), or None: the golden's values do not
-        change, so a later case of a kept golden with the same input reads it instead of dequantizing
-        and multiplying the whole golden again."""
+        `blocks`) as an earlier inspection kept it (keep_output), with the count of x's elements whose
+        bits differ from the input it was computed for (on the device, not read: the caller reads it
+        with its other counts and serves the output only where it is 0); None where the kept one is of
+        another shape, dtype, device or blocking. The golden's values do not change, so a later case of a
+        kept golden with the same input reads it instead of dequantizing and multiplying the whole
+        golden again."""
         if self._output is None:
             return None
         kept_x, kept_blocks, output = self._output
-        same = kept_blocks == blocks and kept_x.dtype == x.dtype and kept_x.shape == x.shape \
-            and kept_x.device == x.device and torch.equal(kept_x, x)
-        return output if same else None
+        if kept_blocks != blocks or kept_x.dtype != x.dtype or kept_x.shape != x.shape or kept_x.device != x.device:
+            return None
+        return output, differing_bits(kept_x, x)
 
     def keep_output(self, x: torch.Tensor, blocks: bool, output: torch.Tensor) -> None:
         """Keep the golden layer's output for input `x` (the last one only: a few rows of output)."""
@@ -131,6 +138,7 @@ class Golden:
 
     def replace_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """Let `buffers` (where the golden's buffers are now) stand for the golden's own."""
+        self._parts.clear()
         for name, tensor in buffers.items():
             self.q.buffers[name] = tensor
             self._host.pop(name, None)
@@ -172,11 +180,19 @@ class Golden:
             yield slice(0, m), self._whole
             return
         for start, stop in self.fmt.check_blocks(self.q.shape):
-            parts = self.fmt.dequantize_rows_parts(self.q, start, stop) if deferred and not self.parked else None
+            parts = self._deferred_parts(start, stop) if deferred and not self.parked else None
             if parts is not None:
                 yield slice(start, stop), Deferred(*parts, torch.Size((stop - start, flat_dims(self.q.shape)[1])))
             else:
                 yield slice(start, stop), self.fmt.dequantize_rows(self.q, start, stop, device=self._device)
+
+    def _deferred_parts(self, start: int, stop: int) -> DequantizeParts | None:
+        """Format.dequantize_rows_parts of rows [start, stop), made once and kept while the golden's
+        buffers stay where they are (they are views of them: parking, bringing back or replacing a
+        buffer lets them go): every inspection of a kept golden reads the same blocks."""
+        if (start, stop) not in self._parts:
+            self._parts[(start, stop)] = self.fmt.dequantize_rows_parts(self.q, start, stop)
+        return self._parts[(start, stop)]
 
     def dequantized_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The golden's values rounded to `dtype`, in the weight's shape."""

@@ -17,7 +17,16 @@ from qgather.errors import HarnessFault
 from qgather.formats import Format, QuantizedTensor
 from qgather.formats.base import flat_dims
 from qgather.impls.base import Implementation, NoSingleDeviceTwin
-from qgather.instruments.compare import Deferred, compare_buffers, compare_value_blocks, compare_values, locate
+from qgather.instruments.compare import (
+    Deferred,
+    compare_value_blocks,
+    compare_values,
+    launch_buffers,
+    launch_value_blocks,
+    launch_values,
+    locate,
+    read_together,
+)
 from qgather.instruments.digest import digest
 from qgather.model.case import CaseSpec, ColumnShardLayout, ShardLayout
 from qgather.model.records import Comparison, ModuleCheck, Stage
@@ -82,71 +91,62 @@ class Inspector:
             values = param.detach().float().reshape(golden.q.shape)
             return Stage(label, quantized, digest({"values": values}, {}), dtype_problem=dtype_problem,
                          values=_against_golden(values.reshape(m, k), golden))
-        buffers_digest, diffs, dequantized, where = self._buffers(param, golden)
+        # Every check is launched before any count is read: the host queues the next check while the
+        # device runs the last, and waits once, at the end (read_together), not once per check.
+        parked = golden.parked
+        golden.unpark(golden.value_buffers())  # a parked golden: what the value checks read, where they run
         blocks = fmt.check_blocks(golden.q.shape)
         x = self.x.to(param.dtype)
         columns = OwnRowOutputs(impl, x, len(blocks)) if len(golden.q.shape) == 2 and len(blocks) > 1 else None
         own = _own_blocks_against_golden(impl, fmt, param, golden, blocks, columns)
-        own_dequantized = None if own is None else compare_value_blocks(own)
-        output, output_digest, forward_error = self._forward(param, golden, x, columns)
-        return Stage(label, quantized, buffers_digest, buffer_diffs=diffs, dequantized=dequantized,
+        own_values = None if own is None else launch_value_blocks(own)
+        output = self._launch_forward(param, golden, x, columns)
+        # Last, so that what the library derives to show its buffers (e.g. TE's columnwise copy) never
+        # lives beside the value checks' blocks; it is let go once digested: later checks read the
+        # weight through the library, not these buffers.
+        got = impl.read_buffers(param)
+        golden.unpark()  # a parked golden comes over whole, once per inspection, after the gather's buffers exist
+        buffers = launch_buffers(got, golden.q)
+        diffs, own_dequantized, (output, output_digest, forward_error) = read_together(buffers, own_values, output)
+        if parked:  # waits on the host again before the digest's temporaries (its host copy is kept)
+            golden.park()
+        buffers_digest, dequantized, where = self._evidence(got, golden, tuple(diffs))
+        return Stage(label, quantized, buffers_digest, buffer_diffs=tuple(diffs), dequantized=dequantized,
                      own_dequantized=own_dequantized, output=output, output_digest=output_digest,
                      forward_error=forward_error, where=where, dtype_problem=dtype_problem)
 
-    def _buffers(self, param: torch.Tensor, golden: Golden) -> tuple[str, tuple, Comparison | None, tuple]:
-        """(digest, differences, dequantized values, where they differ) of the gathered buffers. What
-        the implementation derived to show them (e.g. TE's columnwise copy) is let go on return: the
-        checks after this one read the weight through the library, not these buffers."""
-        got = self.impl.read_buffers(param)
-        # A parked golden comes over whole, once per inspection (not chunk by chunk for each check), after
-        # the gather's own buffers exist; what the value checks after the comparison do not read waits on
-        # the host again before the digest's temporaries (its host copy is kept: no copy back).
-        parked = golden.parked
-        golden.unpark()
-        try:
-            diffs = tuple(compare_buffers(got, golden.q))
-            if parked:
-                golden.park(keep=golden.value_buffers())
-            return self._evidence(got, golden, diffs)
-        finally:
-            if parked:
-                golden.park(keep=golden.value_buffers())
-
     def _evidence(self, got: dict[str, torch.Tensor], golden: Golden, diffs: tuple
-                  ) -> tuple[str, tuple, Comparison | None, tuple]:
-        """(digest, differences, dequantized values, where they differ) once the buffers are compared."""
+                  ) -> tuple[str, Comparison | None, tuple]:
+        """(digest, dequantized values, where they differ) once the buffers are compared."""
         fmt = self.fmt
         buffers_digest = digest(got, golden.q.valid, golden.digest_parts(_identical(got, golden, diffs)))
         if not diffs:
             # The harness's own dequantization reads only the valid regions it just found bit-identical.
-            return buffers_digest, diffs, Comparison(True, detail=IDENTICAL_BUFFERS), ()
+            return buffers_digest, Comparison(True, detail=IDENTICAL_BUFFERS), ()
         if any(d.problem.breaks_layout for d in diffs):
-            return buffers_digest, diffs, None, ()
+            return buffers_digest, None, ()
         golden.unpark()  # `locate` reads every buffer of both
         gathered = QuantizedTensor(fmt.name, golden.q.shape, got, golden.q.valid)
         dequantized = compare_value_blocks(lambda: ((fmt.dequantize_rows(gathered, rows.start, rows.stop), want)
                                                     for rows, want in golden.dequantized_blocks()))
-        return buffers_digest, diffs, dequantized, tuple(locate(fmt, gathered, golden.q, self.shards))
+        return buffers_digest, dequantized, tuple(locate(fmt, gathered, golden.q, self.shards))
 
     def _forward(self, param: torch.Tensor, golden: Golden, x: torch.Tensor | None = None,
                  columns: OwnRowOutputs | None = None) -> tuple[Comparison | None, str, str]:
         """(the layer output against the golden layer's, its digest, the forward's error) for the
-        input `x` in the weight's dtype (default: the case's); `columns`: the output as the value
-        check computed it from the library's own row blocks, where it did. The golden layer's output
-        is computed once per golden and input, then kept with the golden."""
+        input `x` in the weight's dtype (default: the case's): `_launch_forward`, read."""
+        return read_together(self._launch_forward(param, golden, x, columns))[0]
+
+    def _launch_forward(self, param: torch.Tensor, golden: Golden, x: torch.Tensor | None = None,
+                        columns: OwnRowOutputs | None = None) -> PendingOutput:
+        """The layer output's comparison with the golden layer's, launched (PendingOutput); `columns`:
+        the output as the value check computed it from the library's own row blocks, where it did."""
         x = self.x.to(param.dtype) if x is None else x
         try:
             y, blocks = self._output(param, x, golden, columns)
         except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
-            return None, "", _one_line(exc)
-        y_ref = golden.kept_output(x, blocks)
-        if y_ref is None:
-            y_ref = _golden_output(x, golden, param.dtype, blocks)
-            golden.keep_output(x, blocks, y_ref)
-        compared = compare_values(y, y_ref, self.impl.output_tolerance(self.fmt.name))
-        identical = compared.n_diff == 0 and y.dtype == y_ref.dtype and y.shape == y_ref.shape
-        # bit for bit the golden's output: its digest, kept with it (no copy of the output to the host)
-        return compared, golden.output_digest() if identical else digest({"output": y}, {}), ""
+            return PendingOutput(golden, x, None, False, self.impl.output_tolerance(self.fmt.name), _one_line(exc))
+        return PendingOutput(golden, x, y, blocks, self.impl.output_tolerance(self.fmt.name))
 
     def _output(self, param: torch.Tensor, x: torch.Tensor, golden: Golden,
                 columns: OwnRowOutputs | None) -> tuple[torch.Tensor, bool]:
@@ -224,6 +224,46 @@ def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: 
         columns.append(torch.matmul(x, values.to(dtype).transpose(-1, -2)))
         del values  # not held while the next block is made
     return torch.cat(columns, dim=-1)
+
+
+class PendingOutput:
+    """The layer output `y` for input `x` against the golden layer's, launched (compare.Pending): against
+    the output the golden keeps for this input where it keeps one, with the count that says whether
+    `x` is that input (read with the rest: no wait of its own), else against one computed now and
+    kept. `error`: the forward's, which is the result then."""
+
+    def __init__(self, golden: Golden, x: torch.Tensor, y: torch.Tensor | None, blocks: bool,
+                 rel_tol: float | None, error: str = "") -> None:
+        self.golden, self.x, self.y, self.blocks, self.rel_tol, self.error = golden, x, y, blocks, rel_tol, error
+        self.kept = None if error else golden.kept_output(x, blocks)
+        self.counts: list[torch.Tensor] = []
+        if error:
+            return
+        self.y_ref = self._computed() if self.kept is None else self.kept[0]
+        self.compared = launch_values(y, self.y_ref, rel_tol)
+        if self.kept is not None:
+            self.counts.append(self.kept[1])
+        self.counts.extend(self.compared.counts)
+
+    def _computed(self) -> torch.Tensor:
+        """The golden layer's output for this input, computed and kept with the golden."""
+        y_ref = _golden_output(self.x, self.golden, self.y.dtype, self.blocks)
+        self.golden.keep_output(self.x, self.blocks, y_ref)
+        return y_ref
+
+    def resolve(self, values: list[int]) -> tuple[Comparison | None, str, str]:
+        """(the comparison, the output's digest, the forward's error)."""
+        if self.error:
+            return None, "", self.error
+        if self.kept is not None and values[0]:  # another input than the kept output's
+            self.y_ref = self._computed()
+            compared = compare_values(self.y, self.y_ref, self.rel_tol)
+        else:
+            compared = self.compared.resolve(values[1:] if self.kept is not None else values)
+        y, y_ref = self.y, self.y_ref
+        identical = compared.n_diff == 0 and y.dtype == y_ref.dtype and y.shape == y_ref.shape
+        # bit for bit the golden's output: its digest, kept with it (no copy of the output to the host)
+        return compared, self.golden.output_digest() if identical else digest({"output": y}, {}), ""
 
 
 class OwnRowOutputs:

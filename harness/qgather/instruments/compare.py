@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -29,30 +30,66 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class Pending(Protocol):
+    """A comparison launched on the device whose counts are not read yet: `counts` are 0-dim device
+    tensors, `resolve` makes the result from their values. Read with `read_together`, several
+    comparisons cost one wait for the device instead of one each."""
+
+    counts: list[torch.Tensor]
+
+    def resolve(self, values: list[int]) -> Any: ...
+
+
+def read_together(*pending: Pending | None) -> list:
+    """Each comparison's result (None for None), all their counts read with one copy per device."""
+    values = iter(_to_host([count for p in pending if p is not None for count in p.counts]))
+    return [None if p is None else p.resolve([next(values) for _ in p.counts]) for p in pending]
+
+
 def compare_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> list[BufferDiff]:
     """Each of the golden's buffers that `got` lacks, holds in another shape or element size, or
-    whose valid region differs in any bit (padding is never compared). Every region is compared
-    where the gathered buffer lives, in one pass, and only the counts come back to the host, all
-    at once; a region that differs is counted again element by element for the report."""
-    diffs, pending = [], []
+    whose valid region differs in any bit (padding is never compared): `launch_buffers`, read."""
+    return read_together(launch_buffers(got, golden))[0]
+
+
+@dataclass
+class PendingBuffers:
+    """`launch_buffers`' comparison: what the host already found (a buffer missing, of another shape
+    or element size) and the differing-word count of every other region, on its device."""
+
+    found: list[BufferDiff]
+    regions: list[tuple[str, torch.Tensor, torch.Tensor]]  # (name, gathered bits, golden bits)
+    counts: list[torch.Tensor]
+    order: list[str]  # the golden's buffer names: the order of the result
+
+    def resolve(self, words: list[int]) -> list[BufferDiff]:
+        diffs = list(self.found)
+        for (name, a, b), n in zip(self.regions, words, strict=True):
+            if n:  # the word count says only that the region differs: the report counts elements
+                diffs.append(BufferDiff(name, DiffProblem.BITS, n_diff=int(_count_differing(a, b)), n_valid=a.numel()))
+        return sorted(diffs, key=lambda d: self.order.index(d.name))
+
+
+def launch_buffers(got: dict[str, torch.Tensor], golden: QuantizedTensor) -> PendingBuffers:
+    """compare_buffers without waiting: every valid region compared where the gathered buffer lives,
+    in one pass, its count left on the device; a region that differs is counted again element by
+    element when the counts are read (PendingBuffers.resolve)."""
+    found, regions, counts = [], [], []
     for name, want in golden.buffers.items():
         have = got.get(name)
         if have is None:
-            diffs.append(BufferDiff(name, DiffProblem.MISSING, detail="(the implementation has no such buffer)"))
+            found.append(BufferDiff(name, DiffProblem.MISSING, detail="(the implementation has no such buffer)"))
         elif tuple(have.shape) != tuple(want.shape):
             shapes = f"{tuple(have.shape)} != golden {tuple(want.shape)}"
-            diffs.append(BufferDiff(name, DiffProblem.SHAPE, detail=shapes))
+            found.append(BufferDiff(name, DiffProblem.SHAPE, detail=shapes))
         elif have.dtype != want.dtype and have.element_size() != want.element_size():
-            diffs.append(BufferDiff(name, DiffProblem.DTYPE, detail=f"{have.dtype} != golden {want.dtype}"))
+            found.append(BufferDiff(name, DiffProblem.DTYPE, detail=f"{have.dtype} != golden {want.dtype}"))
         else:
             region = golden.valid[name]
             a, b = _bits(have[region]), _bits(want[region]).view(_bits(have).dtype)
-            pending.append((name, a, b, _differing_words(a, b)))
-    for (name, a, b, _), words in zip(pending, _to_host([w for *_, w in pending])):
-        if words:  # the word count says only that the region differs: the report counts elements
-            diffs.append(BufferDiff(name, DiffProblem.BITS, n_diff=int(_count_differing(a, b)), n_valid=a.numel()))
-    order = list(golden.buffers)
-    return sorted(diffs, key=lambda d: order.index(d.name))
+            regions.append((name, a, b))
+            counts.append(_differing_words(a, b))
+    return PendingBuffers(found, regions, counts, list(golden.buffers))
 
 
 def _to_host(counts: list[torch.Tensor]) -> list[int]:
@@ -125,18 +162,49 @@ def compare_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None 
     """Bitwise equality plus the size of the largest difference, for the report. With `rel_tol`
     (for outputs computed by another kernel than the golden's), differences up to
     rel_tol * max|want| count as equal, and the tolerance is part of the result. Runs on `want`'s
-    device; only the counts leave it."""
+    device; only the counts leave it (`launch_values`, read)."""
+    return read_together(launch_values(got, want, rel_tol))[0]
+
+
+@dataclass
+class PendingValues:
+    """`launch_values`' comparison: the count of differing elements on the device, or the shape
+    mismatch that decided it on the host."""
+
+    got: torch.Tensor
+    want: torch.Tensor
+    rel_tol: float | None
+    counts: list[torch.Tensor]
+    decided: Comparison | None = None
+
+    def resolve(self, values: list[int]) -> Comparison:
+        if self.decided is not None:
+            return self.decided
+        (n_diff,) = values
+        got, want = self.got, self.want
+        max_abs = 0.0
+        if n_diff:
+            differ = _bits(got) != _bits(want)
+            max_abs = float((got[differ].float() - want[differ].float()).abs().nan_to_num(float("inf")).max())
+        if self.rel_tol is None:
+            return Comparison(n_diff == 0, n_diff, max_abs)
+        bound = self.rel_tol * float(want.abs().max()) if want.numel() else 0.0
+        return Comparison(max_abs <= bound, n_diff, max_abs, f"|diff| <= {self.rel_tol:g} * max|golden| = {bound:.3g}")
+
+
+def launch_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None = None) -> PendingValues:
+    """compare_values without waiting: the differing elements counted on want's device."""
     if got.shape != want.shape:
-        return _shape_mismatch(got)
+        return PendingValues(got, want, rel_tol, [], _shape_mismatch(got))
     got, want = _aligned(got, want)
-    differ = _bits(got) != _bits(want)  # same dtype: equal bits <=> equal float32 values, as before
-    n_diff = int(differ.sum())
-    max_abs = float((got[differ].float() - want[differ].float()).abs().nan_to_num(float("inf")).max()) \
-        if n_diff else 0.0
-    if rel_tol is None:
-        return Comparison(n_diff == 0, n_diff, max_abs)
-    bound = rel_tol * float(want.abs().max()) if want.numel() else 0.0
-    return Comparison(max_abs <= bound, n_diff, max_abs, f"|diff| <= {rel_tol:g} * max|golden| = {bound:.3g}")
+    # same dtype: equal bits <=> equal float32 values
+    return PendingValues(got, want, rel_tol, [(_bits(got) != _bits(want)).sum()])
+
+
+def differing_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elements of two tensors of one shape and dtype whose bits differ: a 0-dim count on a's device,
+    not read (no wait)."""
+    return (_bits(a) != _bits(b)).sum()
 
 
 def _aligned(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,24 +237,43 @@ Block = tuple[torch.Tensor, "torch.Tensor | Deferred"]
 
 def compare_value_blocks(pairs: Callable[[], Iterable[Block]]) -> Comparison:
     """compare_values over (got, want) blocks of one tensor, as one comparison (bitwise; the
-    first block of another shape decides). `pairs` makes the blocks; each block's count stays on
-    the device and they come back together, once; a large Deferred block on a GPU is counted
-    without its values existing. Only when some differ are the blocks made again (`pairs()` once
-    more), for the largest difference."""
+    first block of another shape decides): `launch_value_blocks`, read."""
+    return read_together(launch_value_blocks(pairs))[0]
+
+
+@dataclass
+class PendingValueBlocks:
+    """`launch_value_blocks`' comparison: each block's count on the device, or the shape mismatch
+    that decided it. Only when some differ are the blocks made again (`pairs()` once more), for
+    the largest difference."""
+
+    pairs: Callable[[], Iterable[Block]]
+    counts: list[torch.Tensor]
+    decided: Comparison | None = None
+
+    def resolve(self, values: list[int]) -> Comparison:
+        if self.decided is not None:
+            return self.decided
+        n_diff = sum(values)
+        if not n_diff:
+            return Comparison(True, 0, 0.0)
+        max_abs = 0.0
+        for got, want in self.pairs():
+            max_abs = max(max_abs, compare_values(got, _made(want)).max_abs)
+            del got, want
+        return Comparison(False, n_diff, max_abs)
+
+
+def launch_value_blocks(pairs: Callable[[], Iterable[Block]]) -> PendingValueBlocks:
+    """compare_value_blocks without waiting: `pairs` makes the blocks, one at a time; each block's
+    count stays on the device; a large Deferred block on a GPU is counted without its values existing."""
     counts = []
     for got, want in pairs():
         if tuple(got.shape) != tuple(want.shape):
-            return _shape_mismatch(got)
+            return PendingValueBlocks(pairs, [], _shape_mismatch(got))
         counts.append(_differing_values(got, want))
         del got, want  # not held while the next block is made
-    n_diff = sum(_to_host(counts))
-    if not n_diff:
-        return Comparison(True, 0, 0.0)
-    max_abs = 0.0
-    for got, want in pairs():
-        max_abs = max(max_abs, compare_values(got, _made(want)).max_abs)
-        del got, want
-    return Comparison(False, n_diff, max_abs)
+    return PendingValueBlocks(pairs, counts)
 
 
 def _made(want: torch.Tensor | Deferred) -> torch.Tensor:

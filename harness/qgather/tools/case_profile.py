@@ -102,9 +102,10 @@ def _step_targets(spec: CaseSpec) -> list[tuple[object, str]]:
     of the inspection, the format or the implementation)."""
     impl_type, fmt_type = type(get_impl(spec.impl)), type(FORMATS[spec.fmt])
     targets = [(fsdp, n) for n in ("make_weight", "build_sharded_module")] + [(context, "golden_for")]
-    targets += [(inspection.Inspector, n) for n in ("twin_output", "judge", "module_check", "_buffers", "_forward")]
-    targets += [(inspection, n) for n in ("compare_buffers", "compare_values", "compare_value_blocks", "digest",
-                                          "_golden_output")]
+    targets += [(inspection.Inspector, n) for n in ("twin_output", "judge", "module_check", "_launch_forward",
+                                                    "_evidence")]
+    targets += [(inspection, n) for n in ("launch_buffers", "launch_value_blocks", "launch_values", "read_together",
+                                          "compare_values", "compare_value_blocks", "digest", "_golden_output")]
     targets += [(golden, "compare_buffers")] + [(fused, n) for n in ("count_differing", "count_differing_values")]
     targets += [(fmt_type, n) for n in ("quantize", "dequantize", "dequantize_rows")] + [(FSDPModule, "unshard")]
     targets += [(impl_type, n) for n in ("own_quantization", "own_quantization_parts", "own_dequantize",

@@ -79,9 +79,11 @@ class TEAdapter(Implementation):
     def own_dequantize_blocks(self, param: torch.Tensor, fmt, blocks: list[tuple[int, int]]):
         """TE's own dequantization of each row block, run on a TE tensor of the same class holding
         only those rows (tensors.row_slice); one whole dequantization where TE's layout cannot be cut."""
-        if len(blocks) == 1 or row_slice(param, fmt, *blocks[0]) is None:
+        first = row_slice(param, fmt, *blocks[0]) if len(blocks) > 1 else None
+        if first is None:
             return super().own_dequantize_blocks(param, fmt, blocks)
-        return (row_slice(param, fmt, start, stop).dequantize(dtype=torch.float32) for start, stop in blocks)
+        return ((first if index == 0 else row_slice(param, fmt, start, stop)).dequantize(dtype=torch.float32)
+                for index, (start, stop) in enumerate(blocks))
 
     def forward(self, param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, self._dequantized_in(param, x.dtype).transpose(-1, -2))
