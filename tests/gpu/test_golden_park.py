@@ -13,7 +13,7 @@ import torch
 from qgather.check import golden as golden_module
 from qgather.check import host
 from qgather.formats import FORMATS
-from qgather.instruments import compare
+from qgather.instruments import compare, digest
 from qgather.instruments.compare import compare_buffers
 
 pytestmark = pytest.mark.gpu
@@ -82,7 +82,7 @@ def test_a_parked_golden_judges_as_one_that_never_left_the_gpu(fmt, cuda, monkey
     from qgather.model.case import CaseSpec, shard_layout
 
     monkeypatch.setattr(host, "PARK_BYTES", 1)
-    monkeypatch.setattr(compare, "LARGE_BUFFER_BYTES", 1024)  # the data buffers are fingerprinted on the GPU
+    monkeypatch.setattr(digest, "LARGE_BUFFER_BYTES", 1024)  # the data buffers are fingerprinted on the GPU
     spec = CaseSpec.parse(f"reference:{fmt}:512x256:bf16:ws2:gather:s0")
     weight = torch.randn(512, 256, generator=torch.Generator(device="cuda").manual_seed(1), device=cuda)
     weight = weight.to(torch.bfloat16)
