@@ -372,3 +372,24 @@ def test_a_golden_makes_its_deferred_blocks_once_while_its_buffers_stay(monkeypa
     assert n_blocks > 1 and len(made) == n_blocks and torch.equal(values(), first) and len(made) == n_blocks
     golden.replace_buffers({"amax_rowwise": golden.q.buffers["amax_rowwise"] * 2})
     assert torch.equal(values(), first * 2) and len(made) == 2 * n_blocks
+
+
+def test_the_golden_layer_is_in_the_weights_dtype_whatever_the_outputs():
+    """An adapter whose layer returns its output in another dtype than the weight's (here float32 from
+    a bfloat16 weight) is compared with the golden layer computed in the weight's dtype, as the layer
+    computes it: equal, and digested as its own output (not the golden's, of another dtype)."""
+    from qgather.check.golden import golden_for
+    from qgather.check.inspection import Inspector
+    from qgather.impls import get_impl
+    from qgather.model.case import shard_layout
+
+    class FloatOutput(type(get_impl("reference"))):
+        def forward(self, param, x):
+            return super().forward(param, x).float()
+
+    fmt, weight = FORMATS["fp8_tensor"], _weight((64, 32))
+    golden = golden_for(fmt, weight)
+    spec = CaseSpec.parse("reference:fp8_tensor:64x32:bf16:ws2:gather:s0")
+    inspector = Inspector(spec, FloatOutput(), fmt, torch.randn(4, 32).to(torch.bfloat16), shard_layout(spec))
+    output, output_digest, error = inspector._forward(golden.dequantized_as(torch.bfloat16), golden)
+    assert error == "" and output.equal and output_digest != golden.output_digest()

@@ -145,8 +145,9 @@ class Inspector:
         try:
             y, blocks = self._output(param, x, golden, columns)
         except Exception as exc:  # noqa: BLE001 - the forward's error is evidence, next to the comparisons
-            return PendingOutput(golden, x, None, False, self.impl.output_tolerance(self.fmt.name), _one_line(exc))
-        return PendingOutput(golden, x, y, blocks, self.impl.output_tolerance(self.fmt.name))
+            return PendingOutput(golden, x, param.dtype, None, False, self.impl.output_tolerance(self.fmt.name),
+                                 _one_line(exc))
+        return PendingOutput(golden, x, param.dtype, y, blocks, self.impl.output_tolerance(self.fmt.name))
 
     def _output(self, param: torch.Tensor, x: torch.Tensor, golden: Golden,
                 columns: OwnRowOutputs | None) -> tuple[torch.Tensor, bool]:
@@ -227,14 +228,15 @@ def _golden_output(x: torch.Tensor, golden: Golden, dtype: torch.dtype, blocks: 
 
 
 class PendingOutput:
-    """The layer output `y` for input `x` against the golden layer's, launched (compare.Pending): against
-    the output the golden keeps for this input where it keeps one, with the count that says whether
-    `x` is that input (read with the rest: no wait of its own), else against one computed now and
-    kept. `error`: the forward's, which is the result then."""
+    """The layer output `y` for input `x` against the golden layer's (its values rounded to the weight's
+    `dtype`), launched (compare.Pending): against the output the golden keeps for this input where it
+    keeps one, with the count that says whether `x` is that input (read with the rest: no wait of its
+    own), else against one computed now and kept. `error`: the forward's, which is the result then."""
 
-    def __init__(self, golden: Golden, x: torch.Tensor, y: torch.Tensor | None, blocks: bool,
+    def __init__(self, golden: Golden, x: torch.Tensor, dtype: torch.dtype, y: torch.Tensor | None, blocks: bool,
                  rel_tol: float | None, error: str = "") -> None:
-        self.golden, self.x, self.y, self.blocks, self.rel_tol, self.error = golden, x, y, blocks, rel_tol, error
+        self.golden, self.x, self.dtype, self.y, self.blocks = golden, x, dtype, y, blocks
+        self.rel_tol, self.error = rel_tol, error
         self.kept = None if error else golden.kept_output(x, blocks)
         self.counts: list[torch.Tensor] = []
         if error:
@@ -247,7 +249,7 @@ class PendingOutput:
 
     def _computed(self) -> torch.Tensor:
         """The golden layer's output for this input, computed and kept with the golden."""
-        y_ref = _golden_output(self.x, self.golden, self.y.dtype, self.blocks)
+        y_ref = _golden_output(self.x, self.golden, self.dtype, self.blocks)
         self.golden.keep_output(self.x, self.blocks, y_ref)
         return y_ref
 
