@@ -128,7 +128,7 @@ def _widest(t: torch.Tensor) -> torch.Tensor:
     """The contiguous tensor's bytes as the widest integer words that divide them, flat."""
     flat = t.reshape(-1).view(torch.uint8)
     for dtype in (torch.int64, torch.int32, torch.int16):
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if flat.numel() % size == 0 and flat.data_ptr() % size == 0:
             return flat.view(dtype)
     return flat
