@@ -103,7 +103,7 @@ def _buffer_kernels(triton, tl) -> SimpleNamespace:
         inside = i < n
         a = tl.load(a_ptr + i, mask=inside, other=0)
         b = tl.load(b_ptr + i, mask=inside, other=0)
-        tl.store(out_ptr + tl.program_id(0), tl.sum((a != b).to(tl.int32), axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr, tl.sum((a != b).to(tl.int32), axis=0).to(tl.int64), sem="relaxed")
 
     @triton.jit
     def tiled(out_ptr, a_ptr, b_ptr, rows, cols, a_row, a_col, b_row, b_col, TILE: tl.constexpr):
@@ -113,7 +113,7 @@ def _buffer_kernels(triton, tl) -> SimpleNamespace:
         a = tl.load(a_ptr + r[:, None] * a_row + c[None, :] * a_col, mask=inside, other=0)
         b = tl.load(b_ptr + r[:, None] * b_row + c[None, :] * b_col, mask=inside, other=0)
         differing = tl.sum(tl.sum((a != b).to(tl.int32), axis=1), axis=0).to(tl.int64)
-        tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), differing)
+        tl.atomic_add(out_ptr, differing, sem="relaxed")
 
     return SimpleNamespace(flat=flat, tiled=tiled)
 

@@ -123,8 +123,7 @@ def _value_kernels(triton, tl) -> SimpleNamespace:
         want = tl.load(values_ptr + codes.to(tl.int32)) * tile
         got = tl.load(got_ptr + r[:, None] * cols + c[None, :], mask=inside, other=0.0)
         differ = (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & inside
-        tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                 tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr, tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0).to(tl.int64), sem="relaxed")
 
     @triton.jit
     def nvfp4_blocks(out_ptr, got_ptr, packed_ptr, scale_ptr, amax_ptr, inverse_ptr, values_ptr,
@@ -155,8 +154,7 @@ def _value_kernels(triton, tl) -> SimpleNamespace:
         inside = (r[:, None] < rows) & (c[None, :] < blocks * PAIRS * 2)
         got = tl.load(got_ptr + r[:, None] * (blocks * PAIRS * 2) + c[None, :], mask=inside, other=0.0)
         differ = (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & inside
-        tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                 tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr, tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0).to(tl.int64), sem="relaxed")
 
     return SimpleNamespace(fp8_tiles=fp8_tiles, nvfp4_blocks=nvfp4_blocks)
 

@@ -3,13 +3,14 @@ Triton imported where a module's kernels are first built, and a launch that retu
 kernel's per-program counts, or None once Triton could not run in this process (said once, as a
 RuntimeWarning: the callers then compare another way, with the same counts).
 
-Every kernel takes its per-program int64 output first; the sum is one more kernel on the device.
+Every kernel takes its int64 count first, zeroed, and adds each program's count to it atomically:
+one launch per comparison and no reduction after it (a reduction's launch cost the host as much
+as the kernel's own).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -39,17 +40,17 @@ def built(make: Callable[..., SimpleNamespace]) -> Callable[[], SimpleNamespace 
 
 
 def counted(kernel, grid: tuple[int, ...], device: torch.device, *args, **constexprs) -> torch.Tensor | None:
-    """Launch `kernel` over `grid` with a fresh int64 output per program first, then `args`; the
-    programs' counts summed (a 0-dim int64 tensor on `device`), or None where Triton cannot run."""
+    """Launch `kernel` over `grid` with a zeroed int64 count first, then `args`; the programs' counts
+    added up in it (a 0-dim int64 tensor on `device`), or None where Triton cannot run."""
     if TRITON_BROKEN:
         return None
-    partial = torch.empty(math.prod(grid), dtype=torch.int64, device=device)
+    count = torch.zeros((), dtype=torch.int64, device=device)
     try:
-        kernel[grid](partial, *args, **constexprs)
+        kernel[grid](count, *args, **constexprs)
     except Exception as exc:  # noqa: BLE001 - the caller compares another way, the same counts
         note_broken(exc, TRITON_BROKEN, "the Triton comparison")
         return None
-    return partial.sum()
+    return count
 
 
 def note_broken(exc: Exception, flag: list[str], what: str) -> None:
