@@ -64,9 +64,8 @@ class Golden:
                 continue
             if name not in self._host:
                 self._host[name] = host.pinned_copy(tensor)
-            self.q.buffers[name] = self._host[name]
+            self._hold(name, self._host[name])
             self._away.add(name)
-            self._parts.clear()  # views of the device copy: they would hold it
         self._device = device if self._away else None
         return self.parked
 
@@ -86,9 +85,8 @@ class Golden:
         if self._device is None:
             return
         for name in sorted(self._away if names is None else set(names) & self._away):
-            self.q.buffers[name] = self._host[name].to(self._device, non_blocking=True)
+            self._hold(name, self._host[name].to(self._device, non_blocking=True))
             self._away.discard(name)
-            self._parts.clear()
         if not self._away:
             self._device = None
 
@@ -107,8 +105,13 @@ class Golden:
                 continue
             if held.shape == view.shape and held.dtype == view.dtype and not compare_buffers(
                     {name: held}, QuantizedTensor(self.q.format, self.q.shape, {name: view}, self.q.valid)):
-                self.q.buffers[name] = view
-                self._parts.clear()
+                self._hold(name, view)
+
+    def _hold(self, name: str, tensor: torch.Tensor) -> None:
+        """Buffer `name` is `tensor` from now on; the deferred blocks made of the buffers let go (they are
+        views of the one held before, which they would keep alive and read)."""
+        self.q.buffers[name] = tensor
+        self._parts.clear()
 
     def kept_output(self, x: torch.Tensor, blocks: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The golden layer's output for input `x` (computed whole, or block of rows by block with
@@ -138,9 +141,8 @@ class Golden:
 
     def replace_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """Let `buffers` (where the golden's buffers are now) stand for the golden's own."""
-        self._parts.clear()
         for name, tensor in buffers.items():
-            self.q.buffers[name] = tensor
+            self._hold(name, tensor)
             self._host.pop(name, None)
             if name in self._away:
                 self._host[name] = tensor
@@ -187,9 +189,8 @@ class Golden:
                 yield slice(start, stop), self.fmt.dequantize_rows(self.q, start, stop, device=self._device)
 
     def _deferred_parts(self, start: int, stop: int) -> DequantizeParts | None:
-        """Format.dequantize_rows_parts of rows [start, stop), made once and kept while the golden's
-        buffers stay where they are (they are views of them: parking, bringing back or replacing a
-        buffer lets them go): every inspection of a kept golden reads the same blocks."""
+        """Format.dequantize_rows_parts of rows [start, stop), made once and kept while the golden holds
+        the same buffers (`_hold` lets them go): every inspection of a kept golden reads the same blocks."""
         if (start, stop) not in self._parts:
             self._parts[(start, stop)] = self.fmt.dequantize_rows_parts(self.q, start, stop)
         return self._parts[(start, stop)]

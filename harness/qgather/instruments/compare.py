@@ -198,7 +198,7 @@ def launch_values(got: torch.Tensor, want: torch.Tensor, rel_tol: float | None =
         return PendingValues(got, want, rel_tol, [], _shape_mismatch(got))
     got, want = _aligned(got, want)
     # same dtype: equal bits <=> equal float32 values
-    return PendingValues(got, want, rel_tol, [(_bits(got) != _bits(want)).sum()])
+    return PendingValues(got, want, rel_tol, [differing_bits(got, want)])
 
 
 def differing_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -288,7 +288,7 @@ def _differing_values(got: torch.Tensor, want: torch.Tensor | Deferred) -> torch
         if count is not None:
             return count
     got, want = _aligned(got, _made(want))
-    return (_bits(got) != _bits(want)).sum()
+    return differing_bits(got, want)
 
 
 def locate(
