@@ -1,174 +1,251 @@
-"""The GPU job's scheduling without a GPU: qgather's xdist scheduler (GpuScheduling) hands a synthetic
-collection to simulated workers, threads that lease simulated GPUs through the real lease module and
-follow the worker rules of qgather.pytest_plugin.gpu_schedule. For 1, 2, 4 and 8 GPUs: every case is
-run, no GPU is leased by two live pools, the GPUs are all in use at some point, pools stay warm across
-a unit, and a pool that dies mid-run (its GPUs given back at once) stalls nobody."""
+"""The GPU job's sharing of its GPUs, without a GPU: simulated xdist workers (real processes) take cases
+one at a time from a shared queue, as xdist's load scheduling hands them out, and run each on the pools
+of the real registry (get_pool, start_pools, release_gpu_pools), whose RankPools take their seats through
+the real lease, and whose yielder thread gives idle pools' seats to a process that waits; only the rank
+processes are simulated. For 1, 2, 4 and 8 GPUs with K seats per GPU: every case is
+placed, no seat is held twice (no GPU carries more than K ranks), an NCCL pool's ranks are on distinct
+GPUs, a worker's pools are reused across world sizes when K allows, a SIGKILLed worker stalls nobody,
+and the checks fail when the lock does nothing."""
 
 from __future__ import annotations
 
-import random
-import threading
-from types import SimpleNamespace
+import fcntl
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+from multiprocessing.connection import Connection, wait
 
 import pytest
 
-from qgather.pytest_plugin.collection import case_in
-from qgather.pytest_plugin.gpu_schedule import CHUNK, FREE, gpu_need, unit_needs
-from qgather.pytest_plugin.gpu_scheduler import GpuScheduling
-from qgather.runtime import gpu_lease
+from qgather.model.case import CaseSpec
+from qgather.runtime import gpu_lease, pool, registry, spec
+from qgather.runtime.pool import RankPool
+from qgather.runtime.spec import PoolSpec
 
-WORKERS = 6
+WORKERS = 4
 WAIT_S = 60.0  # bounds every wait of the simulation: a deadlock fails the test instead of hanging it
+HOLD_S = 0.003  # a case's time on its pool
+SIZES = (1, 2, 3, 4, 8)
 
 
 def collection() -> list[str]:
-    ids = [f"reference:fp8_tensor:{rows}x64:bf16:ws{ws}:gather:s0" for ws in (1, 2, 3, 4, 8) for rows in range(8, 88)]
+    ids = [f"reference:fp8_tensor:{rows}x64:bf16:ws{ws}:gather:s0" for rows in range(8, 16) for ws in SIZES]
     ids += [f"te:fp8_block:128x128:bf16:ws{ws}:steps:s0:dcp-ws{saved}" for ws, saved in ((2, 4), (4, 1), (3, 2))]
-    ids += ["reference:nvfp4_2d:64x64:bf16:ws16:virtual:s0"]
-    random.Random(0).shuffle(ids)
-    nodes = [f"cases/test_alignment.py::test_alignment[{case_id}]" for case_id in ids]
-    return nodes + [f"tests/gpu/test_te_quantizers.py::test_bits[{n}]" for n in range(20)]
+    return ids
 
 
-class Node:
-    """What the scheduler sees of an xdist worker."""
+class SimPool(RankPool):
+    """A RankPool whose ranks are simulated: its seats are real (the lease), and so are its checks."""
 
-    def __init__(self, name: str, cond: threading.Condition) -> None:
-        self.name = name
-        self.gateway = SimpleNamespace(id=name)
-        self.queue: list[int] = []
-        self.shutting_down = False
-        self._cond = cond
+    marks: str = ""  # the folder of the seat markers
 
-    def send_runtest_some(self, indexes: list[int]) -> None:
-        self.queue.extend(indexes)
-        self._cond.notify_all()
+    def _spawn(self) -> None:
+        lease = self._lease
+        assert lease is not None
+        assert len(set(lease.gpus)) == len(gpu_lease.ranks_per_gpu(self.spec.world_size, len(pool.visible_gpus())))
+        self._markers = []
+        for gpu, seat in lease.seats:
+            path = os.path.join(self.marks, f"{gpu}-{seat}")
+            if not _claim(path):
+                self._teardown()
+                raise AssertionError(f"seat {seat} of GPU {gpu} held twice")
+            self._markers.append(path)
+        self._ranks = [None] * self.spec.world_size  # type: ignore[list-item]
+        self.spawn_count += 1
+
+    def finish_start(self, case_id: str = "") -> None:
+        self._start_began = None
+
+    def _run(self, *_args, **_kwargs) -> object:  # RankPool.run holds in_use around it
+        if not self._ranks:
+            failure = self.start()
+            if failure is not None:
+                raise AssertionError(failure.headline())
+        time.sleep(HOLD_S)  # the case's work on the GPUs, while the other workers run theirs
+        return None
 
     def shutdown(self) -> None:
-        self.shutting_down = True
-        self._cond.notify_all()
+        self._teardown()
 
-    def __repr__(self) -> str:
-        return self.name
-
-
-class Host:
-    """The simulated GPUs: who holds each slot (checked on every lease), and how busy they got."""
-
-    def __init__(self, gpus: int) -> None:
-        self.gpus = [str(i) for i in range(gpus)]
-        self.owner: dict[int, str] = {}
-        self.most_in_use = 0
-        self.leases = 0
-        self.lock = threading.Lock()
-
-    def took(self, who: str, lease: gpu_lease.Lease) -> None:
-        with self.lock:
-            shared = [s for s in lease.slots if s in self.owner]
-            assert not shared, f"{who} leased slots {shared} held by {[self.owner[s] for s in shared]}"
-            self.owner.update({s: who for s in lease.slots})
-            self.most_in_use = max(self.most_in_use, len(self.owner))
-            self.leases += 1
-
-    def gave_back(self, lease: gpu_lease.Lease) -> None:
-        with self.lock:
-            for s in lease.slots:
-                del self.owner[s]
-        lease.release()
+    def _teardown(self) -> None:
+        for path in getattr(self, "_markers", []):
+            os.remove(path)
+        self._markers = []
+        self._ranks = []
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
 
-def run_worker(node: Node, sched: GpuScheduling, cond: threading.Condition, host: Host, directory: str,
-               nodeids: list[str], deaths: float, errors: list[str]) -> None:
-    rng = random.Random(node.name)
-    pools: dict[int, gpu_lease.Lease] = {}
+def _claim(path: str) -> bool:
+    """Create the seat's marker with this pid in it; False while a live process holds it (a SIGKILLed
+    holder's marker is stale: its seat is free again)."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _alive(_holder(path)):
+                return False
+            os.remove(path)
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
 
-    def release(keep: set[int]) -> None:  # registry.release_gpu_pools
-        for size in [s for s in pools if s not in keep]:
-            host.gave_back(pools.pop(size))
 
+def _holder(path: str) -> int:
     try:
-        while True:
-            with cond:  # xdist runs an item once it has the next one, or is told to shut down
-                if not cond.wait_for(lambda: len(node.queue) >= 2 or node.shutting_down, timeout=WAIT_S):
-                    raise AssertionError(f"{node} waited {WAIT_S} s for work")
-                if not node.queue:
-                    return
-                index = node.queue.pop(0)
-                following = node.queue[0] if node.queue else None
-            for size in sizes_of(nodeids[index], len(host.gpus)):
-                if size not in pools:
-                    pools[size] = gpu_lease.acquire(size, host.gpus, directory=directory, timeout=WAIT_S,
-                                                    before_wait=lambda keep={size}: release(keep))
-                    host.took(node.name, pools[size])
-            if pools and rng.random() < deaths:  # the pool died: its ranks are gone, so is its lease
-                release(set())
-            with cond:
-                sched.mark_test_complete(node, index)
-            release(set(sizes_of(nodeids[following], len(host.gpus))) if following is not None else set())
-    except BaseException as exc:  # noqa: BLE001 - the test reports it
-        errors.append(f"{node}: {exc!r}")
+        with open(path) as f:
+            return int(f.read() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _pool_specs(case: CaseSpec, gpus: int) -> list[PoolSpec]:
+    return [PoolSpec("nccl" if size <= gpus else "gloo", size, "cuda") for size in case.pool_sizes]
+
+
+def _worker(name: str, gpus: int, marks: str, conn: Connection, broken_lock: bool, prestart: bool) -> None:
+    """A simulated xdist worker: runs the case ids it is sent on the registry's pools until it gets None."""
+    names = [str(i) for i in range(gpus)]
+    spec.visible_gpus = pool.visible_gpus = lambda: names  # what this simulated host has
+    registry.RankPool = SimPool
+    SimPool.marks = marks
+    if broken_lock:
+        fcntl.flock = lambda fd, op: None
+    try:
+        if prestart:
+            registry.start_pools({s for case_id in collection() for s in _pool_specs(CaseSpec.parse(case_id), gpus)})
+        while (case_id := conn.recv()) is not None:
+            for pool_spec in _pool_specs(CaseSpec.parse(case_id), gpus):
+                registry.get_pool(pool_spec).run(None)
+            conn.send((case_id, sum(p.spawn_count for p in registry._pools.values()), ""))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(("", 0, repr(exc)))
     finally:
-        release(set())
+        registry.shutdown_pools(keep_helpers=True)
 
 
-def sizes_of(nodeid: str, gpus: int) -> list[int]:
-    case = case_in(nodeid)
-    return [s for s in case.pool_sizes if s <= gpus] if case else []
+class Controller:
+    """xdist's controller, simplified: a pipe per worker, the next case to whichever finished one, a
+    SIGKILLed worker's case handed to another."""
+
+    def __init__(self, workers: dict[str, tuple[mp.Process, Connection]]) -> None:
+        self.workers = workers
+        self.pending = collection()
+        self.running: dict[str, str] = {}
+        self.placed: dict[str, str] = {}
+        self.errors: list[str] = []
+        self.starts: dict[str, int] = {}
+
+    def run(self, kill_one: bool) -> None:
+        for name in self.workers:
+            self._hand_out(name)
+        total, killed = len(self.pending) + len(self.running), None
+        while len(self.placed) < total and not self.errors:
+            live = {conn: name for name, (_, conn) in self.workers.items() if name != killed}
+            ready = wait(list(live), timeout=WAIT_S)
+            if not ready:
+                raise AssertionError(f"no case finished in {WAIT_S} s: the workers deadlocked "
+                                     f"({len(self.placed)} of {total} placed)")
+            for conn in ready:
+                self._receive(live[conn])
+            if kill_one and killed is None and len(self.placed) >= total // 3 and self.running:
+                killed = next(iter(self.running))  # SIGKILLed in the middle of a case, holding its pools' seats
+                process = self.workers[killed][0]
+                os.kill(process.pid, signal.SIGKILL)
+                process.join(timeout=WAIT_S)
+                self.pending.append(self.running.pop(killed))  # the next worker to finish one takes it
+
+    def _receive(self, name: str) -> None:
+        case_id, starts, error = self.workers[name][1].recv()
+        if error:
+            self.errors.append(f"{name}: {error}")
+            return
+        self.placed[case_id] = name
+        self.starts[name] = starts
+        del self.running[name]
+        self._hand_out(name)
+
+    def _hand_out(self, name: str) -> None:
+        if self.pending:
+            self.running[name] = self.pending.pop(0)
+            self.workers[name][1].send(self.running[name])
+
+    def stop(self) -> None:
+        for process, conn in self.workers.values():
+            if process.is_alive():
+                conn.send(None)
+        for process, _ in self.workers.values():
+            process.join(timeout=WAIT_S)
+            if process.is_alive():
+                process.kill()
 
 
-def simulate(gpus: int, directory: str, deaths: float = 0.0) -> tuple[Host, list[Node], list[str]]:
-    cond = threading.Condition()
-    nodeids = collection()
-    config = SimpleNamespace(getvalue=lambda name: [f"{WORKERS}*popen"], option=SimpleNamespace(loadscopereorder=False))
-    sched = GpuScheduling(config, None, gpus)
-    nodes = [Node(f"gw{i}", cond) for i in range(WORKERS)]
-    with cond:
-        for node in nodes:
-            sched.add_node(node)
-        for node in nodes:
-            sched.add_node_collection(node, nodeids)
-        sched.schedule()
-    host, errors = Host(gpus), []
-    threads = [threading.Thread(target=run_worker, args=(n, sched, cond, host, directory, nodeids, deaths, errors))
-               for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=4 * WAIT_S)
-    assert not any(t.is_alive() for t in threads), "a simulated worker is stuck: the scheduling deadlocked"
-    with cond:
-        assert sched.tests_finished and not sched.has_pending, "cases left unrun"
-    return host, nodes, errors
+def simulate(tmp_path, gpus: int, seats: int, *, kill_one: bool = False, broken_lock: bool = False,
+             prestart: bool = False) -> Controller:
+    """Run the collection on WORKERS simulated workers; the controller says where each case ran."""
+    ctx = mp.get_context("fork")
+    lease_dir, marks = tmp_path / "lease", tmp_path / "marks"
+    lease_dir.mkdir()
+    marks.mkdir()
+    os.environ[gpu_lease.LEASE_DIR_ENV] = str(lease_dir)
+    os.environ[gpu_lease.SEATS_ENV] = str(seats)
+    workers = {}
+    for i in range(WORKERS):
+        ours, theirs = ctx.Pipe()
+        process = ctx.Process(target=_worker, args=(f"gw{i}", gpus, str(marks), theirs, broken_lock, prestart))
+        process.start()
+        workers[f"gw{i}"] = (process, ours)
+    controller = Controller(workers)
+    try:
+        controller.run(kill_one)
+    finally:
+        controller.stop()
+        del os.environ[gpu_lease.LEASE_DIR_ENV], os.environ[gpu_lease.SEATS_ENV]
+    live = [p.name for p in marks.iterdir() if _alive(_holder(str(p)))]
+    assert not live, f"seats {live} still marked after every worker stopped"
+    return controller
+
+
+def _fewest_seats(gpus: int) -> int:
+    return math.ceil(max(SIZES) / gpus)  # the widest pool's ranks on one GPU
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
-def test_every_case_runs_and_no_gpu_is_leased_twice(tmp_path, gpus):
-    host, _, errors = simulate(gpus, str(tmp_path))
-    assert errors == []
-    assert host.most_in_use == gpus, "the GPUs were never all in use at once"
-    gpu_units = {unit for unit, need in unit_needs(collection(), gpus).values() if need != FREE}
-    # a worker keeps its pool warm within a unit, and takes a unit of the size it ran last while one is left
-    assert host.leases <= len(gpu_units), f"{host.leases} pool starts for {len(gpu_units)} units: pools not kept warm"
+def test_every_case_is_placed_on_at_most_k_ranks_per_gpu(tmp_path, gpus):
+    run = simulate(tmp_path, gpus, _fewest_seats(gpus))
+    assert run.errors == []
+    assert sorted(run.placed) == sorted(collection())
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
-def test_pools_that_die_stall_nobody(tmp_path, gpus):
-    host, _, errors = simulate(gpus, str(tmp_path), deaths=0.2)
-    assert errors == []
-    assert host.owner == {}
+def test_a_workers_pools_stay_warm_across_world_sizes_when_k_allows(tmp_path, gpus):
+    roomy = WORKERS * sum(math.ceil(size / gpus) for size in SIZES)  # every worker keeps every pool
+    run = simulate(tmp_path, gpus, roomy, prestart=True)
+    assert run.errors == [] and sorted(run.placed) == sorted(collection())
+    specs = {s for case_id in collection() for s in _pool_specs(CaseSpec.parse(case_id), gpus)}
+    assert max(run.starts.values()) <= len(specs), f"pools restarted: {run.starts} for {len(specs)} pool kinds"
 
 
-def test_units_hold_cases_of_one_gpu_need_in_collection_order():
-    nodeids = collection()
-    units = unit_needs(nodeids, 4)
-    members: dict[str, list[str]] = {}
-    for nodeid in nodeids:
-        members.setdefault(units[nodeid][0], []).append(nodeid)
-    for unit, nodes in members.items():
-        needs = {gpu_need(case_in(n), 4) if case_in(n) else FREE for n in nodes}
-        assert len(needs) == 1 and len(nodes) <= CHUNK, unit
-    assert units[nodeids[-1]][1] == FREE  # not a case
-    ws8 = next(n for n in nodeids if ":ws8:" in n)
-    assert units[ws8][1] == FREE  # more ranks than GPUs: gloo on CUDA, no lease
-    saved = next(n for n in nodeids if "ws4:steps:s0:dcp-ws1" in n)
-    assert units[saved][1] == 4
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_a_sigkilled_worker_stalls_nobody(tmp_path, gpus):
+    run = simulate(tmp_path, gpus, _fewest_seats(gpus), kill_one=True)
+    assert run.errors == []
+    assert sorted(run.placed) == sorted(collection())
+
+
+def test_the_checks_fail_when_the_lock_does_nothing(tmp_path):
+    run = simulate(tmp_path, 2, _fewest_seats(2), broken_lock=True)
+    assert any("held twice" in error for error in run.errors), run.errors

@@ -27,11 +27,12 @@ from qgather.pytest_plugin.fixture import QgatherFixture, qgather  # noqa: E402
 from qgather.pytest_plugin.options import pytest_addoption  # noqa: E402
 from qgather.pytest_plugin.session import (  # noqa: E402
     pytest_configure,
+    pytest_report_header,
     pytest_runtest_teardown,
+    pytest_runtestloop,
     pytest_sessionfinish,
     pytest_sessionstart,
     pytest_unconfigure,
-    pytest_xdist_make_scheduler,
 )
 
 __all__ = [
@@ -41,10 +42,11 @@ __all__ = [
     "pytest_collection_modifyitems",
     "pytest_configure",
     "pytest_generate_tests",
+    "pytest_report_header",
     "pytest_runtest_teardown",
+    "pytest_runtestloop",
     "pytest_sessionfinish",
     "pytest_sessionstart",
     "pytest_unconfigure",
-    "pytest_xdist_make_scheduler",
     "qgather",
 ]

@@ -1,54 +1,128 @@
-"""The GPU job's scheduling: which xdist worker runs which cases, and when a worker gives GPUs back.
+"""The GPU job's sharing of its GPUs: how many ranks one GPU seats, and when a worker's pools start and stop.
 
-On a host with G GPUs every case whose pools fit in G runs on NCCL, one GPU per rank, each pool
-leasing its GPUs for as long as it lives (qgather.runtime.gpu_lease). Three rules keep the GPUs busy
-and the pools warm:
+Every pytest-xdist worker sees every GPU, and xdist hands out the cases one at a time as it does on the
+CPU. A pool's ranks take seats on the GPUs (qgather.runtime.gpu_lease): K per GPU, from the tightest
+GPU's free memory and the host's, over what one rank of the suite's largest case needs
+(`plan_seats`; QGATHER_GPU_SEATS overrides). Three rules keep the pools warm and nobody waiting:
 
-* Cases are handed to workers in units of up to CHUNK cases that need the same number of GPUs
-  (their largest pool); a worker is given a unit of the size it ran last while there is one (its
-  pool stays warm), else the largest that fits in the GPUs the other workers are not using, else a
-  unit that needs no GPU of its own (gloo, the virtual scenario, other tests), else the smallest
-  (it waits for its lease, which is fair and bounded).
-* After each test a worker stops the NCCL pools that the next test it runs will not use, so a
-  worker never sits on GPUs it no longer needs.
-* Before a pool waits for GPUs, its process stops its own other NCCL pools (the registry), so no
-  process waits while holding GPUs.
+* A worker keeps its pools for the whole run, whatever world size its next case has.
+* On a GPU run, a worker starts the pools its selection uses side by side before its first case
+  (registry.start_pools), instead of one after another as the cases come.
+* While another process of the run waits for seats (the lease's `want` flag), a worker stops, between
+  two tests, the GPU pools its next test does not use; a process about to wait stops its own idle ones.
 
-The run's controller makes the lease directory that every worker shares (QGATHER_GPU_LEASE_DIR).
+The run's controller makes the lease directory every worker shares (QGATHER_GPU_LEASE_DIR) and fixes K
+(QGATHER_GPU_SEATS) before the workers start.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
 
 from qgather.model.case import CaseSpec
-from qgather.pytest_plugin.collection import case_in
+from qgather.pytest_plugin.options import settings
 from qgather.runtime import gpu_lease
-from qgather.runtime.registry import release_gpu_pools
+from qgather.runtime.launch import detect_launch
+from qgather.runtime.registry import release_gpu_pools, start_pools
 from qgather.runtime.spec import PoolSpec, visible_gpus
+from qgather.suite.shape_space import MAX_ELEMENTS
 
-CHUNK = 16  # cases a worker is handed at once; its pool stays warm across them
-FREE = 0  # the GPU need of a unit whose cases lease no GPU
+GIB = 1 << 30
+# One CUDA rank's own device memory beside its case: its context, cuBLAS's and NCCL's workspaces and
+# TransformerEngine's (about 0.6 GiB seen per rank on an H200: docs/gpu-results.md), with room to spare.
+RANK_GPU_BYTES = 3 * GIB // 2
+RANK_HOST_BYTES = GIB  # a rank's private host memory (torch, CUDA's host side); the rest is shared
+# The largest weight of the suite in float32, held a few times over on a rank (the shard, the gathered
+# weight, the golden, the one-device twin, the dequantized copies), at most this many times.
+CASE_COPIES = 16
+SHARE = 0.8  # of the free memory that the seats may plan on
+FREE_MEMORY_TIMEOUT_S = 120.0
 lease_dir_key = pytest.StashKey[str]()
+seat_plan_key = pytest.StashKey["SeatPlan"]()
 
 
-def gpu_need(case: CaseSpec, gpus: int) -> int:
-    """GPUs the case's largest NCCL pool leases on a host with `gpus` GPUs (FREE: none)."""
-    return max((size for size in case.pool_sizes if size <= gpus), default=FREE)
+@dataclass(frozen=True)
+class SeatPlan:
+    """K, the seats per GPU, and what it was derived from (bytes; `source` says how)."""
+
+    seats: int
+    source: str  # "measured" | "QGATHER_GPU_SEATS" | "default: <why the memory could not be read>"
+    gpu_free_bytes: tuple[int, ...] = ()
+    host_available_bytes: int = 0
+    per_rank_bytes: int = 0
+
+    def describe(self) -> str:
+        if self.source != "measured":
+            return f"GPU seats: {self.seats} per GPU ({self.source})"
+        return (f"GPU seats: {self.seats} per GPU (tightest GPU {min(self.gpu_free_bytes) / GIB:.1f} GiB free, "
+                f"host {self.host_available_bytes / GIB:.0f} GiB available, {self.per_rank_bytes / GIB:.2f} GiB "
+                f"per rank; {gpu_lease.SEATS_ENV} overrides)")
+
+
+def plan_seats(gpu_free: list[int], host_available: int, largest_case_elements: int = MAX_ELEMENTS) -> SeatPlan:
+    """K from the GPUs' free memory and the host's: the ranks that fit on the tightest GPU, and the
+    ranks the host can carry spread over the GPUs, whichever is fewer (at least 1)."""
+    per_rank = RANK_GPU_BYTES + CASE_COPIES * 4 * largest_case_elements
+    by_gpu = int(SHARE * min(gpu_free)) // per_rank
+    by_host = int(SHARE * host_available) // (RANK_HOST_BYTES * len(gpu_free))
+    return SeatPlan(max(1, min(by_gpu, by_host)), "measured", tuple(gpu_free), host_available, per_rank)
 
 
 def make_lease_dir(config: pytest.Config) -> None:
-    """The controller's lease directory, inherited by the workers it starts (none for a CPU run)."""
+    """The controller's lease directory and K, inherited by the workers it starts (none for a CPU run)."""
     if gpu_lease.LEASE_DIR_ENV in os.environ or not visible_gpus():
         return
     directory = gpu_lease.make_lease_dir()
     os.environ[gpu_lease.LEASE_DIR_ENV] = directory
     config.stash[lease_dir_key] = directory
+    plan = _seat_plan()
+    os.environ[gpu_lease.SEATS_ENV] = str(plan.seats)
+    config.stash[seat_plan_key] = plan
+
+
+def _seat_plan() -> SeatPlan:
+    if os.environ.get(gpu_lease.SEATS_ENV, "").strip():
+        try:
+            return SeatPlan(gpu_lease.seats_per_gpu(), gpu_lease.SEATS_ENV)
+        except gpu_lease.SeatsError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    free, problem = _gpu_free_bytes()
+    if problem:
+        return SeatPlan(gpu_lease.DEFAULT_SEATS, f"default: {problem}")
+    return plan_seats(free, _host_available_bytes())
+
+
+def _gpu_free_bytes() -> tuple[list[int], str]:
+    """Each visible GPU's free memory, read in a child process (the controller keeps no CUDA context)."""
+    code = ("import torch; print(' '.join(str(torch.cuda.mem_get_info(i)[0]) "
+            "for i in range(torch.cuda.device_count())))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=FREE_MEMORY_TIMEOUT_S)
+        free = [int(word) for word in done.stdout.split()]
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        return [], f"the GPUs' free memory could not be read ({type(exc).__name__})"
+    if done.returncode != 0 or not free:
+        return [], f"the GPUs' free memory could not be read (exit {done.returncode})"
+    return free, ""
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if hasattr(os, "sysconf") else 64 * GIB
 
 
 def remove_lease_dir(config: pytest.Config) -> None:
@@ -57,32 +131,41 @@ def remove_lease_dir(config: pytest.Config) -> None:
         del config.stash[lease_dir_key]
         os.environ.pop(gpu_lease.LEASE_DIR_ENV, None)
         shutil.rmtree(directory, ignore_errors=True)
+    if seat_plan_key in config.stash:
+        del config.stash[seat_plan_key]
+        os.environ.pop(gpu_lease.SEATS_ENV, None)
 
 
-def release_after(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop the NCCL pools that `nextitem` will not use (all of them when it is not a case)."""
-    case = getattr(getattr(nextitem, "callspec", None), "params", {}).get("case") if nextitem else None
-    sizes = case.pool_sizes if isinstance(case, CaseSpec) else ()
-    release_gpu_pools(keep=[PoolSpec("nccl", size, "cuda") for size in sizes])
+def report_header(config: pytest.Config) -> list[str]:
+    plan = config.stash.get(seat_plan_key, None)
+    return [f"qgather: {plan.describe()}"] if plan is not None else []
 
 
-def scheduler_for(config: pytest.Config, log: Any, device: str) -> Any:
-    """The xdist scheduler of a GPU job (--device cuda, --dist load, GPUs visible); None: xdist's own."""
-    gpus = len(visible_gpus()) if device == "cuda" else 0
-    if not gpus or config.getoption("dist", "load") != "load":
-        return None
-    from qgather.pytest_plugin.gpu_scheduler import GpuScheduling  # imports xdist's scheduler classes
-
-    return GpuScheduling(config, log, gpus)
+def release_when_wanted(nextitem: pytest.Item | None) -> None:
+    """While another process waits for GPU seats, stop the pools `nextitem` will not use."""
+    if not gpu_lease.someone_waits():
+        return
+    release_gpu_pools(keep=_pool_specs([nextitem]) if nextitem is not None else ())
 
 
-def unit_needs(nodeids: list[str], gpus: int) -> dict[str, tuple[str, int]]:
-    """nodeid -> (unit, its GPU need): runs of up to CHUNK cases of one need, in collection order."""
-    seen: Counter[int] = Counter()
-    units = {}
-    for nodeid in nodeids:
-        case = case_in(nodeid)
-        need = gpu_need(case, gpus) if case is not None else FREE
-        units[nodeid] = (f"qgather-gpus{need}-{seen[need] // CHUNK}", need)
-        seen[need] += 1
-    return units
+def prestart_pools(session: pytest.Session) -> None:
+    """On a GPU run outside a launcher, start side by side the pools this process's selection uses
+    often enough that each worker will run cases on them (registry.start_pools)."""
+    if settings(session.config).run.device_type() != "cuda" or detect_launch() is not None or not visible_gpus():
+        return
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    counts = Counter(spec for item in session.items for spec in _pool_specs([item]))
+    start_pools([spec for spec, count in counts.items() if count >= 2 * workers])
+
+
+def _pool_specs(items: list[pytest.Item]) -> list[PoolSpec]:
+    """The pools the items' cases run on (the checkpoint's saving world too)."""
+    options = None
+    specs = []
+    for item in items:
+        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+        if not isinstance(case, CaseSpec):
+            continue
+        options = options or settings(item.config).run
+        specs += [PoolSpec(options.backend_for(size), size, options.device_type()) for size in case.pool_sizes]
+    return specs

@@ -15,7 +15,13 @@ import pytest
 
 from qgather.pytest_plugin.collection import impl_problems_key, preload_before_key, sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
-from qgather.pytest_plugin.gpu_schedule import make_lease_dir, release_after, remove_lease_dir, scheduler_for
+from qgather.pytest_plugin.gpu_schedule import (
+    make_lease_dir,
+    prestart_pools,
+    release_when_wanted,
+    remove_lease_dir,
+    report_header,
+)
 from qgather.pytest_plugin.options import Settings, settings_key
 from qgather.pytest_plugin.recorder import Recorder, recorder_key
 from qgather.pytest_plugin.role import Role, role
@@ -86,19 +92,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             del config.stash[key]
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The GPU seats of a GPU run (qgather.pytest_plugin.gpu_schedule)."""
+    return report_header(config)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the loop (xdist's worker loop, or pytest's own) runs a test
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """A GPU run's pools start side by side before the first case (qgather.pytest_plugin.gpu_schedule)."""
+    if role(session.config) is not Role.QUIET_RANK and not session.config.option.collectonly:
+        prestart_pools(session)
+
+
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """GPU pools the next test will not use give their GPUs back; under a launcher, a broken world
-    stops every rank at the same case."""
-    release_after(item, nextitem)
+    """While another process waits for GPU seats, pools the next test will not use give theirs back;
+    under a launcher, a broken world stops every rank at the same case."""
+    release_when_wanted(nextitem)
     broken = external.world_broken()
     if broken:
         item.session.shouldfail = f"qgather: {broken}"
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown where xdist is not loaded
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """The GPU job's scheduler (qgather.pytest_plugin.gpu_schedule); None leaves xdist's own."""
-    return scheduler_for(config, log, config.stash[settings_key].run.device_type())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -19,12 +19,12 @@ and ranks speak the closed protocol of runtime/protocol.py.
 Modules: spec (what a pool is), pool (the runner side), replies (what one exchange got back, and
 when the pool looks again), rank (the rank side), protocol (their messages), outcome (what a case
 run returns), whereabouts (where a running case is), helpers (the forkserver and resource
-tracker), lifeline (nothing outlives the runner), registry (one pool per spec), gpu_lease (an
-NCCL pool's GPUs of its own), launch/job/external (ranks a launcher started), probes and bench
-(the runtime's benchmark).
+tracker), lifeline (nothing outlives the runner), registry (one pool per spec, started side by
+side), gpu_lease (the seats a CUDA pool's ranks take on GPUs that every pool of the run shares),
+launch/job/external (ranks a launcher started), probes and bench (the runtime's benchmark).
 
 Environment knobs: QGATHER_START_METHOD=spawn (instead of a forkserver with torch preloaded),
-QGATHER_GPU_LEASE_DIR / QGATHER_GPU_LEASE_TIMEOUT (the run's GPU leases, gpu_lease),
+QGATHER_GPU_LEASE_DIR / QGATHER_GPU_LEASE_TIMEOUT / QGATHER_GPU_SEATS (the run's GPU seats, gpu_lease),
 QGATHER_PIN_CPUS=0 (no CPU pinning of CPU ranks).
 """
 

@@ -1,16 +1,24 @@
-"""GPU leases: a pool of N NCCL ranks holds N GPUs of its own for as long as it lives.
+"""GPU seats: every GPU holds the ranks of up to K pools at once, each rank in a seat of its own.
 
-Every process of one run (the pytest-xdist workers, or one `qgather` command) shares a lease
-directory: QGATHER_GPU_LEASE_DIR, set by the run's controller, else one of this process's own.
-It holds one file per GPU slot (`slot<i>`, i an index into the caller's CUDA_VISIBLE_DEVICES, never
-a physical id) and a `gate`. A holder keeps an exclusive flock on each of its slots; the kernel
-drops a lock when its holder dies however it dies, so a killed worker never keeps a GPU.
+NCCL forbids two ranks of one communicator on one GPU, not several communicators from different
+processes on it, and a case uses a few MB of a GPU and a fraction of its time: so GPUs are shared.
+A pool of W ranks on a host of G visible GPUs takes m = min(W, G) of them, rank r on the (r mod m)-th,
+so an NCCL pool (W <= G) has each rank on a GPU of its own, and gloo on CUDA (W > G) spreads its ranks
+evenly. Each rank takes one *seat* on its GPU; a GPU has K seats (QGATHER_GPU_SEATS, set by the run's
+controller from the GPUs' free memory, qgather.pytest_plugin.gpu_schedule), so K bounds the ranks,
+hence the memory, that one GPU carries.
 
-Acquiring N slots: take the gate (one acquirer at a time, so two acquirers never each hold half of
-what both need), then take free slots until there are N. While the gate holder waits, nobody else
-can take a slot, so the GPUs that holders free go to it: no acquirer starves behind smaller ones.
-Before it waits, the acquirer calls `before_wait` (the registry shuts down this process's other,
-idle GPU pools there), so no process waits while it holds slots: no deadlock. Every wait is bounded.
+Every process of one run shares a lease directory (QGATHER_GPU_LEASE_DIR, else one of this process's
+own) with a file per seat (`gpu<i>.seat<k>`, i an index into the caller's CUDA_VISIBLE_DEVICES, never a
+physical id) and a `gate`. A holder keeps an exclusive flock on each of its seats; the kernel drops a
+lock when its holder dies however it dies, so a killed worker never keeps a seat.
+
+Acquiring: take the gate (one acquirer at a time: while it counts free seats nobody else takes one, so
+the count only grows), pick the m GPUs with the most free seats, take the seats. While seats are
+short, the gate holder calls `before_wait` (its process stops its own idle GPU pools) and raises the
+`want` flag, which tells every other process of the run to stop its idle GPU pools between cases
+(`someone_waits`): no process waits while others sit on idle seats, and no process waits while it
+holds idle seats itself, so nobody starves and nothing deadlocks. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -25,22 +33,30 @@ from dataclasses import dataclass, field
 
 LEASE_DIR_ENV = "QGATHER_GPU_LEASE_DIR"
 LEASE_TIMEOUT_ENV = "QGATHER_GPU_LEASE_TIMEOUT"
+SEATS_ENV = "QGATHER_GPU_SEATS"
+DEFAULT_SEATS = 8  # where nobody measured the GPUs (a `qgather case` outside a pytest run)
 DEFAULT_LEASE_TIMEOUT_S = 1800.0
 LEASE_DIR_PREFIX = "qgather-pool-"  # lifeline's sweep removes it if its owner dies
-POLL_S = 0.02  # how often a waiting gate holder looks at the slots again
+POLL_S = 0.02  # how often a waiting gate holder looks at the seats again
 GATE = "gate"
+WANT = "want"
 
 
 class LeaseTimeout(RuntimeError):
-    """No `count` GPUs came free within the bound; the message says who held them."""
+    """No seats came free within the bound; the message says who held them."""
+
+
+class SeatsError(ValueError):
+    """A QGATHER_GPU_SEATS that is not a positive whole number; the message says what was set."""
 
 
 @dataclass
 class Lease:
-    """GPU slots held by this process: `gpus` are their CUDA_VISIBLE_DEVICES entries, in slot order."""
+    """Seats held by this process: `gpus` are the CUDA_VISIBLE_DEVICES entries of the pool's GPUs, in
+    rank order (rank r runs on gpus[r % len(gpus)])."""
 
-    slots: tuple[int, ...]
     gpus: tuple[str, ...]
+    seats: tuple[tuple[int, int], ...]  # (GPU index, seat index) of every seat held
     waited_s: float = 0.0
     _fds: list[int] = field(default_factory=list, repr=False)
 
@@ -49,10 +65,20 @@ class Lease:
         return bool(self._fds)
 
     def release(self) -> None:
-        """Give the slots back (idempotent)."""
+        """Give the seats back (idempotent)."""
         for fd in self._fds:
             os.close(fd)  # closing drops the flock
         self._fds.clear()
+
+
+def seats_per_gpu() -> int:
+    """K: the seats of every GPU, from QGATHER_GPU_SEATS (SeatsError if it is not a positive int)."""
+    value = os.environ.get(SEATS_ENV, "").strip()
+    if not value:
+        return DEFAULT_SEATS
+    if not value.isdigit() or int(value) < 1:
+        raise SeatsError(f"{SEATS_ENV}={value!r}: the seats per GPU must be a whole number >= 1")
+    return int(value)
 
 
 def lease_timeout_s() -> float:
@@ -93,53 +119,143 @@ def remove_own_lease_dir() -> None:
         _own_dir = None
 
 
-def acquire(count: int, gpus: Sequence[str], *, directory: str | None = None, timeout: float | None = None,
-            before_wait: Callable[[], None] | None = None) -> Lease:
-    """Lease `count` of the GPUs `gpus` (the caller's CUDA_VISIBLE_DEVICES entries), waiting at most
-    `timeout` seconds (default: lease_timeout_s()); LeaseTimeout if they do not come free."""
-    if not 0 < count <= len(gpus):
-        raise ValueError(f"cannot lease {count} of {len(gpus)} GPU(s)")
+def ranks_per_gpu(world_size: int, gpus: int) -> list[int]:
+    """Ranks of a pool of `world_size` on each of the min(world_size, gpus) GPUs it uses, in rank
+    order (rank r on the (r mod m)-th): 1 each for NCCL, as even as can be for gloo on CUDA."""
+    used = min(world_size, gpus)
+    return [len(range(i, world_size, used)) for i in range(used)]
+
+
+def acquire(world_size: int, gpus: Sequence[str], *, seats: int | None = None, directory: str | None = None,
+            timeout: float | None = None, before_wait: Callable[[], None] | None = None) -> Lease:
+    """Seats for a pool of `world_size` ranks on the GPUs `gpus` (the caller's CUDA_VISIBLE_DEVICES
+    entries), `seats` per GPU (default: seats_per_gpu()), waiting at most `timeout` seconds (default:
+    lease_timeout_s()); LeaseTimeout if they do not come free, ValueError if they never could."""
+    seats = seats_per_gpu() if seats is None else seats
+    if world_size < 1 or not gpus:
+        raise ValueError(f"cannot seat {world_size} rank(s) on {len(gpus)} GPU(s)")
+    need = ranks_per_gpu(world_size, len(gpus))
+    if need[0] > seats:
+        raise ValueError(f"{world_size} ranks on {len(gpus)} GPU(s) need {need[0]} seats of one GPU, "
+                         f"which has {seats} ({SEATS_ENV})")
     directory = directory or lease_dir()
     limit = lease_timeout_s() if timeout is None else timeout
     began = time.monotonic()
     deadline = began + limit
     gate = _lock(os.path.join(directory, GATE), deadline, before_wait)
     if gate is None:
-        raise LeaseTimeout(f"no {count} GPU(s) free within {limit:.0f} s: another process kept the lease gate "
-                           f"({_holders(directory, len(gpus))})")
+        raise LeaseTimeout(f"no seats for {world_size} rank(s) within {limit:.0f} s: another process kept the "
+                           f"lease gate ({_holders(directory, len(gpus), seats)})")
     try:
-        fds = _take_slots(directory, count, len(gpus), deadline, before_wait)
+        taken = _take_seats(directory, need, len(gpus), seats, deadline, before_wait)
     finally:
+        _lower_want(directory)
         os.close(gate)
-    if fds is None:
-        raise LeaseTimeout(f"no {count} GPU(s) free within {limit:.0f} s ({_holders(directory, len(gpus))})")
-    slots = tuple(sorted(fds))
-    return Lease(slots, tuple(gpus[i] for i in slots), time.monotonic() - began, [fds[i] for i in slots])
+    if taken is None:
+        raise LeaseTimeout(f"no seats for {world_size} rank(s) within {limit:.0f} s "
+                           f"({_holders(directory, len(gpus), seats)})")
+    order, held = taken
+    return Lease(tuple(gpus[i] for i in order), tuple(sorted(held)), time.monotonic() - began, list(held.values()))
 
 
-def _take_slots(directory: str, count: int, total: int, deadline: float,
-                before_wait: Callable[[], None] | None) -> dict[int, int] | None:
-    """Slot index -> locked fd, `count` of them, or None at the deadline (nothing held then)."""
-    held: dict[int, int] = {}
+def someone_waits(directory: str | None = None) -> bool:
+    """Whether an acquirer of this run waits for seats: then a process should stop its idle GPU pools.
+    A flag whose acquirer died (SIGKILLed while it waited) is stale, and removed."""
+    directory = directory or os.environ.get(LEASE_DIR_ENV) or _own_dir
+    if not directory:
+        return False
+    path = os.path.join(directory, WANT)
+    try:
+        with open(path) as f:
+            pid = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return False
+    if _alive(pid):
+        return True
+    _lower_want(directory)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: the signal said it exists
+
+
+def _take_seats(directory: str, need: list[int], total: int, seats: int, deadline: float,
+                before_wait: Callable[[], None] | None) -> tuple[list[int], dict[tuple[int, int], int]] | None:
+    """(the GPUs in rank order, (GPU, seat) -> locked fd), or None at the deadline (nothing held then)."""
     waited = False
     while True:
-        for slot in range(total):
-            if len(held) == count:
-                return held
-            if slot not in held:
-                fd = _try_lock(_slot_path(directory, slot))
-                if fd is not None:
-                    held[slot] = fd
-        if len(held) == count:
-            return held
-        if not waited and before_wait is not None:
-            before_wait()
-        waited = True
+        order = _choose(need, _free_seats(directory, total, seats))
+        if order is not None:
+            held = _lock_seats(directory, order, need, seats)
+            if held is not None:
+                return order, held
+        if not waited:
+            if before_wait is not None:
+                before_wait()
+            _raise_want(directory)
+            waited = True
+            continue  # what before_wait freed may be enough
         if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)
+
+
+def _choose(need: list[int], free: list[int]) -> list[int] | None:
+    """The GPUs for the pool's rank groups, most free seats first (ties: the lowest index), each
+    group on a GPU with seats enough; None if they are not free."""
+    by_room = sorted(range(len(free)), key=lambda i: (-free[i], i))
+    order = by_room[:len(need)]
+    if any(free[gpu] < count for gpu, count in zip(order, need)):
+        return None
+    return order
+
+
+def _free_seats(directory: str, total: int, seats: int) -> list[int]:
+    return [sum(1 for seat in range(seats) if not _is_held(_seat_path(directory, gpu, seat)))
+            for gpu in range(total)]
+
+
+def _lock_seats(directory: str, order: list[int], need: list[int], seats: int) -> dict[tuple[int, int], int] | None:
+    """Lock need[j] free seats on GPU order[j]; None (and nothing held) if a GPU has fewer free now."""
+    held: dict[tuple[int, int], int] = {}
+    for gpu, count in zip(order, need):
+        got = 0
+        for seat in range(seats):
+            if got == count:
+                break
+            fd = _try_lock(_seat_path(directory, gpu, seat))
+            if fd is not None:
+                held[(gpu, seat)] = fd
+                got += 1
+        if got < count:
             for fd in held.values():
                 os.close(fd)
             return None
-        time.sleep(POLL_S)
+    return held
+
+
+def _raise_want(directory: str) -> None:
+    with open(os.path.join(directory, WANT), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def _lower_want(directory: str) -> None:
+    try:
+        os.remove(os.path.join(directory, WANT))
+    except FileNotFoundError:
+        pass
 
 
 def _lock(path: str, deadline: float, before_wait: Callable[[], None] | None) -> int | None:
@@ -156,39 +272,50 @@ def _lock(path: str, deadline: float, before_wait: Callable[[], None] | None) ->
         time.sleep(POLL_S)
 
 
-def _try_lock(path: str) -> int | None:
+def _is_held(path: str) -> bool:
+    fd = _try_lock(path, note=False)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def _try_lock(path: str, note: bool = True) -> int | None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
-    _note_holder(fd)
+    if note:
+        _note_holder(fd)
     return fd
 
 
 def _note_holder(fd: int) -> None:
-    """The holder's pid in the slot file, for the timeout's message (the lock, not the text, is the truth)."""
+    """The holder's pid in the seat file, for the timeout's message (the lock, not the text, is the truth)."""
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
 
 
-def _slot_path(directory: str, slot: int) -> str:
-    return os.path.join(directory, f"slot{slot}")
+def _seat_path(directory: str, gpu: int, seat: int) -> str:
+    return os.path.join(directory, f"gpu{gpu}.seat{seat}")
 
 
-def _holders(directory: str, total: int) -> str:
-    """Who holds which slot, as far as the files say."""
+def _holders(directory: str, total: int, seats: int) -> str:
+    """Who holds the seats of each GPU, as far as the files say."""
     parts = []
-    for slot in range(total):
-        fd = _try_lock(_slot_path(directory, slot))
-        if fd is not None:
-            os.close(fd)
-            continue
-        try:
-            with open(_slot_path(directory, slot)) as f:
-                pid = f.read().strip() or "?"
-        except OSError:
-            pid = "?"
-        parts.append(f"slot {slot} held by pid {pid}")
-    return "; ".join(parts) or "no slot held now"
+    for gpu in range(total):
+        pids = []
+        for seat in range(seats):
+            path = _seat_path(directory, gpu, seat)
+            if not _is_held(path):
+                continue
+            try:
+                with open(path) as f:
+                    pids.append(f.read().strip() or "?")
+            except OSError:
+                pids.append("?")
+        if pids:
+            parts.append(f"GPU {gpu}: {len(pids)} of {seats} seats held by pid(s) {', '.join(sorted(set(pids)))}")
+    return "; ".join(parts) or "no seat held now"

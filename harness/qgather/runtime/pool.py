@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -56,8 +57,8 @@ class RankPool:
 
     def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None,
                  before_lease_wait: Callable[[], None] | None = None) -> None:
-        """`before_lease_wait`: called once before an NCCL pool waits for GPUs that other pools hold
-        (the registry frees this process's idle GPU pools there, so no process waits holding GPUs)."""
+        """`before_lease_wait`: called once before a CUDA pool waits for GPU seats that other pools hold
+        (the registry stops this process's idle GPU pools there, so no process waits holding idle seats)."""
         self.spec = spec.validate()
         self.extra_env = dict(env or {})  # on top of rank_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
         self.spawn_count = 0
@@ -67,6 +68,10 @@ class RankPool:
         self._tmpdir: str | None = None
         self._lifeline: Connection | None = None  # the write end; closing it ends the ranks
         self._checks = 0
+        # Held while a case (or the start) uses the ranks: another thread stops the pool only between cases.
+        self.in_use = threading.Lock()
+        self._start_began: float | None = None  # set by begin_start until finish_start
+        self._unreported: tuple[float, float] | None = None  # (start, seat wait) seconds no case reported yet
 
     @property
     def started(self) -> bool:
@@ -80,7 +85,7 @@ class RankPool:
 
     @property
     def gpus(self) -> tuple[str, ...]:
-        """The GPUs (CUDA_VISIBLE_DEVICES entries) this NCCL pool leases while its ranks are up."""
+        """The GPUs (CUDA_VISIBLE_DEVICES entries) this CUDA pool's ranks run on, in rank order, while they are up."""
         return self._lease.gpus if self._lease is not None else ()
 
     @property
@@ -96,20 +101,25 @@ class RankPool:
         `timeout` (seconds) bounds the case itself, not the spawn of a cold pool; None: the
         spec's default for its backend.
         """
+        with self.in_use:
+            return self._run(fn, args, timeout, case_id, seed)
+
+    def _run(self, fn: Callable[..., Any], args: tuple, timeout: float | None, case_id: str,
+             seed: int) -> CaseOutcome:
         blob = protocol.encode_case(fn, args)
         limit = check_timeout(timeout, self.spec.case_timeout_s)
         if not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if self._ranks and self._idle_rank_gone():
             self._teardown()  # a rank died while idle (OOM killer, a stray signal): not this case's doing
-        startup = lease_wait = 0.0
         if not self._ranks:
             began = time.monotonic()
             failure = self.start(case_id)
             if failure is not None:
                 return failure
-            startup = time.monotonic() - began
-            lease_wait = self._lease.waited_s if self._lease is not None else 0.0
+            self.charge_start(time.monotonic() - began)
+        startup, lease_wait = self._unreported or (0.0, 0.0)
+        self._unreported = None
         start = time.monotonic()
         try:
             replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit)
@@ -121,6 +131,10 @@ class RankPool:
             self._teardown()
             raise
 
+    def charge_start(self, seconds: float) -> None:
+        """The seconds this pool's start cost its process, reported with the next case it runs."""
+        self._unreported = (seconds, self._lease.waited_s if self._lease is not None else 0.0)
+
     def _idle_rank_gone(self) -> bool:
         # An idle rank sends nothing, so a readable pipe means EOF: the process is gone, even
         # before a forkserver has reaped it and made its sentinel ready.
@@ -128,21 +142,37 @@ class RankPool:
 
     def start(self, case_id: str = "") -> CaseOutcome | None:
         """Spawn the ranks and join the process group; returns the failure (for `case_id`) if that fails."""
+        return self.begin_start(case_id) or self.finish_start(case_id)
+
+    def begin_start(self, case_id: str = "") -> CaseOutcome | None:
+        """The first half of `start`: the GPU seats and the spawn, without waiting for the ranks to join
+        (several pools' ranks then start side by side: registry.start_pools); the failure if that fails."""
         if self._ranks:
             return None
-        start = time.monotonic()
+        self._start_began = time.monotonic()
         mp_context()  # the forkserver boots (seconds, TE preloaded) before this pool holds any GPU
         refused = self._take_lease(case_id)
         if refused is not None:
             return refused
         try:
             self._spawn()
+        except BaseException:
+            self._teardown()
+            raise
+        return None
+
+    def finish_start(self, case_id: str = "") -> CaseOutcome | None:
+        """The second half of `start`: wait (bounded) until every rank joined; the failure if one did not."""
+        if self._start_began is None:
+            return None
+        began, self._start_began = self._start_began, None
+        try:
             replies = self._collect(Replies(self.spec.world_size, protocol.RANK_STARTING),
-                                    start + self.spec.startup_timeout_s)
+                                    began + self.spec.startup_timeout_s)
             if replies.status is OutcomeStatus.OK:
                 return None
             replies.results = [None] * self.spec.world_size  # the pids of the ranks that did start
-            return self._conclude(replies, time.monotonic() - start, case_id,
+            return self._conclude(replies, time.monotonic() - began, case_id,
                                   note=f"pool startup failed for {self.spec}")
         except BaseException:
             self._teardown()
@@ -162,15 +192,15 @@ class RankPool:
     # -- spawning -------------------------------------------------------------------------
 
     def _take_lease(self, case_id: str) -> CaseOutcome | None:
-        """An NCCL pool's GPUs of its own (one per rank) before it spawns; the failure if none came free."""
-        if self.spec.backend != "nccl":
+        """Seats on the GPUs for a CUDA pool's ranks before it spawns; the failure if none came free."""
+        if self.spec.device != "cuda":
             return None
         try:
             self._lease = gpu_lease.acquire(self.spec.world_size, visible_gpus(), before_wait=self.before_lease_wait)
-        except gpu_lease.LeaseTimeout as exc:
+        except (gpu_lease.LeaseTimeout, ValueError) as exc:
             return CaseOutcome(OutcomeStatus.ERROR, [None] * self.spec.world_size,
                                errors={0: RankError.from_exception(0, exc)}, case_id=case_id,
-                               note=f"no GPUs for {self.spec}")
+                               note=f"no GPU seats for {self.spec}")
         return None
 
     def _spawn(self) -> None:
@@ -366,7 +396,8 @@ class RankPool:
             except ValueError:  # still running after SIGKILL: leave it to multiprocessing's reaper
                 pass
         self._ranks = []
-        if self._lease is not None:  # the ranks are dead: their GPUs are free for other pools
+        self._start_began = self._unreported = None
+        if self._lease is not None:  # the ranks are dead: their seats are free for other pools
             self._lease.release()
             self._lease = None
         if self._lifeline is not None:

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Callable, Collection
+import time
+from collections.abc import Callable, Collection, Iterable
 
 from qgather.runtime.external import ExternalPool
-from qgather.runtime.gpu_lease import remove_own_lease_dir
+from qgather.runtime.gpu_lease import POLL_S, remove_own_lease_dir, someone_waits
 from qgather.runtime.helpers import stop_helpers
 from qgather.runtime.launch import external_world
 from qgather.runtime.pool import RankPool
-from qgather.runtime.spec import PoolSpec
+from qgather.runtime.spec import PoolSpec, PoolSpecError
 
 _pools: dict[PoolSpec, RankPool | ExternalPool] = {}
 _lock = threading.Lock()
 _atexit_registered = False
+_yielder: threading.Thread | None = None
+YIELD_POLL_S = 5 * POLL_S  # how often a process looks whether another one waits for GPU seats
+IN_USE_WAIT_S = 10.0  # the most shutdown_pools waits for the yielder to finish stopping a pool
 
 
 def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPool | ExternalPool:
@@ -32,23 +36,80 @@ def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPo
             pool = ExternalPool(spec, world, say) if world is not None else RankPool(
                 spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
             _pools[spec] = pool
+            if spec.device == "cuda" and world is None:
+                _start_yielder()
             if not _atexit_registered:
                 atexit.register(shutdown_pools)
                 _atexit_registered = True
         return pool
 
 
-def release_gpu_pools(keep: Collection[PoolSpec] = ()) -> None:
-    """Stop this process's NCCL pools other than `keep`, giving their GPUs back to the run's lease.
+def start_pools(specs: Iterable[PoolSpec]) -> None:
+    """Start the pools of `specs` side by side: every pool's ranks spawn first, then each pool waits for
+    its own to join, so the starts overlap. Each pool's first case is charged the seconds its start
+    added to the wait (their sum is the wall time spent here). A pool that fails to start is left cold:
+    its first case starts it again and reports the failure."""
+    pools = []
+    for spec in specs:
+        try:
+            pool = get_pool(spec.validate())
+        except PoolSpecError:  # its cases say why, one by one
+            continue
+        if isinstance(pool, RankPool) and pool.in_use.acquire(blocking=False):
+            pools.append(pool)
+    try:
+        began = time.monotonic()
+        spawned = [pool for pool in pools if not pool.started and pool.begin_start() is None]
+        for pool in spawned:
+            failure = pool.finish_start()
+            now = time.monotonic()
+            if failure is None:
+                pool.charge_start(now - began)
+            began = now
+    finally:
+        for pool in pools:
+            pool.in_use.release()
 
-    Called before a pool waits for GPUs (a process never waits while holding some) and between
-    cases when the next case needs other pools (pytest_plugin.gpu_schedule)."""
+
+def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) -> int:
+    """Stop this process's idle CUDA pools other than `keep` (at most `most` of them, the widest first),
+    giving their GPU seats back; how many it stopped. A pool running a case is never stopped.
+
+    Called before a pool waits for seats (a process never waits while holding idle ones), and by this
+    process's yielder while another process of the run waits for seats."""
     with _lock:
-        idle = [spec for spec, pool in _pools.items()
-                if spec.backend == "nccl" and spec not in keep and isinstance(pool, RankPool) and pool.started]
-        pools = [_pools[spec] for spec in idle]
-    for pool in pools:
-        pool.shutdown()
+        cuda = [pool for spec, pool in _pools.items()
+                if spec.device == "cuda" and spec not in keep and isinstance(pool, RankPool)]
+    stopped = 0
+    for pool in sorted(cuda, key=lambda p: -p.spec.world_size):
+        if most is not None and stopped >= most:
+            break
+        if not pool.in_use.acquire(blocking=False):
+            continue
+        try:
+            if pool.started:
+                pool.shutdown()
+                stopped += 1
+        finally:
+            pool.in_use.release()
+    return stopped
+
+
+def _start_yielder() -> None:
+    """Once per process that has CUDA pools: a daemon thread that, while another process of the run
+    waits for GPU seats, stops this process's idle CUDA pools one at a time, so that a worker waiting
+    for its next test (or finishing a long case) never sits on seats another one needs."""
+    global _yielder
+    if _yielder is None or not _yielder.is_alive():
+        _yielder = threading.Thread(target=_yield_seats, name="qgather-seat-yielder", daemon=True)
+        _yielder.start()
+
+
+def _yield_seats() -> None:
+    while True:
+        time.sleep(YIELD_POLL_S)
+        if someone_waits():
+            release_gpu_pools(most=1)
 
 
 def shutdown_pools(keep_helpers: bool = False) -> None:
@@ -61,7 +122,13 @@ def shutdown_pools(keep_helpers: bool = False) -> None:
         pools = list(_pools.values())
         _pools.clear()
     for pool in pools:
-        pool.shutdown()
+        # Not under the yielder's feet; bounded, since a case this very thread left may hold it.
+        held = pool.in_use.acquire(timeout=IN_USE_WAIT_S) if isinstance(pool, RankPool) else False
+        try:
+            pool.shutdown()
+        finally:
+            if held:
+                pool.in_use.release()
     if not keep_helpers:
         stop_helpers()
         remove_own_lease_dir()
