@@ -244,6 +244,19 @@ def test_a_glob_is_not_widened_over_a_passing_case(tmp_path):
     assert findings[0].cases == (*UNEVEN.cases, "impl:f:8x64:bf16:ws3:gather:s0")
 
 
+def test_a_glob_is_not_widened_over_a_failure_of_another_verdict(tmp_path):
+    _, _, result = update_file(tmp_path, [UNEVEN], [
+        record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "raised"),
+        record("impl:f:8x64:bf16:ws3:gather:s0", "ERROR", "raised at 3 ranks"),  # filed first, in id order
+        record("impl:f:8x64:bf16:ws3:steps:s0", "SILENT_MISMATCH", "rows differ"),  # ws[23] would swallow it
+    ])
+    findings = baseline.load_findings(str(tmp_path / "known.toml"))
+    assert findings[0].cases == (*UNEVEN.cases, "impl:f:8x64:bf16:ws3:gather:s0")
+    assert [f.cases for f in findings[1:]] == [("impl:f:8x64:bf16:ws3:steps:s0",)]
+    assert findings[1].title == "Not yet triaged: SILENT_MISMATCH: rows differ"
+    assert "1 filed under their finding, 1 added as untriaged" in result.stdout
+
+
 HAND_WRITTEN = """# our known issues (kept as written: a header, comments, one-line arrays, single quotes)
 [[issue]]
 title = 'lib: uneven shards'

@@ -98,8 +98,12 @@ class Inspector:
         blocks = fmt.check_blocks(golden.q.shape)
         x = self.x.to(param.dtype)
         columns = OwnRowOutputs(impl, x, len(blocks)) if len(golden.q.shape) == 2 and len(blocks) > 1 else None
-        own = _own_blocks_against_golden(impl, fmt, param, golden, blocks, columns)
-        own_values = None if own is None else launch_value_blocks(own)
+        try:
+            own = _own_blocks_against_golden(impl, fmt, param, golden, blocks, columns)
+            own_values = None if own is None else launch_value_blocks(own)
+        except Exception as exc:  # the library cannot read its own gathered weight: say what it got
+            _add_buffer_evidence(exc, impl.read_buffers(param), golden)
+            raise
         output = self._launch_forward(param, golden, x, columns)
         # Last, so that what the library derives to show its buffers (e.g. TE's columnwise copy) never
         # lives beside the value checks' blocks; it is let go once digested: later checks read the
@@ -351,6 +355,21 @@ def _paired_with_golden(impl: Implementation, own: Iterable[torch.Tensor], golde
 def _against_golden(values: torch.Tensor, golden: Golden) -> Comparison:
     """`values` (the flattened (M, K) weight) against the golden's, block of rows by block."""
     return compare_value_blocks(lambda: ((values[rows], want) for rows, want in golden.dequantized_blocks()))
+
+
+def _add_buffer_evidence(exc: Exception, got: dict[str, torch.Tensor], golden: Golden) -> None:
+    """What the gathered buffers hold against the golden, as a note on the library's own error (the
+    last lines of an ERROR's traceback in the report): a raise does not hide wrong bytes."""
+    golden.unpark()
+    try:
+        diffs = read_together(launch_buffers(got, golden.q))[0]
+    except Exception as inner:  # noqa: BLE001 - the library's error stays the one raised
+        note = f"qgather: the gathered buffers could not be compared with the golden ({_one_line(inner)})"
+    else:
+        note = ("qgather: the gathered buffers against the golden: "
+                + ("; ".join(d.line() for d in diffs) if diffs else "every buffer bit-identical"))
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(note)
 
 
 def _one_line(exc: BaseException) -> str:

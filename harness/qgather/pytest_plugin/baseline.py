@@ -243,7 +243,9 @@ def update(findings: Sequence[Finding], cases: Sequence[CaseRecord]) -> Update:
         home = _finding_at_another_world_size(kept, case, failing)
         if home is not None:
             at, pattern = home
-            kept[at] = replace(kept[at], cases=_with_world_size(kept[at].cases, pattern, case, passing))
+            # never widened over a failure of another verdict: it would count as this finding's
+            unlike = [*passing, *(c.case for c in failing if c.verdict is not case.verdict)]
+            kept[at] = replace(kept[at], cases=_with_world_size(kept[at].cases, pattern, case, unlike))
             filed.append((case.case, kept[at].title))
             continue
         title = f"{UNTRIAGED}: {case.verdict.value}: {clean_reason(case.reason)}"
@@ -261,15 +263,16 @@ _ONE_DIGIT_SIZES = re.compile(r":ws(\d|\[\d+\]):")
 
 
 def _with_world_size(patterns: tuple[str, ...], pattern: str, case: CaseRecord,
-                     passing: Sequence[str]) -> tuple[str, ...]:
+                     unlike: Sequence[str]) -> tuple[str, ...]:
     """The finding's patterns covering `case` too: `pattern` with the case's world size added to its
-    set (ws2 -> ws[23]) where that matches no passing case of the run, else the case's exact id."""
+    set (ws2 -> ws[23]) where that matches none of the `unlike` cases (those that passed, and those that
+    failed with another verdict), else the case's exact id."""
     sizes = _ONE_DIGIT_SIZES.search(pattern)
     size = _ONE_DIGIT_SIZES.search(case.case)  # the id's own: an old verdicts.json has no world_size field
     if sizes and size and size.group(1).isdigit():
         digits = "".join(sorted(set(sizes.group(1).strip("[]")) | {size.group(1)}))
         wider = pattern[:sizes.start()] + f":ws[{digits}]:" + pattern[sizes.end():]
-        if not any(KnownIssue(wider, "").matches(other) for other in passing):
+        if not any(KnownIssue(wider, "").matches(other) for other in unlike):
             return tuple(wider if p == pattern else p for p in patterns)
     return (*patterns, escape(case.case))
 

@@ -10,7 +10,7 @@ from qgather.impls.base import Implementation
 from qgather.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
 from qgather.impls.te.quantizers import te_quantize, te_quantize_by_usage
 from qgather.impls.te.tensors import read_te_buffers, row_layout_of, row_slice
-from qgather.model.case import CaseSpec
+from qgather.model.case import CaseSpec, saved_spec, shard_layout
 
 NVFP4 = ("nvfp4_1d", "nvfp4_2d")
 
@@ -34,8 +34,23 @@ class TEAdapter(Implementation):
             return f"{self.name}: te.Linear weights are 2-D; 3-D expert weights are not built by this adapter"
         if spec.fmt == "mxfp8":
             return mxfp8_unavailable_reason()
-        if spec.fmt in NVFP4 and spec.scenario != "gather" and not has_nvfp4_kernels():
+        if spec.fmt in NVFP4 and not has_nvfp4_kernels():
+            return self._nvfp4_stand_in_skip(spec)
+        return None
+
+    def _nvfp4_stand_in_skip(self, spec: CaseSpec) -> str | None:
+        """Below sm_100 qgather builds TE's NVFP4 shards from its reference bits (te.reference_bits),
+        which pack two rows per byte: a shard of an odd number of rows is one only TE's kernel can build."""
+        if spec.scenario != "gather":
             return f"{self.name}: re-quantizing NVFP4 shards needs TE's sm_100 kernels (this GPU is {sm_name()})"
+        for case in (spec, saved_spec(spec)) if spec.config.saved_at_world_size else (spec,):
+            layout = shard_layout(case)
+            for rank in range(layout.world_size):
+                start, end = layout.row_range(rank)
+                if (end - start) % 2:
+                    return (f"{self.name}: on {sm_name()} qgather builds TE's NVFP4 shards from its reference bits, "
+                            f"which cannot hold rank {rank}'s shard of {end - start} row(s) at world size "
+                            f"{layout.world_size}; only TE's sm_100 kernel can say what TE does with it")
         return None
 
     def route_skip_reason(self, spec: CaseSpec) -> str | None:

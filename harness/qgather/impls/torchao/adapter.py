@@ -73,6 +73,10 @@ SKIP_VIRTUAL = (
 )
 
 
+#: torch._scaled_mm multiplies float8 matrices whose dims are multiples of this, on CUDA
+SCALED_MM_MULTIPLE = 16
+
+
 def _torchao():
     """torchao's float8 API, imported on first use (the module imports without torchao)."""
     # torchao is optional: imported on use
@@ -218,9 +222,16 @@ class TorchaoFloat8(Implementation):
         do not run. It rounds x to float8 (E4M3: relative error <= 2^-4, absolute <= 2^-10 * amax(x) / 448
         for subnormals), so each output may differ from x @ W^T by up to ~2^-4 * sum_k |x_k w_k|; the
         bound allows twice that, the subnormal term and the rounding of the output dtype. A misused
-        scale (a factor of 2 or more) is far outside it. Shapes torch._scaled_mm cannot multiply
-        (dims not multiples of 16) raise torchao's own error."""
+        scale (a factor of 2 or more) is far outside it.
+
+        Not run for a weight torch._scaled_mm cannot multiply (a dim not a multiple of 16): that is the
+        GEMM's constraint, which torchao's layer has with or without FSDP2 (its users filter such layers
+        out of float8 training), not the all-gather's; the gathered weight is judged all the same (its
+        buffers, values and x @ W^T). docs/findings.md, "Not findings"."""
         from torch.distributed.tensor import DTensor  # loaded by FSDP2 by now; not when listing cases
+
+        if any(dim % SCALED_MM_MULTIPLE for dim in param.shape[-2:]):
+            return
 
         modules = [m for m in (ref() for ref in self._built) if m is not None]
         if any(isinstance(m.weight, DTensor) and m.weight._local_tensor is param for m in modules):
