@@ -6,8 +6,9 @@ GPU's free memory and the host's, over what one rank of the suite's largest case
 (`plan_seats`; QGATHER_GPU_SEATS overrides). Three rules keep the pools warm and nobody waiting:
 
 * A worker keeps its pools for the whole run, whatever world size its next case has.
-* On a GPU run, a worker starts the pools its selection uses side by side before its first case
-  (registry.start_pools), instead of one after another as the cases come.
+* With QGATHER_PRESTART_POOLS=1, a worker starts the pools its selection uses side by side before its
+  first case (registry.start_pools). Off by default: on 2 x H200 every worker starting every pool at
+  once made each start ~15 s and the first cases time out (docs/gpu-results.md, 2026-11-28).
 * While another process of the run waits for seats (the lease's `want` flag), a worker stops, between
   two tests, the GPU pools its next test does not use; a process about to wait stops its own idle ones.
 
@@ -44,6 +45,7 @@ RANK_HOST_BYTES = GIB  # a rank's private host memory (torch, CUDA's host side);
 CASE_COPIES = 16
 SHARE = 0.8  # of the free memory that the seats may plan on
 FREE_MEMORY_TIMEOUT_S = 120.0
+PRESTART_ENV = "QGATHER_PRESTART_POOLS"
 lease_dir_key = pytest.StashKey[str]()
 seat_plan_key = pytest.StashKey["SeatPlan"]()
 
@@ -151,7 +153,8 @@ def release_when_wanted(nextitem: pytest.Item | None) -> None:
 def prestart_pools(session: pytest.Session) -> None:
     """On a GPU run outside a launcher, start side by side the pools this process's selection uses
     often enough that each worker will run cases on them (registry.start_pools)."""
-    if settings(session.config).run.device_type() != "cuda" or detect_launch() is not None or not visible_gpus():
+    if os.environ.get(PRESTART_ENV, "0") != "1" or settings(session.config).run.device_type() != "cuda" \
+            or detect_launch() is not None or not visible_gpus():
         return
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     counts = Counter(spec for item in session.items for spec in _pool_specs([item]))

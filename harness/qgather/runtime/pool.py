@@ -133,7 +133,8 @@ class RankPool:
 
     def charge_start(self, seconds: float) -> None:
         """The seconds this pool's start cost its process, reported with the next case it runs."""
-        self._unreported = (seconds, self._lease.waited_s if self._lease is not None else 0.0)
+        waited = self._lease.waited_s if self._lease is not None else 0.0
+        self._unreported = (max(seconds, waited), waited)  # a start side by side may add less than it waited
 
     def _idle_rank_gone(self) -> bool:
         # An idle rank sends nothing, so a readable pipe means EOF: the process is gone, even
