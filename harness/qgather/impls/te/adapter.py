@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from qgather.formats import FORMATS, FormatError
 from qgather.impls.base import Implementation
 from qgather.impls.te.environment import has_nvfp4_kernels, mxfp8_unavailable_reason, sm_name, te_import_error
 from qgather.impls.te.quantizers import te_quantize, te_quantize_by_usage
 from qgather.impls.te.tensors import read_te_buffers, row_layout_of, row_slice
-from qgather.model.case import CaseSpec, saved_spec, shard_layout
+from qgather.model.case import CaseSpec, ColumnShardLayout, saved_spec, shard_layout, tensor_parallel_layout
 
 NVFP4 = ("nvfp4_1d", "nvfp4_2d")
 
@@ -40,17 +41,18 @@ class TEAdapter(Implementation):
 
     def _nvfp4_stand_in_skip(self, spec: CaseSpec) -> str | None:
         """Below sm_100 qgather builds TE's NVFP4 shards from its reference bits (te.reference_bits),
-        which pack two rows per byte: a shard of an odd number of rows is one only TE's kernel can build."""
+        which hold only shards the format holds (rows in pairs, K a multiple of 16): any other shard is
+        one only TE's kernel can build."""
         if spec.scenario != "gather":
             return f"{self.name}: re-quantizing NVFP4 shards needs TE's sm_100 kernels (this GPU is {sm_name()})"
         for case in (spec, saved_spec(spec)) if spec.config.saved_at_world_size else (spec,):
-            layout = shard_layout(case)
-            for rank in range(layout.world_size):
-                start, end = layout.row_range(rank)
-                if (end - start) % 2:
+            for rank, shape in enumerate(_shard_shapes(case)):
+                try:
+                    FORMATS[spec.fmt].check(shape)
+                except FormatError as exc:
                     return (f"{self.name}: on {sm_name()} qgather builds TE's NVFP4 shards from its reference bits, "
-                            f"which cannot hold rank {rank}'s shard of {end - start} row(s) at world size "
-                            f"{layout.world_size}; only TE's sm_100 kernel can say what TE does with it")
+                            f"which cannot hold rank {rank}'s {shape} shard at world size {case.world_size} "
+                            f"({exc}); only TE's sm_100 kernel can say what TE does with it")
         return None
 
     def route_skip_reason(self, spec: CaseSpec) -> str | None:
@@ -129,3 +131,19 @@ class TEAdapter(Implementation):
         for (start, stop), values in zip(blocks, self.own_dequantize_blocks(param, fmt, blocks), strict=True):
             rows[start:stop] = values
         return out
+
+
+def _shard_shapes(spec: CaseSpec) -> list[tuple[int, int]]:
+    """Each FSDP2 shard's (rows, columns) of a 2-D weight, under the case's tensor parallelism too
+    (every rank's TP piece has one shape); empty shards left out (the stand-in builds those)."""
+    tp = tensor_parallel_layout(spec)
+    cols = tp.piece_shape()[1] if tp is not None else spec.shape[-1]
+    layout = shard_layout(spec)
+    if isinstance(layout, ColumnShardLayout):
+        return [(layout.dim0, layout.col_chunk)] * layout.world_size
+    shapes = []
+    for rank in range(layout.world_size):
+        start, end = layout.row_range(rank)
+        if end > start:
+            shapes.append((end - start, cols))
+    return shapes

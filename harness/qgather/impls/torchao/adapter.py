@@ -146,6 +146,10 @@ class TorchaoFloat8(Implementation):
             return f"{self.name}: {SKIP_3D}"
         if not torchao_available():
             return f"{self.name}: torchao is not installed (pip install torchao)"
+        if spec.config.compile and device.type == "cuda" and any(d % SCALED_MM_MULTIPLE for d in spec.shape):
+            return (f"{self.name}: the compiled case runs torchao's own Float8Linear forward, whose torch._scaled_mm "
+                    f"multiplies only dims that are multiples of {SCALED_MM_MULTIPLE} on CUDA (a GEMM constraint "
+                    f"of the layer, not of its all-gather; torchao's users filter such layers out)")
         return None
 
     # ------------------------------------------------------------------ construction
