@@ -76,9 +76,10 @@ test-torch:
 	$(MAKE) test PY=$(TORCH_VENV)/bin/python
 
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
-# more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks). Every NCCL pool
-# leases its GPUs (qgather.runtime.gpu_lease), so the xdist workers share the host's GPUs without
-# sharing one; with TE among GPU_IMPLS, the ranks' forkserver preloads TE where that is fork-safe.
+# more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks). The xdist workers share
+# every GPU: each rank of a CUDA pool takes one of a GPU's QGATHER_GPU_SEATS seats (qgather.runtime.gpu_lease),
+# and a worker keeps its pools warm; with TE among GPU_IMPLS, the ranks' forkserver preloads TE where
+# that is fork-safe.
 # With an interpreter that does not have qgather installed (a GPU host without a package registry,
 # PY=python3), .qgather-path/ makes the checkout importable as an install is: a link qgather ->
 # harness/qgather/ and a dist-info whose pytest11 entry point loads the plugin.
