@@ -100,11 +100,11 @@ gate-torchao:
 	@test -n "$(TORCHAO)" || { echo "make gate-torchao: name a torchao release, e.g. TORCHAO=0.17.0" >&2; exit 2; }
 	$(call gate,.venv-torchao-$(TORCHAO),constraints-cpu.txt,torchao==$(TORCHAO),torchao,reports/torchao-$(TORCHAO))
 
-# torch is the pin here: constraints-cpu.txt's torch==2.13.0 is replaced by the release asked for.
+# Not constraints-cpu.txt: a CUDA build of torch pins its own triton (as in test-torch).
 gate-torch:
 	@test -n "$(TORCH)" || { echo "make gate-torch: name a torch release, e.g. TORCH=2.15.0" >&2; exit 2; }
-	mkdir -p $(TORCH_VENV) && grep -v '^torch==' constraints-cpu.txt > $(TORCH_VENV)/gate-constraints.txt
-	$(call gate,$(TORCH_VENV),$(TORCH_VENV)/gate-constraints.txt,torch==$(TORCH),reference,reports/torch-$(TORCH))
+	mkdir -p $(TORCH_VENV) && echo "torch==$(TORCH)" > $(TORCH_VENV)/torch-constraint.txt
+	$(call gate,$(TORCH_VENV),$(TORCH_VENV)/torch-constraint.txt,torch==$(TORCH),reference,reports/torch-$(TORCH))
 
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks). Every NCCL pool
