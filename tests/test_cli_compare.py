@@ -94,13 +94,22 @@ def test_a_changed_verdict_and_changed_evidence_are_told_apart(tmp_path, capsys)
 
 
 def test_run_specific_text_is_not_evidence(tmp_path):
-    """Two runs in different venvs: paths into site-packages, addresses and durations differ, nothing else."""
-    def error(venv: str, address: str, seconds: str) -> dict:
-        return record(B, "ERROR", False, "rank 1 raised", [f"File \"/x/{venv}/lib/python3.11/site-packages/torch/a.py\""
-                                                           f", line 3, object at {address}, after {seconds}"])
-    rc, data = compared(tmp_path, [error(".venv-torchao-0.17.0", "0x7f3a2c1d9e80", "1.25 s")],
-                        [error(".venv-torchao-0.18.0", "0x7f11aa00bc10", "0.9 s")])
+    """Two runs of one crash in different venvs: what the others raised after it, sockets, stacks and
+    traceback lines differ, its evidence does not; the bytes a rank sent are evidence."""
+    def crash(venv: str, port: int, waiting_in: str, line: int, sent: int = 2944) -> dict:
+        return record(B, "CRASH", False, f"CRASH: rank 2 killed by SIGABRT (then ranks 0,1 raised RuntimeError: "
+                                          f"Read error [127.0.0.1]:{port}: Connection reset by peer)", [
+            f"rank 0: all-gather: {sent} bytes from this rank",
+            f"rank 0: main thread at: {waiting_in}",
+            "rank 1 traceback (last lines):",
+            f"  File \"/x/{venv}/lib/python3.11/site-packages/torchao/float8/fsdp_utils.py\", line {line}, in f",
+            "rank 2 stack (innermost first):", f"  {waiting_in}", "took 1.25 s"])
+    before = crash(".venv-torchao-0.17.0", 25502, "_recv (connection.py:395)", 65)
+    rc, data = compared(tmp_path, [before], [crash(".venv-torchao-0.18.0", 31337, "loop (whereabouts.py:58)", 71)])
     assert rc == 0 and changes(data) == {B: "unchanged"}
+    rc, data = compared(tmp_path, [before], [crash(".venv-torchao-0.17.0", 25502, "_recv (connection.py:395)", 65,
+                                                   sent=1472)])
+    assert rc == 0 and changes(data) == {B: "evidence-changed"}
 
 
 def test_different_selections_compare_on_common_ids(tmp_path, capsys):

@@ -96,9 +96,14 @@ class CaseEntry:
                    evidence(reason, str(data.get("report") or "")))
 
 
-# Run-specific text in a case report: a repro line, a path into one run's venv, an address, a pid, a
-# duration. Two runs of the same code on the same data differ in these only.
+# Run-specific text in a case report: what two runs of the same code on the same data may differ in.
+# Stacks and tracebacks go whole: where a waiting rank stood when another died is timing, and a
+# traceback's line numbers move with every release of the library (its error itself is a line of its own).
+_BLOCK_HEAD = re.compile(r"(stack \(innermost first\)|traceback \(last lines\)):$")
+_WHERE_WAITING = re.compile(r"^rank \d+: main thread at: ")
+_AFTER_A_CRASH = re.compile(r" \(then ranks? [\d,]+ .*$")  # what the others raised once a rank died: timing
 _VENV_PATH = re.compile(r"\S*/(?:site|dist)-packages/")
+_SOCKET = re.compile(r"\[?\d{1,3}(?:\.\d{1,3}){3}\]?:\d+")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _PID = re.compile(r"\b(pid|process) \d+")
 _SECONDS = re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms)\b")
@@ -106,16 +111,26 @@ _SECONDS = re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms)\b")
 
 def evidence(reason: str, report: str) -> tuple[str, ...]:
     """What a case's report says happened, comparable across runs: the reason, then the report's
-    evidence lines (per-rank errors, differing buffers and counts, stacks) without its head (the id,
-    verdict and reason again) and its `reproduce:` line, and with paths into a venv, addresses, pids
-    and durations masked."""
-    lines = [line.strip() for line in report.splitlines()[1:]]
-    kept = [line for line in lines if line and not line.startswith("reproduce:")]
-    return tuple(_normalized(line) for line in [reason, *kept])
+    evidence lines (per-rank errors, differing buffers and counts, bytes sent) without its head (the
+    id, verdict and reason again), its `reproduce:` line, its stacks and tracebacks, and with paths into
+    a venv, sockets, addresses, pids and durations masked."""
+    kept, block_indent = [], None
+    for line in report.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip())
+        if block_indent is not None and indent > block_indent:
+            continue
+        block_indent = None
+        text = line.strip()
+        if _BLOCK_HEAD.search(text):
+            block_indent = indent
+        elif text and not text.startswith("reproduce:") and not _WHERE_WAITING.match(text):
+            kept.append(_normalized(text))
+    return (_normalized(_AFTER_A_CRASH.sub("", reason)), *kept)
 
 
 def _normalized(line: str) -> str:
     line = _VENV_PATH.sub("<site>/", line)
+    line = _SOCKET.sub("<socket>", line)
     line = _ADDRESS.sub("0x<address>", line)
     line = _PID.sub(r"\1 <pid>", line)
     return _SECONDS.sub("<seconds>", line)
