@@ -104,6 +104,10 @@ def test_run_specific_text_is_not_evidence(tmp_path):
             "rank 1 traceback (last lines):",
             f"  File \"/x/{venv}/lib/python3.11/site-packages/torchao/float8/fsdp_utils.py\", line {line}, in f",
             "rank 2 stack (innermost first):", f"  {waiting_in}", "took 1.25 s"])
+    two = record(C, "CRASH", False, "CRASH: rank 3 killed by SIGABRT; rank 1 killed by SIGABRT")
+    swapped = {**two, "reason": "CRASH: rank 1 killed by SIGABRT; rank 3 killed by SIGABRT"}
+    rc, data = compared(tmp_path, [two], [swapped])
+    assert changes(data) == {C: "unchanged"}  # which dying rank was noticed first is timing
     before = crash(".venv-torchao-0.17.0", 25502, "_recv (connection.py:395)", 65)
     rc, data = compared(tmp_path, [before], [crash(".venv-torchao-0.18.0", 31337, "loop (whereabouts.py:58)", 71)])
     assert rc == 0 and changes(data) == {B: "unchanged"}

@@ -101,6 +101,7 @@ class CaseEntry:
 # traceback's line numbers move with every release of the library (its error itself is a line of its own).
 _BLOCK_HEAD = re.compile(r"(stack \(innermost first\)|traceback \(last lines\)):$")
 _WHERE_WAITING = re.compile(r"^rank \d+: main thread at: ")
+_DEATH = re.compile(r"rank (\d+) (?:killed by|exited)")
 _AFTER_A_CRASH = re.compile(r" \(then ranks? [\d,]+ .*$")  # what the others raised once a rank died: timing
 _VENV_PATH = re.compile(r"\S*/(?:site|dist)-packages/")
 _SOCKET = re.compile(r"\[?\d{1,3}(?:\.\d{1,3}){3}\]?:\d+")
@@ -125,7 +126,17 @@ def evidence(reason: str, report: str) -> tuple[str, ...]:
             block_indent = indent
         elif text and not text.startswith("reproduce:") and not _WHERE_WAITING.match(text):
             kept.append(_normalized(text))
-    return (_normalized(_AFTER_A_CRASH.sub("", reason)), *kept)
+    return (_normalized(_crash_in_rank_order(_AFTER_A_CRASH.sub("", reason))), *kept)
+
+
+def _crash_in_rank_order(reason: str) -> str:
+    """`CRASH: rank 3 killed by SIGABRT; rank 1 killed by SIGABRT` in rank order: which dying rank was
+    noticed first is timing."""
+    head, sep, deaths = reason.partition("CRASH: ")
+    parts = deaths.split("; ")
+    if not sep or not all(_DEATH.match(p) for p in parts):
+        return reason
+    return head + sep + "; ".join(sorted(parts, key=lambda p: int(_DEATH.match(p).group(1))))
 
 
 def _normalized(line: str) -> str:
@@ -197,7 +208,9 @@ class CaseChange:
             return f"{entry.verdict.value}" + (f": {entry.reason}" if entry.reason else "")
         if self.change is Change.EVIDENCE_CHANGED:
             old, new = first_difference(self.before.evidence, self.after.evidence)
-            return f"{self.after.verdict.value}: {old or '(nothing)'} -> {new or '(nothing)'}"
+            verdict = self.after.verdict.value
+            named = f"{verdict}: " if not old.startswith(verdict) else ""  # a CRASH's reason names it
+            return f"{named}{old or '(nothing)'} -> {new or '(nothing)'}"
         reason = self.after.reason or self.before.reason
         return f"{self.before.verdict.value} -> {self.after.verdict.value}" + (f": {reason}" if reason else "")
 
