@@ -61,15 +61,17 @@ def changes(data: dict) -> dict[str, str]:
 
 
 def test_a_regression_exits_1_and_is_named(tmp_path, capsys):
-    rc, data = compared(tmp_path, [record(A), record(B)], [record(A), MISMATCH])
-    assert rc == 1 and changes(data) == {A: "unchanged", B: "regressed"}
+    rc, data = compared(tmp_path, [record(A), record(B), record(C)], [record(A), MISMATCH, record(C)])
+    assert rc == 1 and changes(data) == {A: "unchanged", B: "regressed", C: "unchanged"}
     out = capsys.readouterr().out
     assert f"{B}: EXACT -> SILENT_MISMATCH: unshard 1: rowwise_data differs" in out
     torchao = next(line.split() for line in out.splitlines() if line.strip().startswith("torchao "))
     assert torchao == ["torchao", "0.17.0", "0.18.0", "(changed)"]  # the environments side by side
+    assert "torchao fp8_tensor ws2 " in out and "torchao fp8_tensor ws4" not in out  # no change there
     assert out.rstrip().endswith("FAILED: 1 case id with a change --fail-on regressed names")
     markdown = (tmp_path / "out" / "compare.md").read_text()
     assert "### regressed (1)" in markdown and "| torchao | fp8_tensor | 2 | 0 | 1 |" in markdown
+    assert "| torchao | fp8_tensor | 4 | 0 | 0 | 0 | 0 | 1 |" in markdown  # every group, changed or not
 
 
 def test_a_fix_alone_exits_0(tmp_path, capsys):
@@ -93,7 +95,7 @@ def test_a_changed_verdict_and_changed_evidence_are_told_apart(tmp_path, capsys)
     assert rc == 1
 
 
-def test_run_specific_text_is_not_evidence(tmp_path):
+def test_run_specific_text_is_not_evidence(tmp_path, capsys):
     """Two runs of one crash in different venvs: what the others raised after it, sockets, stacks and
     traceback lines differ, its evidence does not; the bytes a rank sent are evidence."""
     def crash(venv: str, port: int, waiting_in: str, line: int, sent: int = 2944) -> dict:
@@ -108,6 +110,7 @@ def test_run_specific_text_is_not_evidence(tmp_path):
     swapped = {**two, "reason": "CRASH: rank 1 killed by SIGABRT; rank 3 killed by SIGABRT"}
     rc, data = compared(tmp_path, [two], [swapped])
     assert changes(data) == {C: "unchanged"}  # which dying rank was noticed first is timing
+    assert "all 1 groups unchanged throughout (1 case id)" in capsys.readouterr().out
     before = crash(".venv-torchao-0.17.0", 25502, "_recv (connection.py:395)", 65)
     rc, data = compared(tmp_path, [before], [crash(".venv-torchao-0.18.0", 31337, "loop (whereabouts.py:58)", 71)])
     assert rc == 0 and changes(data) == {B: "unchanged"}

@@ -141,13 +141,20 @@ _COLUMN = {Change.VERDICT_CHANGED: "verdict", Change.EVIDENCE_CHANGED: "evidence
 
 
 def _group_lines(diff: RunDiff) -> list[str]:
-    groups = diff.groups()
-    names = [f"{impl} {fmt} ws{ws}" for impl, fmt, ws in groups]
-    width = max(len("implementation format world size"), *map(len, names))
+    """The groups with a change, one row each; those without, one line (compare.md has every group)."""
+    changed = {group: counts for group, counts in diff.groups().items() if set(counts) != {Change.UNCHANGED}}
+    same = len(diff.groups()) - len(changed)
+    ids = sum(counts[Change.UNCHANGED] for group, counts in diff.groups().items() if group not in changed)
+    if not changed:
+        return [f"implementation x format x world size: all {same} groups unchanged throughout ({_ids(ids)})"]
+    names = [f"{impl} {fmt} ws{ws}" for impl, fmt, ws in changed]
+    width = max(len(name) for name in ["implementation format world size", *names])
     head = "implementation format world size".ljust(width) + "".join(f"{_COLUMN.get(c, c.label):>12}" for c in Change)
     lines = [head]
-    for name, counts in zip(names, groups.values()):
+    for name, counts in zip(names, changed.values()):
         lines.append(name.ljust(width) + "".join(f"{counts.get(c, 0) or '.':>12}" for c in Change))
+    if same:
+        lines.append(f"and {same} groups unchanged throughout ({_ids(ids)})")
     return lines
 
 

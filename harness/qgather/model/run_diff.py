@@ -182,7 +182,15 @@ def _environment(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
         if isinstance(value, list):
             value = ", ".join(f"{n} x {name}" for name, n in Counter(map(str, value)).items()) or "no GPU"
         shown.append((label, str(value)))
+        if key == "backend":  # what `auto` came to: where the cases' ranks ran
+            shown.append(("ran on", _ran_on(data["cases"])))
     return tuple(shown)
+
+
+def _ran_on(cases: list[dict[str, Any]]) -> str:
+    """`gloo/cpu 2900, virtual 158`: where the cases' ranks ran (CaseRecord.ran_on), most first."""
+    counts = Counter(str(c.get("ran_on")) for c in cases if isinstance(c, dict) and c.get("ran_on"))
+    return ", ".join(f"{where} {n}" for where, n in counts.most_common()) or UNKNOWN
 
 
 @dataclass(frozen=True)
