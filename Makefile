@@ -22,7 +22,7 @@ else
 SETUP :=
 endif
 
-.PHONY: run test gate-cpu test-torch test-multigpu selftest bench golden golden-check lint clean repro-docs
+.PHONY: run test gate-cpu gate-torchao gate-torch test-torch test-multigpu selftest bench golden golden-check lint clean repro-docs
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -75,6 +75,37 @@ test-torch:
 	$(TORCH_VENV)/bin/python -c 'import torch; print("make test-torch: torch", torch.__version__)'
 	$(MAKE) test PY=$(TORCH_VENV)/bin/python
 
+# A gate against another release of a library, each in a venv of its own (not part of CI), its reports in
+# a folder named after the release: `make gate-torchao TORCHAO=0.16.0` runs the torchao gate (as gate-cpu
+# does, with CI's torch) into reports/torchao-0.16.0/; `make gate-torch TORCH=2.15.0` runs the reference
+# suite into reports/torch-2.15.0/. `qgather compare reports/torchao-0.17.0 reports/torchao-0.18.0` then
+# says what the upgrade fixed and what it broke (README, "Gating an upgrade"). The baseline's entries are
+# for this checkout's versions: under another release a stale entry fails the gate, the reports are
+# still written (compare reads the verdicts, not the gate's exit status). A release past this machine's
+# local pip cap comes from the package registry, configuration ignored, as in test-torch.
+TORCHAO ?=
+GATE_BASELINE ?= known-issues.toml
+# $(call gate,VENV,CONSTRAINTS,REQUIREMENT,IMPL,REPORT DIR): make the venv, install, run the gate
+define gate
+test -x $(1)/bin/python || python3 -m venv $(1)
+$(1)/bin/python -m pip install -q -c $(2) -e . '$(3)' \
+  || PIP_CONFIG_FILE=/dev/null $(1)/bin/python -m pip install -q -c $(2) -e . '$(3)'
+$(1)/bin/python -c 'import torch, importlib.metadata as m; print("gate:", "torch", torch.__version__, "torchao", \
+  next((d.version for d in m.distributions() if d.metadata["Name"] == "torchao"), "not installed"))'
+$(1)/bin/python -m qgather run --impl $(4) --baseline $(GATE_BASELINE) -n $(PYTEST_WORKERS) --report-dir $(5); \
+  $(KEEP_RC)
+endef
+
+gate-torchao:
+	@test -n "$(TORCHAO)" || { echo "make gate-torchao: name a torchao release, e.g. TORCHAO=0.17.0" >&2; exit 2; }
+	$(call gate,.venv-torchao-$(TORCHAO),constraints-cpu.txt,torchao==$(TORCHAO),torchao,reports/torchao-$(TORCHAO))
+
+# Not constraints-cpu.txt: a CUDA build of torch pins its own triton (as in test-torch).
+gate-torch:
+	@test -n "$(TORCH)" || { echo "make gate-torch: name a torch release, e.g. TORCH=2.15.0" >&2; exit 2; }
+	mkdir -p $(TORCH_VENV) && echo "torch==$(TORCH)" > $(TORCH_VENV)/torch-constraint.txt
+	$(call gate,$(TORCH_VENV),$(TORCH_VENV)/torch-constraint.txt,torch==$(TORCH),reference,reports/torch-$(TORCH))
+
 # The GPU gating job: the case suite on CUDA (NCCL one rank per GPU, gloo on CUDA tensors for
 # more ranks than GPUs) plus the GPU-only tests (TransformerEngine cross-checks). The xdist workers share
 # every GPU: each rank of a CUDA pool takes one of a GPU's QGATHER_GPU_SEATS seats (qgather.runtime.gpu_lease),
@@ -115,7 +146,7 @@ lint: $(SETUP)
 	PYTHONPATH=harness $(PY) -c 'from importlinter.cli import lint_imports_command; lint_imports_command()' --no-cache --no-logo
 
 clean:
-	rm -rf $(VENV) .venv-torch-* $(QGATHER_LINK) *.egg-info build .pytest_cache .ruff_cache reports
+	rm -rf $(VENV) .venv-torch-* .venv-torchao-* $(QGATHER_LINK) *.egg-info build .pytest_cache .ruff_cache reports
 
 # The findings' standalone scripts (docs/repro/) and upstream drafts (docs/upstream/), from
 # qgather.tools.standalone.findings; tests/test_standalone_docs.py fails while they are stale.

@@ -79,6 +79,18 @@ def test_every_tool_target_ends_with_keep_rc():
         assert recipes[target].rstrip().endswith("$(KEEP_RC)"), target
     # test-torch's tool runs in the `make test` it ends with, which writes the code for it
     assert recipes["test-torch"].rstrip().splitlines()[-1].strip().startswith("$(MAKE) test ")
+    # gate-torchao and gate-torch run qgather in a venv of their own, through the `gate` macro, which ends with it
+    gate = re.search(r"^define gate\n(.*?)^endef", (REPO / "Makefile").read_text(), re.M | re.S)
+    assert gate and gate.group(1).rstrip().endswith("$(KEEP_RC)")
+    for target in ("gate-torchao", "gate-torch"):
+        assert recipes[target].rstrip().splitlines()[-1].strip().startswith("$(call gate,"), target
+
+
+@pytest.mark.parametrize("target, variable", [("gate-torchao", "TORCHAO"), ("gate-torch", "TORCH")])
+def test_a_version_gate_without_its_version_is_refused_before_any_venv(target, variable):
+    made = _make([target, f"{variable}="])  # empty, whatever the environment holds
+    assert made.returncode == 2 and f"make {target}: name a" in made.stderr and variable in made.stderr
+    assert not list(REPO.glob(".venv-torch*-"))  # no venv named after an empty version
 
 
 def test_ci_and_readme_s_gpu_job_run_targets_through_make_rc():

@@ -20,6 +20,7 @@ option value, an unknown name, an empty selection).
     baseline   qgather.cli.baseline   the known-issues baseline
     coverage   qgather.cli.coverage   a selection's coverage matrix
     sweep      qgather.cli.sweep      shapes x world sizes of one implementation, failures shrunk
+    compare    qgather.cli.compare    two runs case by case: what an upgrade fixed and broke (no torch)
 """
 
 from __future__ import annotations
@@ -132,6 +133,11 @@ def _sweep() -> CommandMain:
     return main
 
 
+def _compare() -> CommandMain:
+    from qgather.cli.compare import main
+    return main
+
+
 COMMANDS = {c.name: c for c in (
     Command("run", _run, "run the case suite (extra arguments go to pytest)", runs_cases=True),
     Command("case", _case, "run cases by id and print their reports", runs_cases=True),
@@ -148,6 +154,8 @@ COMMANDS = {c.name: c for c in (
             "of a selection as Markdown"),
     Command("sweep", _sweep, "explore shapes x world sizes of one impl and format; shrink each failure group",
             check=_check_sweep),
+    Command("compare", _compare, "compare two runs' verdicts case by case (fixed, regressed, changed); "
+            "exit 1 on a regression"),
 )}
 
 
