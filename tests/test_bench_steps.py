@@ -4,7 +4,7 @@ of qgather's own steps is held to 5x its HBM floor."""
 
 import pytest
 
-from qgather.tools.bench_steps import (
+from qgather.tools.bench.bench_steps import (
     COLLECTIVE,
     FLOOR_GOAL,
     WAIT,

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from qgather.model.case import CaseSpec
 from qgather.model.records import RankResult
 from qgather.model.verdict import Verdict
-from qgather.tools import bench_report, case_bench, case_profile, memory_waypoints
+from qgather.tools.bench import bench_report, case_bench, case_profile, memory_waypoints
 
 
 def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):

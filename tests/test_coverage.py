@@ -80,8 +80,9 @@ def test_a_configuration_run_prints_its_pair_promise():
 def test_bench_suite_prints_cases_per_second():
     env = {**os.environ, "PYTHONPATH": REPO, "QGATHER_BENCH_WORKERS": "0"}
     result = subprocess.run(
-        [sys.executable, "-m", "qgather.tools.suite_bench", "-k", "test_gather and not fp32", "--formats", "nvfp4_2d",
-         "--world-sizes", "2", "--scenarios", "gather"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+        [sys.executable, "-m", "qgather.tools.bench.suite_bench", "-k", "test_gather and not fp32",
+         "--formats", "nvfp4_2d", "--world-sizes", "2", "--scenarios", "gather"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith("suite: ") and "cases/s (0 workers)" in line, line

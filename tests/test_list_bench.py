@@ -3,8 +3,8 @@ run by hand or by `make bench`, never as a timed test)."""
 
 from __future__ import annotations
 
-from qgather.tools import list_bench
-from qgather.tools.list_bench import Timing
+from qgather.tools.bench import list_bench
+from qgather.tools.bench.list_bench import Timing
 
 
 def test_the_goal_is_judged_on_the_median_and_a_failed_command_misses_it():

@@ -1,11 +1,11 @@
-"""qgather.tools.memory_waypoints: peaks per wrapped step, nested calls folded into their callers, and the
+"""qgather.tools.bench.memory_waypoints: peaks per wrapped step, nested calls folded into their callers, and the
 wrapped functions restored afterwards (the allocator is emulated: the logic is the same on CUDA)."""
 
 import types
 
 import torch
 
-from qgather.tools import memory_waypoints
+from qgather.tools.bench import memory_waypoints
 
 
 class FakeAllocator:

@@ -3,7 +3,7 @@ the measured collective for NCCL's, in the case and in the bare work alike."""
 
 import pytest
 
-from qgather.tools.nccl_projection import hbm_bandwidth, nccl_all_gather_s, project, step_floor_bytes
+from qgather.tools.bench.nccl_projection import hbm_bandwidth, nccl_all_gather_s, project, step_floor_bytes
 
 
 def test_all_gather_time_follows_the_bus_bandwidth_definition():

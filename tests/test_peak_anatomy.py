@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qgather.tools.peak_anatomy import UNKNOWN, anatomy, where_allocated
+from qgather.tools.bench.peak_anatomy import UNKNOWN, anatomy, where_allocated
 
 OWN = {"filename": "/site/qgather/check/inspection.py", "line": 90, "name": "_judge"}
 TORCH = {"filename": "/site/torch/_tensor.py", "line": 12, "name": "float"}

@@ -12,7 +12,7 @@ BenchMain = Callable[[Sequence[str]], int]
 
 # One loader per benchmark: each benchmark's own imports happen when it is asked for.
 def _formats() -> BenchMain:
-    from qgather.tools.format_bench import main
+    from qgather.tools.bench.format_bench import main
     return main
 
 
@@ -22,17 +22,17 @@ def _runtime() -> BenchMain:
 
 
 def _gpu() -> BenchMain:
-    from qgather.tools.case_bench import main
+    from qgather.tools.bench.case_bench import main
     return main
 
 
 def _suite() -> BenchMain:
-    from qgather.tools.suite_bench import main
+    from qgather.tools.bench.suite_bench import main
     return main
 
 
 def _list() -> BenchMain:
-    from qgather.tools.list_bench import main
+    from qgather.tools.bench.list_bench import main
     return main
 
 

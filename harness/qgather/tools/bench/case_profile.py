@@ -2,7 +2,7 @@
 pool while the other ranks run the case along: torch.profiler's operators, each step function's
 host and device time (a profiler range per step), cProfile's Python functions, and the peak memory
 of every step with what is allocated at the peak, for a run that computes the golden and for one
-that finds it kept. The measuring itself is qgather.tools.case_bench's.
+that finds it kept. The measuring itself is qgather.tools.bench.case_bench's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from qgather.instruments import fused
 from qgather.model.case import CaseSpec
 from qgather.scenarios import context, fsdp
 from qgather.scenarios.registry import run_on_rank
-from qgather.tools import memory_waypoints, peak_anatomy
+from qgather.tools.bench import memory_waypoints, peak_anatomy
 
 PROFILE_ROWS = 30
 

@@ -1,6 +1,6 @@
 """What `qgather bench gpu` prints of a measured case and which goals it missed: the bare work part by
 part, the goals measured against their limits, and each step's slowest and fastest rank against its
-HBM floor (qgather.tools.bench_steps). The measuring is qgather.tools.case_bench's."""
+HBM floor (qgather.tools.bench.bench_steps). The measuring is qgather.tools.bench.case_bench's."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from qgather.engine.classify import classify_results
 from qgather.model.phases import Step
 from qgather.model.verdict import Verdict
-from qgather.tools import bench_steps
-from qgather.tools.nccl_projection import (
+from qgather.tools.bench import bench_steps
+from qgather.tools.bench.nccl_projection import (
     BUS_BANDWIDTH_SOURCE,
     Projection,
     hbm_bandwidth,

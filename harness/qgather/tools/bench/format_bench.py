@@ -1,6 +1,6 @@
 """CPU benchmark of every format's quantize() against a plain FP8 cast.
 
-    python -c 'from qgather.tools.format_bench import main; main()'      (or: qgather bench formats)
+    python -c 'from qgather.tools.bench.format_bench import main; main()'      (or: qgather bench formats)
 
 Quantizes one 4096x4096 bf16 weight with each format (a warm-up, then a few timed runs) and
 times `x.float().to(torch.float8_e4m3fn)` in the same run, alternating with each format so that

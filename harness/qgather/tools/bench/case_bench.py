@@ -1,7 +1,7 @@
 """`qgather bench gpu`: what one full case costs against the bare work it wraps, in the same run,
 with every goal printed as measured vs goal; exit 1 when any is missed.
 
-    python -m qgather.tools.case_bench [--shape 8192x28672] [--formats nvfp4_2d,fp8_block] [--world-size 2]
+    python -m qgather.tools.bench.case_bench [--shape 8192x28672] [--formats nvfp4_2d,fp8_block] [--world-size 2]
                                  [--device cuda] [--impl te|reference] [--reps 3] [--backend nccl|gloo]
                                  [--bus-bandwidth GB/s] [--profile]
 
@@ -11,11 +11,11 @@ after a warm-up run, against the bare work (the library's quantization of the ra
 sharded module build where it has a route of its own, and the all-gather alone of as many bytes per
 rank as the case's collective moved), median of `--reps`. Goals: the case EXACT in every run; the
 case (its slowest rank) within 3x of the bare work (on NCCL: measured; with fewer GPUs than ranks,
-the ranks share the GPUs over gloo and the NCCL ratio is projected, qgather.tools.nccl_projection);
+the ranks share the GPUs over gloo and the NCCL ratio is projected, qgather.tools.bench.nccl_projection);
 peak GPU memory per rank within 3x the weight's bf16 size over every run, warm-up included, and the
 step (and rank) in which the highest run reached it (qgather.model.phases.PhaseTracker.high_water); on
 NCCL, each of qgather's own steps (golden, inspection, one-device twin, the wait before the
-collective) within 5x its HBM floor on its slowest rank (qgather.tools.bench_steps). Then the
+collective) within 5x its HBM floor on its slowest rank (qgather.tools.bench.bench_steps). Then the
 case's steps, each with its slowest and its fastest rank. The implementation defaults to `te`
 where TransformerEngine imports, else `reference`.
 """
@@ -41,9 +41,9 @@ from qgather.scenarios import fsdp_setup
 from qgather.scenarios.data import make_weight
 from qgather.scenarios.module import own_sharded_module
 from qgather.scenarios.registry import run_on_rank
-from qgather.tools import case_profile, memory_waypoints
-from qgather.tools.bench_report import BareWork, report
-from qgather.tools.nccl_projection import (
+from qgather.tools.bench import case_profile, memory_waypoints
+from qgather.tools.bench.bench_report import BareWork, report
+from qgather.tools.bench.nccl_projection import (
     BUS_BANDWIDTH,
     BUS_BANDWIDTH_SOURCE,
 )

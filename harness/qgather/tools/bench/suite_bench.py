@@ -1,6 +1,6 @@
 """Cases per second of the default case suite (`qgather bench suite`, part of `make bench`).
 
-    python -m qgather.tools.suite_bench [pytest options, e.g. --formats nvfp4_2d]
+    python -m qgather.tools.bench.suite_bench [pytest options, e.g. --formats nvfp4_2d]
 
 Runs the suite (the default run: the covering design, not --exhaustive) under pytest in a fresh
 process with QGATHER_BENCH_WORKERS xdist workers (default 2, as `make test`; 0: no xdist), counts
