@@ -249,3 +249,15 @@ def test_a_sigkilled_worker_stalls_nobody(tmp_path, gpus):
 def test_the_checks_fail_when_the_lock_does_nothing(tmp_path):
     run = simulate(tmp_path, 2, _fewest_seats(2), broken_lock=True)
     assert any("held twice" in error for error in run.errors), run.errors
+
+
+def test_k_is_what_the_tightest_gpu_and_the_host_can_carry():
+    from qgather.pytest_plugin.gpu_schedule import GIB, plan_seats
+
+    per_rank = plan_seats([80 * GIB], 1024 * GIB).per_rank_bytes
+    by_gpu = plan_seats([141 * GIB, 40 * GIB], 1024 * GIB)  # the tightest GPU decides
+    assert by_gpu.seats == int(0.8 * 40 * GIB) // per_rank
+    by_host = plan_seats([141 * GIB, 141 * GIB], 32 * GIB)  # 32 GiB over 2 GPUs at 1 GiB a rank
+    assert by_host.seats == int(0.8 * 32 * GIB) // (2 * GIB)
+    assert plan_seats([1 * GIB], 1 * GIB).seats == 1  # never none
+    assert "tightest GPU 40.0 GiB free" in by_gpu.describe()
