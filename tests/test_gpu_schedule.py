@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection, wait
 import pytest
 
 from qgather.model.case import CaseSpec
+from qgather.pytest_plugin.gpu_schedule import GIB, plan_seats
 from qgather.runtime import gpu_lease, pool, registry, spec
 from qgather.runtime.pool import RankPool
 from qgather.runtime.spec import PoolSpec
@@ -252,8 +253,6 @@ def test_the_checks_fail_when_the_lock_does_nothing(tmp_path):
 
 
 def test_k_is_what_the_tightest_gpu_and_the_host_can_carry():
-    from qgather.pytest_plugin.gpu_schedule import GIB, plan_seats
-
     per_rank = plan_seats([80 * GIB], 1024 * GIB).per_rank_bytes
     by_gpu = plan_seats([141 * GIB, 40 * GIB], 1024 * GIB)  # the tightest GPU decides
     assert by_gpu.seats == int(0.8 * 40 * GIB) // per_rank
