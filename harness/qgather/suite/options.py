@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -60,8 +61,7 @@ def parse_impls(text: str) -> tuple[str, ...]:
         try:
             get_impl(name)
         except UnknownImplementationError as exc:
-            message = str(exc)  # an external adapter's already names the option
-            raise OptionError(message if message.startswith("--impl") else f"--impl: {message}") from None
+            raise OptionError(f"--impl: {exc}") from None
     return names
 
 
@@ -74,20 +74,32 @@ def refuse_unknown_impl(name: str, option: str = "--impl") -> None:
 
 
 def refuse_unknown_formats(names: Sequence[str], option: str = "--formats") -> None:
-    """OptionError naming the first of `names` that no built-in or plugin format has (no torch)."""
-    if unknown_names(names, FORMAT_NAMES, "qgather.formats"):
-        _known_names(option, "format", ",".join(names), (*FORMAT_NAMES, *plugin_names("qgather.formats")))
+    """OptionError naming the first of `names` that no built-in or plugin format has (no torch); a
+    `package.module:Class` is a format of the user's own, checked by loading it."""
+    names = [name for name in names if ":" not in name]
+    unknown = unknown_names(names, FORMAT_NAMES, "qgather.formats")
+    registry = sys.modules.get("qgather.formats.registry")  # an adapter loaded already may have added some
+    unknown = [name for name in unknown if registry is None or name not in registry.FORMATS]
+    if unknown:
+        known = (*FORMAT_NAMES, *plugin_names("qgather.formats"), *(registry.user_formats() if registry else ()))
+        raise OptionError(f"{option}: unknown format {unknown[0]!r}; known: {', '.join(dict.fromkeys(known))} "
+                          "(a format of your own: package.module:Class, or give first the --impl that lists it)")
 
 
 def parse_formats(text: str) -> tuple[str, ...]:
-    """--formats: format names the registry knows (entry-point formats included)."""
+    """--formats: format names the registry knows (entry-point formats included), or formats of the
+    user's own as `package.module:Class` (loaded and registered here; the names they register)."""
     names = split_names(text)
     refuse_unknown_formats(names)  # before torch is imported
     if all(name in FORMAT_NAMES for name in names):
         return names  # built-in names: known without importing the formats (torch)
-    from qgather.formats import FORMATS  # deferred: the formats import torch (an entry point's loads here)
+    from qgather.formats import FORMATS, FormatLoadError, load_format  # deferred: the formats import torch
 
-    return _known_names("--formats", "format", text, FORMATS)
+    try:
+        names = tuple(load_format(name, f"--formats {name!r}") if ":" in name else name for name in names)
+    except FormatLoadError as exc:
+        raise OptionError(str(exc)) from None
+    return _known_names("--formats", "format", ",".join(names), FORMATS)
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:
