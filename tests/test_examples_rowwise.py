@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from test_examples import REPO, _run  # the same way of running a command from outside the checkout
 
 EXAMPLE = REPO / "examples" / "rowwise"
@@ -40,14 +39,16 @@ def test_readme_points_to_the_rowwise_example():
 
 def test_the_rowwise_format_runs_exact_as_readme_says(project: Path):
     listed = _run(["-m", "qgather", "list", "formats", "--impl", IMPL], project)
-    assert listed.returncode == 0 and re.search(r"fp8_rowwise\s+row block 1", listed.stdout), listed.stdout + listed.stderr
+    assert listed.returncode == 0, listed.stderr
+    assert re.search(r"fp8_rowwise\s+row block 1", listed.stdout), listed.stdout
     run = _run(["-m", "qgather", "run", *SELECTION, "--report-dir", "rep"], project)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     cases = json.loads((project / "rep" / "verdicts.json").read_text())["cases"]
     exact = [c["case"] for c in cases if c["verdict"] == "EXACT"]
     others = [(c["case"], c["verdict"], c["reason"]) for c in cases if c["verdict"] != "EXACT"]
     # every shard of a one-scale-per-row format is aligned: the policy wants EXACT for every case it runs
-    assert all(v == "SKIPPED" and r.startswith("RowwiseFP8Tensor shards along dim 0 only") for _, v, r in others), others
+    skipped = "RowwiseFP8Tensor shards along dim 0 only"
+    assert all(v == "SKIPPED" and r.startswith(skipped) for _, v, r in others), others
     shapes = {c.split(":")[3] for c in exact}
     assert {"31x128", "128x64", "1x16", "3x1x64"} <= shapes and all(":fp8_rowwise:" in c for c in exact), exact
     assert {c.split(":")[6] for c in exact} == {"gather", "steps"}, exact

@@ -70,3 +70,17 @@ def not_importable(module_name: str, exc: ModuleNotFoundError) -> str:
         return f"cannot load it: importing {module_name!r} failed ({exc})"
     return (f"cannot load it: no module {top!r} here ({os.getcwd()}) or installed: run from the folder that "
             f"holds {top}/, put that folder on PYTHONPATH, or pip install the package")
+
+
+def missing_user_module(module_name: str) -> str | None:
+    """Why a user's module certainly cannot be imported (`not_importable`'s line), found without importing
+    anything; None when it may be (then importing it says the rest)."""
+    import importlib.util  # deferred, as import_user_module's
+
+    top = module_name.split(".")[0]
+    try:
+        if importlib.util.find_spec(top) is not None or _holds_module(os.getcwd(), top):
+            return None
+    except (ImportError, ValueError):
+        return None
+    return not_importable(module_name, ModuleNotFoundError(name=top))

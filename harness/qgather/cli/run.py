@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, selection_problem, usage
 from qgather.paths import checkout_root, suite_dir
-from qgather.suite.options import joined_impls
+from qgather.suite.options import gpu_problem, joined_impls, output_problem
 
 USAGE_ERROR = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest for --help
 NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+DEFAULT_REPORT_DIR = "reports"
 
 
 @refusing_in_one_line("run")
@@ -27,13 +28,13 @@ def main(extra: Sequence[str]) -> int:
     if "-h" in extra or "--help" in extra:
         return _help()
     args, _rest = _own_options().parse_known_args(extra)  # a bad value raises OptionRefused: one line
-    problem = _selection_problem(args)
+    # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
+    reports = [] if _given(extra, "--report-dir") else ["--report-dir", DEFAULT_REPORT_DIR]
+    problem = _input_problem(args) or _selection_problem(args)
     if problem:
         return usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
     quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
-    # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
-    reports = [] if _given(extra, "--report-dir") else ["--report-dir", "reports"]
     rc = _pytest([*suite_pytest_args(), *quiet, *default_markers(extra), "--qgather-summary", *reports, *extra])
     if rc == NO_TESTS_COLLECTED:  # the selection ran nothing (the user's -m or -k made it empty)
         return usage("run", "the selection collected no test (see -m / -k); nothing ran")
@@ -48,11 +49,35 @@ def default_markers(extra: Sequence[str]) -> list[str]:
 
 
 def _own_options() -> argparse.ArgumentParser:
-    """qgather's selection and run options, parsed as the plugin will parse them (pytest takes the rest)."""
+    """qgather's selection and run options, parsed as the plugin will parse them (pytest takes the rest), and
+    the files a run reads or writes, read here to be checked before torch loads (`_input_problem`)."""
     parser = argparse.ArgumentParser(prog="qgather run", add_help=False, allow_abbrev=False)
     add_selection_options(parser)
     add_run_options(parser)
+    parser.add_argument("--report-dir", default=DEFAULT_REPORT_DIR)
+    parser.add_argument("--baseline")
+    parser.add_argument("--junitxml", "--junit-xml", dest="junitxml")
+    parser.add_argument("--qgather-json")
     return parser
+
+
+def _input_problem(args: argparse.Namespace) -> str | None:
+    """Why the run cannot start as asked, found without torch (None: nothing found): a GPU asked for on a
+    host that has none, a baseline that does not load, an output that cannot be written. The plugin checks
+    the same again (plain pytest), with the same functions; here it is one line within a second."""
+    from qgather.model.known_issues import BaselineError, load  # torch-free, as the checks below
+
+    problem = gpu_problem(args.device, args.backend)
+    if problem:
+        return problem
+    if args.baseline:
+        try:
+            load(args.baseline, f"--baseline {args.baseline}")
+        except BaselineError as exc:
+            return str(exc)
+    outputs = (("--report-dir", args.report_dir, True), ("--junitxml", args.junitxml, False),
+               ("--qgather-json", args.qgather_json, False))
+    return next((p for flag, path, folder in outputs if path and (p := output_problem(flag, path, folder))), None)
 
 
 def _given(args: list[str], name: str) -> bool:

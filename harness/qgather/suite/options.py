@@ -13,6 +13,7 @@ and an option refused by its syntax alone start no torch.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import sys
@@ -26,11 +27,13 @@ from qgather.model.names import (
     BUILTIN_IMPLS,
     FORMAT_NAMES,
     SCENARIOS,
+    external_module,
     impl_choices,
     is_unknown_impl,
     plugin_names,
     unknown_names,
 )
+from qgather.paths import missing_user_module
 
 DEFAULT_IMPLS = ("reference",)
 AUTO = "auto"
@@ -71,6 +74,10 @@ def refuse_unknown_impl(name: str, option: str = "--impl") -> None:
     if is_unknown_impl(name):
         known = impl_choices((*BUILTIN_IMPLS, *plugin_names("qgather.impls")))
         raise OptionError(f"{option}: unknown implementation {name!r}; available: {known}")
+    module = external_module(name)
+    missing = module and missing_user_module(module)
+    if missing:
+        raise OptionError(f"{option}: implementation {name!r}: {missing}")
 
 
 def refuse_unknown_formats(names: Sequence[str], option: str = "--formats") -> None:
@@ -144,15 +151,33 @@ def joined_impls(values: Iterable[Sequence[str]] | None) -> tuple[str, ...]:
 
 
 def gpu_problem(device: str, backend: str) -> str | None:
-    """Why --device cuda or --backend nccl cannot work on this host (None: fine)."""
+    """Why --device cuda or --backend nccl cannot work on this host (None: fine). Where no GPU device is
+    visible at all it is said without importing torch (a refusal within a second), else torch is asked."""
     if device != "cuda" and backend != "nccl":
         return None
-    import torch  # deferred: asked only when a GPU is asked for
+    asked = "--device cuda" if device == "cuda" else "--backend nccl"
+    hidden = _no_gpu_visible()
+    if hidden:
+        return f"{asked}: no CUDA GPU on this host ({hidden})"
+    import torch  # deferred: asked only when a GPU is asked for and may be there
 
     if torch.cuda.is_available():
         return None
-    asked = "--device cuda" if device == "cuda" else "--backend nccl"
     return f"{asked}: no CUDA GPU on this host (torch.cuda.is_available() is False)"
+
+
+#: device nodes of a GPU torch.cuda may use: NVIDIA's, ROCm's (torch.cuda on HIP), WSL's
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+
+
+def _no_gpu_visible() -> str:
+    """Why this process certainly sees no GPU, read without torch ("" when it may see one)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    if not any(glob.glob(pattern) for pattern in GPU_DEVICE_NODES):
+        return "no GPU device in /dev"
+    return ""
 
 
 def output_problem(flag: str, path: str, directory: bool = False) -> str | None:
