@@ -10,23 +10,57 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import time
 from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, selection_problem, usage
+from qgather.model.report_folder import write_interrupted
 from qgather.paths import checkout_root, suite_dir
 from qgather.suite.options import gpu_problem, joined_impls, output_problem
 
 USAGE_ERROR = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest for --help
 NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+INTERRUPTED = 2  # pytest.ExitCode.INTERRUPTED
 DEFAULT_REPORT_DIR = "reports"
 
 
 @refusing_in_one_line("run")
 def main(extra: Sequence[str]) -> int:
-    """Run the suite; every argument qgather does not know goes to pytest."""
+    """Run the suite; every argument qgather does not know goes to pytest. Interrupted at any point (start-up
+    included: torch loading, the selection's check, pytest's own set-up), the report folder says so."""
     extra = list(extra)
     if "-h" in extra or "--help" in extra:
         return _help()
+    started = time.time()
+    try:
+        rc = _run(extra)
+    except KeyboardInterrupt:
+        _say_interrupted(extra, started)
+        raise
+    if rc == INTERRUPTED:  # pytest's set-up was interrupted before its session could write the reports
+        _say_interrupted(extra, started)
+    return rc
+
+
+def _say_interrupted(extra: list[str], started: float) -> None:
+    """The report folder says the run was interrupted, unless the session wrote its reports (which say so)."""
+    folder = _report_dir(extra)
+    if folder:
+        with contextlib.suppress(OSError):
+            write_interrupted(folder, started, "interrupted before the first case ran")
+
+
+def _report_dir(extra: list[str]) -> str:
+    """The --report-dir the arguments name, as the options will read it (the default: DEFAULT_REPORT_DIR)."""
+    for i, arg in enumerate(extra):
+        if arg == "--report-dir" and i + 1 < len(extra):
+            return extra[i + 1]
+        if arg.startswith("--report-dir="):
+            return arg.partition("=")[2]
+    return DEFAULT_REPORT_DIR
+
+
+def _run(extra: list[str]) -> int:
     args, _rest = _own_options().parse_known_args(extra)  # a bad value raises OptionRefused: one line
     # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
     reports = [] if _given(extra, "--report-dir") else ["--report-dir", DEFAULT_REPORT_DIR]
