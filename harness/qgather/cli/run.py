@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, selection_problem, usage
+from qgather.model.known_issues import BaselineError, load
 from qgather.model.report_folder import write_interrupted
 from qgather.paths import checkout_root, suite_dir
 from qgather.suite.options import gpu_problem, joined_impls, output_problem
@@ -99,8 +100,6 @@ def _input_problem(args: argparse.Namespace) -> str | None:
     """Why the run cannot start as asked, found without torch (None: nothing found): a GPU asked for on a
     host that has none, a baseline that does not load, an output that cannot be written. The plugin checks
     the same again (plain pytest), with the same functions; here it is one line within a second."""
-    from qgather.model.known_issues import BaselineError, load  # torch-free, as the checks below
-
     problem = gpu_problem(args.device, args.backend)
     if problem:
         return problem

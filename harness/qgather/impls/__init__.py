@@ -15,6 +15,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from qgather.errors import AdapterError, UsageError, first_line
+from qgather.formats import FormatLoadError, load_format, register_format
 from qgather.impls.base import Implementation, missing_methods
 from qgather.impls.rejections import DeclaredRejections
 from qgather.model.names import impl_choices
@@ -134,17 +135,17 @@ def _registered_formats(name: str, formats: object) -> tuple[str, ...]:
     if isinstance(formats, str) or not isinstance(formats, (tuple, list)):
         raise AdapterLoadError(f"implementation {name!r}: formats must be a tuple of format names or formats, "
                                f"got {formats!r}")
-    if all(isinstance(f, str) and ":" not in f for f in formats):
-        return tuple(formats)  # names only: the formats are loaded where a name is looked up
-    from qgather.formats import FormatLoadError, load_format, register_format  # deferred: imports torch
-
-    where = f"implementation {name!r}"
     try:
-        return tuple(f if isinstance(f, str) and ":" not in f else
-                     load_format(f, f"{where}: format {f!r}") if isinstance(f, str) else register_format(f, where)
-                     for f in formats)
+        return tuple(_format_name(f"implementation {name!r}", fmt) for fmt in formats)
     except FormatLoadError as exc:
         raise AdapterLoadError(str(exc)) from None
+
+
+def _format_name(where: str, fmt: object) -> str:
+    """A built-in or registered format's name as it is; a format of the adapter's own registered first."""
+    if isinstance(fmt, str):
+        return load_format(fmt, f"{where}: format {fmt!r}") if ":" in fmt else fmt
+    return register_format(fmt, where)
 
 
 def _load_entry_point(name: str, load: Factory) -> object:
