@@ -65,7 +65,8 @@ def _run(extra: list[str]) -> int:
     args, _rest = _own_options().parse_known_args(extra)  # a bad value raises OptionRefused: one line
     # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
     reports = [] if _given(extra, "--report-dir") else ["--report-dir", DEFAULT_REPORT_DIR]
-    problem = _input_problem(args) or _selection_problem(args)
+    writes = not any(a in ("--collect-only", "--co") for a in extra)  # collecting writes no report
+    problem = _input_problem(args, writes) or _selection_problem(args)
     if problem:
         return usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
@@ -96,9 +97,10 @@ def _own_options() -> argparse.ArgumentParser:
     return parser
 
 
-def _input_problem(args: argparse.Namespace) -> str | None:
+def _input_problem(args: argparse.Namespace, writes: bool = True) -> str | None:
     """Why the run cannot start as asked, found without torch (None: nothing found): a GPU asked for on a
-    host that has none, a baseline that does not load, an output that cannot be written. The plugin checks
+    host that has none, a baseline that does not load, an output that cannot be written (`writes`: the run
+    writes its outputs, which --collect-only does not; each is created as the run would). The plugin checks
     the same again (plain pytest), with the same functions; here it is one line within a second."""
     problem = gpu_problem(args.device, args.backend)
     if problem:
@@ -109,7 +111,7 @@ def _input_problem(args: argparse.Namespace) -> str | None:
         except BaselineError as exc:
             return str(exc)
     outputs = (("--report-dir", args.report_dir, True), ("--junitxml", args.junitxml, False),
-               ("--qgather-json", args.qgather_json, False))
+               ("--qgather-json", args.qgather_json, False)) if writes else ()
     return next((p for flag, path, folder in outputs if path and (p := output_problem(flag, path, folder))), None)
 
 
