@@ -38,9 +38,6 @@ def test_readme_points_to_the_rowwise_example():
 
 
 def test_the_rowwise_format_runs_exact_as_readme_says(project: Path):
-    listed = _run(["-m", "qgather", "list", "formats", "--impl", IMPL], project)
-    assert listed.returncode == 0, listed.stderr
-    assert re.search(r"fp8_rowwise\s+row block 1", listed.stdout), listed.stdout
     run = _run(["-m", "qgather", "run", *SELECTION, "--report-dir", "rep"], project)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     cases = json.loads((project / "rep" / "verdicts.json").read_text())["cases"]
