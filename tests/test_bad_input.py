@@ -186,6 +186,36 @@ def test_a_bad_name_is_refused_before_torch_is_imported():
     assert len(lines) == len(BAD_NAMES) and all(len(line) < 300 for line in lines), lines
 
 
+def _run_refusals() -> list[list[str]]:
+    """`qgather run`'s inputs that are checked before torch loads (a GPU only where none is visible)."""
+    from qgather.suite.options import _no_gpu_visible
+
+    gpu = [["run", "--device", "cuda"], ["run", "--backend", "nccl"]] if _no_gpu_visible() else []
+    return [["run", "--baseline", "/nonexistent/known-issues.toml"],
+            ["run", "--baseline", os.path.join(REPO, "README.md")],
+            ["run", "--report-dir", "/proc/qgather-x"], ["run", "--junitxml", "/proc/x.xml"],
+            ["run", "--qgather-json", "/proc/x.json"], ["run", "--impl", "nosuchpkg.adapters:Impl"],
+            ["case", "nosuchpkg.adapters:Impl:fp8_tensor:128x64:bf16:ws2:gather:s0"], *gpu]
+
+
+def test_a_runs_files_gpu_and_adapter_are_refused_before_torch_is_imported(tmp_path):
+    """A bad --baseline, an output that cannot be written, a GPU on a host without one, an adapter that cannot
+    be imported from here: one line `qgather <command>: <the option or case as typed>: why`, exit 4, before
+    torch loads (well under a second on a loaded host; checked in the process, not timed)."""
+    argvs = _run_refusals()
+    code = ("import sys; from qgather.cli import main; "
+            f"rcs = [main(argv) for argv in {argvs!r}]; print(rcs, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": REPO}, cwd=tmp_path)
+    assert result.stdout.strip().splitlines()[-1] == f"{[4] * len(argvs)} False", result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == len(argvs), lines
+    for argv, line in zip(argvs, lines):
+        typed = argv[1] if argv[0] == "case" else f"{argv[1]} {argv[2]}" if argv[1] != "--impl" else argv[2]
+        assert line.startswith(f"qgather {argv[0]}: ") and typed in line, (argv, line)
+    assert "--impl" not in lines[6], lines  # a case id names no option
+
+
 def test_a_commands_own_syntax_is_checked_before_torch_is_imported():
     """selftest, golden, sweep and baseline read their arguments with parsers that import nothing heavy."""
     code = ("import sys; from qgather.cli import main; "

@@ -27,3 +27,42 @@ def test_entry_point_format_is_listed_and_selectable(tmp_path):
                            cwd=REPO, env=env, timeout=300)
     assert cases.returncode == 0, cases.stderr
     assert "reference:nvfp4_2d_plugin:136x64:bf16:ws2:gather:s0" in cases.stdout.split()
+
+
+BROKEN = '''
+from rowpkg.format import Fp8RowwiseFormat
+
+
+class OneScale(Fp8RowwiseFormat):
+    name = "fp8_one_scale"
+
+    def buffer_specs(self, shape):  # declares one scale, while its quantize makes one per row
+        specs = super().buffer_specs(shape)
+        return {**specs, "scale_inv": ((1,), specs["scale_inv"][1])}
+
+
+class Unnamed(Fp8RowwiseFormat):
+    name = "fp8:rows"
+'''
+
+
+def test_a_format_of_your_own_loads_from_the_current_folder_and_keeps_its_rules(tmp_path):
+    """`--formats package.module:Class` from the folder that holds the package, as an adapter loads; a format
+    whose quantization breaks its declared layout, or whose name a case id cannot carry, is one line, exit 4."""
+    import shutil
+
+    shutil.copytree(os.path.join(REPO, "examples", "rowwise", "rowpkg"), tmp_path / "rowpkg")
+    (tmp_path / "rowpkg" / "broken.py").write_text(BROKEN)
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "harness")}
+    qgather = [sys.executable, "-m", "qgather"]
+    listed = subprocess.run([*qgather, "list", "formats", "--formats", "rowpkg.format:Fp8RowwiseFormat"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert listed.returncode == 0, listed.stderr
+    assert "fp8_rowwise          row block 1  (from rowpkg.format.Fp8RowwiseFormat)" in listed.stdout, listed.stdout
+    for target, says in (("rowpkg.broken:OneScale", "breaks its own rules: quantize made buffers"),
+                         ("rowpkg.broken:Unnamed", "format name 'fp8:rows' cannot go into a case id")):
+        refused = subprocess.run([*qgather, "list", "formats", "--formats", target], capture_output=True, text=True,
+                                 cwd=tmp_path, env=env, timeout=300)
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert refused.returncode == 4 and len(lines) == 1, refused.stdout + refused.stderr
+        assert lines[0].startswith(f"qgather list: --formats {target!r}: ") and says in lines[0], lines

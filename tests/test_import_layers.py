@@ -26,7 +26,7 @@ LINTED = ("Makefile", "pyproject.toml", "setup.py", "conftest.py", "harness", "t
 # contract's sight by design: a user-named adapter (the one exception the contract allows), a
 # third-party module, a directory.
 IMPORTLIB_ALLOWED = {
-    "impls/__init__.py": "loads a user's --impl package.module:object",
+    "paths.py": "loads a user's module: an adapter (--impl package.module:object) or a format of its own",
     "model/repro.py": "finds the import root of qgather and of a user's adapter for a standalone repro",
     "suite/modules.py": "loads the suite's directory (cases/) by path, as pytest collects it",
     "cli/gpu.py": "asks optional third-party libraries for their versions",

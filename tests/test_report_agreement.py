@@ -106,6 +106,9 @@ def _check_json(data: dict, counts: dict[str, int]) -> None:
 def _check_terminal(out: str, data: dict, counts: dict[str, int]) -> None:
     assert ("7 cases (unique ids): 2 as expected, 3 not as expected, 1 known issues (--baseline), 1 skipped"
             in out), out[-3000:]
+    # what ran besides the cases, in words a new user reads once
+    assert "2 other tests each check something that is not one case" in out, out[-3000:]
+    assert "they ran 1 more case, not counted above, which pass or fail with their test" in out, out[-3000:]
     lines = out.split("qgather verdicts", 1)[1].splitlines()
     assert {line.split()[0] for line in lines[2:6]} == IMPLEMENTATIONS, lines[:8]
     pytest_row = next(line.split() for line in lines if line.strip().startswith("pytest's final line "))

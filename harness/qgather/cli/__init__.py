@@ -55,10 +55,9 @@ class Command:
         torch loads)."""
         if self.check is not None:
             self.check(list(argv))
-        run = self.load()
-        if self.runs_cases:
-            return with_cleanup_on_signals(self.name, run, argv)
-        return int(run(list(argv)) or 0)
+        if self.runs_cases:  # from here on an interrupt ends in the pools' cleanup and exit 2, never a traceback
+            return with_cleanup_on_signals(self.name, lambda rest: self.load()(rest), argv)
+        return int(self.load()(list(argv)) or 0)
 
 
 # One check per command that has one: each imports only its parser's light module, when it runs.

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 from qgather.cli.common import USAGE_ERROR, add_run_options, refusing_in_one_line, run_options, shutdown_pools, usage
 from qgather.errors import UsageError
 from qgather.model.case import CaseSpec  # torch-free: a case id is read before torch loads
+from qgather.model.names import external_module
 from qgather.model.repro import repro_command
+from qgather.paths import missing_user_module
 
 if TYPE_CHECKING:  # imported when a case runs: the CLI starts without torch
     from qgather.engine.run import RunOptions
@@ -32,6 +34,9 @@ def main_case(argv: Sequence[str]) -> int:
         specs = [CaseSpec.parse(case_id) for case_id in args.case_ids]  # a malformed id: said before torch loads
     except UsageError as exc:
         return usage("case", str(exc))
+    problem = next(filter(None, map(unloadable_adapter, specs)), None)
+    if problem:
+        return usage("case", problem)
     options = run_options("case", args)
     if options is None:
         return USAGE_ERROR
@@ -71,6 +76,8 @@ def main_repro(argv: Sequence[str]) -> int:
         spec = CaseSpec.parse(args.case_id)  # a malformed id: said before torch loads
     except UsageError as exc:
         return usage("repro", str(exc))
+    if unloadable_adapter(spec):
+        return usage("repro", unloadable_adapter(spec))
     options = run_options("repro", args)
     if options is None:
         return USAGE_ERROR
@@ -91,6 +98,14 @@ def main_repro(argv: Sequence[str]) -> int:
                             adapter_module=adapter_module(spec.impl))
     print(f"reproduce: {command}")
     return 0 if report.passed else 1
+
+
+def unloadable_adapter(spec: CaseSpec) -> str | None:
+    """Why the case's adapter (a user's package.module:object) certainly cannot be imported from here, said
+    without torch and naming the case, not an option the user did not give; None: it may load."""
+    module = external_module(spec.impl)
+    missing = module and missing_user_module(module)
+    return f"case {spec.id}: implementation {spec.impl!r}: {missing}" if missing else None
 
 
 def _write_standalone(case_id: str, output: str | None) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from qgather.cli.common import selection_problem, usage
-from qgather.formats import FORMATS
+from qgather.formats import FORMATS, user_formats
 from qgather.impls import UnknownImplementationError, available, get_impl
 from qgather.impls.mutants import MUTANTS
 from qgather.model.case import SCENARIOS, CaseSpec
@@ -37,7 +37,12 @@ def _list_impls() -> list[str]:
 
 
 def _list_formats() -> list[str]:
-    return [f"{name:<20} row block {fmt.row_block}" for name, fmt in FORMATS.items()]
+    """Each format and its row block; a format of the user's own (an adapter's, --formats', an entry
+    point's) says where it comes from."""
+    yours = set(user_formats())
+    return [f"{name:<20} row block {fmt.row_block}"
+            + (f"  (from {type(fmt).__module__}.{type(fmt).__qualname__})" if name in yours else "")
+            for name, fmt in FORMATS.items()]
 
 
 def _list_scenarios() -> list[str]:

@@ -10,30 +10,67 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import time
 from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, selection_problem, usage
+from qgather.model.known_issues import BaselineError, load
+from qgather.model.report_folder import write_interrupted
 from qgather.paths import checkout_root, suite_dir
-from qgather.suite.options import joined_impls
+from qgather.suite.options import gpu_problem, joined_impls, output_problem
 
 USAGE_ERROR = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest for --help
 NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+INTERRUPTED = 2  # pytest.ExitCode.INTERRUPTED
+DEFAULT_REPORT_DIR = "reports"
 
 
 @refusing_in_one_line("run")
 def main(extra: Sequence[str]) -> int:
-    """Run the suite; every argument qgather does not know goes to pytest."""
+    """Run the suite; every argument qgather does not know goes to pytest. Interrupted at any point (start-up
+    included: torch loading, the selection's check, pytest's own set-up), the report folder says so."""
     extra = list(extra)
     if "-h" in extra or "--help" in extra:
         return _help()
+    started = time.time()
+    try:
+        rc = _run(extra)
+    except KeyboardInterrupt:
+        _say_interrupted(extra, started)
+        raise
+    if rc == INTERRUPTED:  # pytest's set-up was interrupted before its session could write the reports
+        _say_interrupted(extra, started)
+    return rc
+
+
+def _say_interrupted(extra: list[str], started: float) -> None:
+    """The report folder says the run was interrupted, unless the session wrote its reports (which say so)."""
+    folder = _report_dir(extra)
+    if folder:
+        with contextlib.suppress(OSError):
+            write_interrupted(folder, started, "interrupted before the first case ran")
+
+
+def _report_dir(extra: list[str]) -> str:
+    """The --report-dir the arguments name, as the options will read it (the default: DEFAULT_REPORT_DIR)."""
+    for i, arg in enumerate(extra):
+        if arg == "--report-dir" and i + 1 < len(extra):
+            return extra[i + 1]
+        if arg.startswith("--report-dir="):
+            return arg.partition("=")[2]
+    return DEFAULT_REPORT_DIR
+
+
+def _run(extra: list[str]) -> int:
     args, _rest = _own_options().parse_known_args(extra)  # a bad value raises OptionRefused: one line
-    problem = _selection_problem(args)
+    # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
+    reports = [] if _given(extra, "--report-dir") else ["--report-dir", DEFAULT_REPORT_DIR]
+    writes = not any(a in ("--collect-only", "--co") for a in extra)  # collecting writes no report
+    problem = _input_problem(args, writes) or _selection_problem(args)
     if problem:
         return usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
     quiet = [] if any(a in ("-q", "--quiet") or a.startswith("-qq") for a in extra) else ["-q"]
-    # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
-    reports = [] if _given(extra, "--report-dir") else ["--report-dir", "reports"]
     rc = _pytest([*suite_pytest_args(), *quiet, *default_markers(extra), "--qgather-summary", *reports, *extra])
     if rc == NO_TESTS_COLLECTED:  # the selection ran nothing (the user's -m or -k made it empty)
         return usage("run", "the selection collected no test (see -m / -k); nothing ran")
@@ -48,11 +85,34 @@ def default_markers(extra: Sequence[str]) -> list[str]:
 
 
 def _own_options() -> argparse.ArgumentParser:
-    """qgather's selection and run options, parsed as the plugin will parse them (pytest takes the rest)."""
+    """qgather's selection and run options, parsed as the plugin will parse them (pytest takes the rest), and
+    the files a run reads or writes, read here to be checked before torch loads (`_input_problem`)."""
     parser = argparse.ArgumentParser(prog="qgather run", add_help=False, allow_abbrev=False)
     add_selection_options(parser)
     add_run_options(parser)
+    parser.add_argument("--report-dir", default=DEFAULT_REPORT_DIR)
+    parser.add_argument("--baseline")
+    parser.add_argument("--junitxml", "--junit-xml", dest="junitxml")
+    parser.add_argument("--qgather-json")
     return parser
+
+
+def _input_problem(args: argparse.Namespace, writes: bool = True) -> str | None:
+    """Why the run cannot start as asked, found without torch (None: nothing found): a GPU asked for on a
+    host that has none, a baseline that does not load, an output that cannot be written (`writes`: the run
+    writes its outputs, which --collect-only does not; each is created as the run would). The plugin checks
+    the same again (plain pytest), with the same functions; here it is one line within a second."""
+    problem = gpu_problem(args.device, args.backend)
+    if problem:
+        return problem
+    if args.baseline:
+        try:
+            load(args.baseline, f"--baseline {args.baseline}")
+        except BaselineError as exc:
+            return str(exc)
+    outputs = (("--report-dir", args.report_dir, True), ("--junitxml", args.junitxml, False),
+               ("--qgather-json", args.qgather_json, False)) if writes else ()
+    return next((p for flag, path, folder in outputs if path and (p := output_problem(flag, path, folder))), None)
 
 
 def _given(args: list[str], name: str) -> bool:

@@ -67,9 +67,9 @@ class CaseInputError(UsageError):
 
 def check_case(spec: CaseSpec) -> Implementation:
     """The case's implementation, resolved once for the whole case, after checking it can run as asked."""
+    impl = get_impl(spec.impl)  # raises UnknownImplementationError; registers the formats of its own
     if spec.fmt not in FORMATS:
         raise CaseInputError(f"case {spec.id}: unknown format {spec.fmt!r}; known: {', '.join(FORMATS)}")
-    impl = get_impl(spec.impl)  # raises UnknownImplementationError with the list of names
     if spec.scenario != "virtual" and spec.world_size > 64:
         raise CaseInputError(
             f"case {spec.id}: world size {spec.world_size} needs the virtual scenario (real pools stop at 64)"

@@ -9,13 +9,12 @@
     rows, glob = fmt.to_rows(q); q2 = fmt.from_rows(rows, glob, q.shape)   # row layout for sharding
 
 Formats: fp8_tensor, fp8_tensor_e5m2 (per-tensor current scaling), fp8_block (128x128 tiles),
-fp8_block_1x128 (1-D 128 blocks), mxfp8, nvfp4_1d, nvfp4_2d.
+fp8_block_1x128 (1-D 128 blocks), mxfp8, nvfp4_1d, nvfp4_2d. A format of your own (the protocol:
+qgather.formats.base.Format) joins them through qgather.formats.registry: an adapter that lists it,
+`--formats pkg.mod:Class`, or a `qgather.formats` entry point.
 """
 
 from __future__ import annotations
-
-import sys
-from importlib.metadata import entry_points
 
 import torch
 
@@ -25,36 +24,20 @@ from .fp8_tensor import Fp8TensorFormat
 from .mxfp8 import Mxfp8Format
 from .numerics import FP8_E4M3_MAX, FP8_E5M2_MAX
 from .nvfp4 import Nvfp4_1DFormat, Nvfp4_2DFormat
+from .registry import FORMATS, FormatLoadError, load_entry_point_formats, load_format, register_format, user_formats
 
-FORMATS: dict[str, Format] = {
-    f.name: f
-    for f in (
-        Fp8TensorFormat("fp8_tensor", torch.float8_e4m3fn, FP8_E4M3_MAX),
-        Fp8TensorFormat("fp8_tensor_e5m2", torch.float8_e5m2, FP8_E5M2_MAX),
-        Fp8Block2DFormat(),
-        Fp8Block1DFormat(),
-        Mxfp8Format(),
-        Nvfp4_1DFormat(),
-        Nvfp4_2DFormat(),
-    )
-}
+for _builtin in (
+    Fp8TensorFormat("fp8_tensor", torch.float8_e4m3fn, FP8_E4M3_MAX),
+    Fp8TensorFormat("fp8_tensor_e5m2", torch.float8_e5m2, FP8_E5M2_MAX),
+    Fp8Block2DFormat(),
+    Fp8Block1DFormat(),
+    Mxfp8Format(),
+    Nvfp4_1DFormat(),
+    Nvfp4_2DFormat(),
+):
+    register_format(_builtin, builtin=True)
 
-
-def _load_entry_point_formats() -> None:
-    """Formats from other packages (`qgather.formats` entry points: name = "pkg.mod:FormatClass"),
-    registered at import so that every option check and listing sees them."""
-    for ep in entry_points(group="qgather.formats"):
-        try:
-            obj = ep.load()
-            fmt = obj() if isinstance(obj, type) else obj
-        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the harness down
-            print(f"qgather: format entry point {ep.name!r} failed to load ({type(exc).__name__}: {exc})",
-                  file=sys.stderr)
-            continue
-        FORMATS.setdefault(fmt.name, fmt)
-
-
-_load_entry_point_formats()
+load_entry_point_formats()
 
 
 def get_format(name: str) -> Format:
@@ -65,4 +48,5 @@ def get_format(name: str) -> Format:
         raise FormatError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}") from None
 
 
-__all__ = ["FORMATS", "Format", "FormatError", "QuantizedTensor", "get_format"]
+__all__ = ["FORMATS", "Format", "FormatError", "FormatLoadError", "QuantizedTensor", "get_format", "load_format",
+           "register_format", "user_formats"]

@@ -108,8 +108,27 @@ def full(shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 
 class Format:
-    """One quantized weight format. Subclasses set the class attributes and implement the
-    `_quantize`, `_dequantize*`, `_to_rows`, `_from_rows`, `buffer_specs` and `valid_regions` hooks."""
+    """One quantized weight format: the Format protocol, which the built-in formats and a format of
+    your own (qgather.formats.registry.register_format checks it) keep alike.
+
+    A format defines:
+      - `name`: what case ids carry (no colon);
+      - its buffers: `buffer_specs(shape)` -> name -> ((dims), dtype) of each buffer of a weight of
+        `shape` (flattened to (M, K): M = prod(shape[:-1])), and `valid_regions(shape)` -> name -> the
+        slices that carry information (padding outside them is never compared);
+      - `_quantize(x2, amax, shape)` (x2: the (M, K) weight; amax: the global max|x|, for per-tensor
+        scaling) -> a QuantizedTensor (`self._make(shape, buffers)`); `_dequantize(q)` -> float32 (M, K);
+        `_dequantize_columnwise` too where `has_columnwise`;
+      - its row layout, how FSDP2's dim-0 shards cut it: `_to_rows(q)` -> (rows, glob): each row buffer
+        with dim 0 along the weight's rows, `rows_per_entry[name]` rows per entry, padding removed, and
+        the per-tensor buffers (`glob_keys`, float32 (1,) each); `row_specs(shape)`; `_from_rows`, its
+        inverse; `rowwise_rows`: the buffers dequantize reads by rows (axis, rows per entry);
+      - its alignment rule: `row_block` (a shard that starts on a multiple of it gathers exactly; one
+        that does not may be REJECTED) and which shapes it holds: `k_multiple`, `m_multiple`,
+        `allow_empty_k`, `per_tensor` (quantize accepts amax=).
+    From these alone qgather derives a format's shapes and regimes (qgather.suite.shape_space), its
+    golden (qgather.check.golden), the wire allowance's packed size (qgather.check.wire) and its
+    coverage cells. examples/rowwise/rowpkg/format.py is a complete one."""
 
     name: str = ""
     #: rows a shard must be a multiple of for exact gathers

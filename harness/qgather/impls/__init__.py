@@ -11,16 +11,15 @@ one line, an `AdapterLoadError` naming it and what is missing.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from qgather.errors import AdapterError, UsageError, first_line
+from qgather.formats import FormatLoadError, load_format, register_format
 from qgather.impls.base import Implementation, missing_methods
 from qgather.impls.rejections import DeclaredRejections
 from qgather.model.names import impl_choices
+from qgather.paths import import_user_module, not_importable
 
 __all__ = ["AdapterLoadError", "UnknownImplementationError", "adapter_module", "available", "get_impl"]
 
@@ -76,17 +75,17 @@ def _load_object(target: str) -> Implementation:
     module_name, _, attr = target.partition(":")
     if not attr:
         raise UnknownImplementationError(
-            f"--impl {target!r}: external implementations are named package.module:object"
+            f"implementation {target!r}: external implementations are named package.module:object"
         )
     try:
-        obj = getattr(_import_adapter_module(module_name), attr)
+        obj = getattr(import_user_module(module_name), attr)
     except ModuleNotFoundError as exc:
-        raise UnknownImplementationError(f"--impl {target!r}: {_not_importable(module_name, exc)}") from None
+        raise UnknownImplementationError(f"implementation {target!r}: {not_importable(module_name, exc)}") from None
     except (ImportError, AttributeError) as exc:
-        raise UnknownImplementationError(f"--impl {target!r}: cannot load it ({exc})") from None
+        raise UnknownImplementationError(f"implementation {target!r}: cannot load it ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - a broken adapter module (SyntaxError, error at import)
         raise UnknownImplementationError(
-            f"--impl {target!r}: importing {module_name!r} failed ({_told(exc)})"
+            f"implementation {target!r}: importing {module_name!r} failed ({_told(exc)})"
         ) from None
     return _instantiate(target, obj)
 
@@ -94,35 +93,6 @@ def _load_object(target: str) -> Implementation:
 def _told(exc: BaseException) -> str:
     """"Type: first line of the message", for a one-line refusal."""
     return f"{type(exc).__name__}: {first_line(exc, 200) or 'no message'}"
-
-
-def _import_adapter_module(module_name: str) -> object:
-    """The adapter's module: as installed (or on PYTHONPATH), else from the current directory, as pytest
-    imports test modules from its rootdir. Every rank runs in the same directory and finds it the same
-    way, so a `reproduce:` line runs as printed from where the run ran."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        top = module_name.split(".")[0]
-        here = os.getcwd()
-        if exc.name != top or here in sys.path or not _holds_module(here, top):
-            raise
-        sys.path.insert(0, here)
-        importlib.invalidate_caches()
-        return importlib.import_module(module_name)
-
-
-def _holds_module(folder: str, name: str) -> bool:
-    return os.path.isdir(os.path.join(folder, name)) or os.path.isfile(os.path.join(folder, f"{name}.py"))
-
-
-def _not_importable(module_name: str, exc: ModuleNotFoundError) -> str:
-    """One line: which module is missing and how to make the adapter importable."""
-    top = module_name.split(".")[0]
-    if exc.name != top:  # the adapter's package is there; something it imports is not
-        return f"cannot load it: importing {module_name!r} failed ({exc})"
-    return (f"cannot load it: no module {top!r} here ({os.getcwd()}) or installed: run from the folder that "
-            f"holds {top}/, put that folder on PYTHONPATH, or pip install the package")
 
 
 def _refuse_incomplete(name: str, adapter: type[Implementation] | Implementation) -> None:
@@ -154,7 +124,28 @@ def _instantiate(name: str, obj: object) -> Implementation:
             f"implementation {name!r} is a {type(impl).__name__}, not a qgather.impls.base.Implementation"
         )
     _refuse_incomplete(name, impl)  # again on the instance: its constructor may set `scenarios`
+    impl.formats = _registered_formats(name, impl.formats)
     return impl
+
+
+def _registered_formats(name: str, formats: object) -> tuple[str, ...]:
+    """The names of the formats an adapter lists, each of its own formats (a Format, its class, or
+    "package.module:Class") registered in qgather.formats.FORMATS on the way: loading the adapter makes
+    them known, in every process that loads it (the ranks too)."""
+    if isinstance(formats, str) or not isinstance(formats, (tuple, list)):
+        raise AdapterLoadError(f"implementation {name!r}: formats must be a tuple of format names or formats, "
+                               f"got {formats!r}")
+    try:
+        return tuple(_format_name(f"implementation {name!r}", fmt) for fmt in formats)
+    except FormatLoadError as exc:
+        raise AdapterLoadError(str(exc)) from None
+
+
+def _format_name(where: str, fmt: object) -> str:
+    """A built-in or registered format's name as it is; a format of the adapter's own registered first."""
+    if isinstance(fmt, str):
+        return load_format(fmt, f"{where}: format {fmt!r}") if ":" in fmt else fmt
+    return register_format(fmt, where)
 
 
 def _load_entry_point(name: str, load: Factory) -> object:

@@ -13,13 +13,13 @@ an xdist worker to the controller as a plain dict (`to_dict` / `from_dict`, an e
 from __future__ import annotations
 
 import enum
-import fnmatch
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from qgather.errors import HarnessFault
 from qgather.formats import FORMATS, FormatError
 from qgather.model.case import CaseSpec, shard_layout
+from qgather.model.known_issues import KnownIssue
 from qgather.model.policy import expectation
 from qgather.model.report import CaseReport
 from qgather.model.verdict import Verdict
@@ -47,23 +47,6 @@ _OUTCOME_RANK = {Outcome.SKIPPED: 0, Outcome.PASSED: 1, Outcome.XFAILED: 2, Outc
 
 class RecordError(HarnessFault):
     """A record dict that is not one `CaseRecord.to_dict` wrote (a missing, unknown or mistyped field)."""
-
-
-@dataclass(frozen=True)
-class KnownIssue:
-    """One entry of a known-issues baseline: a case id or an fnmatch glob over case ids, and why."""
-
-    case: str
-    reason: str
-    link: str = ""
-
-    def matches(self, case_id: str) -> bool:
-        """Whether the entry lists this case id."""
-        return fnmatch.fnmatchcase(case_id, self.case)
-
-    def as_dict(self) -> dict[str, str]:
-        """The entry as verdicts.json writes it."""
-        return {"case": self.case, "reason": self.reason, "link": self.link}
 
 
 class RunSettings(Protocol):

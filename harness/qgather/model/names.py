@@ -40,6 +40,15 @@ def is_unknown_impl(name: str) -> bool:
     return name not in plugin_names("qgather.impls")
 
 
+def external_module(name: str) -> str | None:
+    """The module a user's `package.module:object` implementation name imports (None: a built-in, mutant or
+    entry-point name), read from the name alone."""
+    family = name.partition(":")[0]
+    if ":" not in name or name in BUILTIN_IMPLS or family in BUILTIN_FAMILIES or name in plugin_names("qgather.impls"):
+        return None
+    return family
+
+
 def impl_choices(names: Iterable[str]) -> str:
     """The implementations to choose from, short: the bug zoo as one entry (`qgather list mutants`)."""
     shown = sorted(n for n in names if not n.startswith(MUTANT_PREFIX))

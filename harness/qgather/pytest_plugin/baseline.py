@@ -21,24 +21,23 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from qgather.errors import UsageError
-from qgather.model.case_record import CaseRecord, KnownIssue
+from qgather.model.case_record import CaseRecord
+from qgather.model.known_issues import (
+    BaselineError,
+    Finding,
+    KnownIssue,
+    findings_of_text,
+    load,
+    load_findings,
+)
 from qgather.model.verdict import Verdict
 from qgather.paths import BASELINE_FILE
 
-if sys.version_info >= (3, 11):
-    import tomllib as _toml
-else:  # optional before 3.11: without it only reading a baseline fails, with one line
-    try:
-        import tomli as _toml
-    except ImportError:
-        _toml = None
-
 __all__ = ["DEFAULT_FILE", "BaselineError", "Finding", "KnownIssue", "Update", "clean_reason", "dumps", "escape",
+           "findings_of_text",
            "load", "load_findings", "match", "update"]
 
 DEFAULT_FILE = BASELINE_FILE
@@ -57,113 +56,6 @@ HEADER = """\
 # order and grouping, adds uncovered failures to "{untriaged}" groups at the end and removes patterns
 # that matched only passing cases (comments other than this header are not kept).
 """
-_OLD_KEYS = frozenset({"case", "reason", "link"})
-_NEW_KEYS = frozenset({"title", "cases", "reason", "link"})
-
-
-class BaselineError(UsageError):
-    """A baseline file that cannot be read: the message is one line naming the file."""
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One library defect: its title, the case-id globs of its configured variants, why, and where it is reported."""
-
-    title: str
-    cases: tuple[str, ...]
-    reason: str = ""
-    link: str = ""
-
-    @property
-    def summary(self) -> str:
-        """What a known issue says of a case this finding covers: the title, then the reason."""
-        return f"{self.title}: {self.reason}" if self.reason else self.title
-
-    def pattern_for(self, case_id: str) -> str | None:
-        """The first of the finding's patterns that matches the case id."""
-        return next((p for p in self.cases if KnownIssue(p, "").matches(case_id)), None)
-
-    def issues(self) -> tuple[KnownIssue, ...]:
-        """One KnownIssue per pattern (what a case record carries of the entry that matched it)."""
-        return tuple(KnownIssue(pattern, self.summary, self.link) for pattern in self.cases)
-
-    @classmethod
-    def of(cls, issue: KnownIssue) -> Finding:
-        """A finding of one pattern from a KnownIssue (the old one-case form)."""
-        return cls(title=issue.reason, cases=(issue.case,), link=issue.link)
-
-
-def _tomllib():
-    if _toml is None:
-        raise BaselineError("reading a TOML baseline needs Python >= 3.11 or the tomli package")
-    return _toml
-
-
-def load_findings(path: str) -> list[Finding]:
-    """The findings of a baseline file; BaselineError (one line naming the file) when it cannot be read."""
-    try:
-        with open(path, "rb") as fh:
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError as exc:
-        raise BaselineError(f"baseline {path}: cannot read it ({exc.strerror or exc})") from None
-    return findings_of_text(text, f"baseline {path}")
-
-
-def findings_of_text(text: str, where: str = "baseline") -> list[Finding]:
-    """The findings of a baseline file's text; BaselineError (one line starting with `where`) when it is not one."""
-    tomllib = _tomllib()
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise BaselineError(f"{where}: not valid TOML: {str(exc).splitlines()[0]}") from None
-    unknown = sorted(set(data) - {"issue"})
-    if unknown:
-        raise BaselineError(f"{where}: unknown top-level key {unknown[0]!r}; entries are [[issue]] tables")
-    entries = data.get("issue", [])
-    if not isinstance(entries, list):
-        raise BaselineError(f"{where}: `issue` must be an array of tables ([[issue]])")
-    return [_finding(f"{where}: issue #{n}", entry) for n, entry in enumerate(entries, 1)]
-
-
-def load(path: str) -> list[KnownIssue]:
-    """The file's patterns, one KnownIssue each in the file's order (what --baseline matches cases against)."""
-    return [issue for finding in load_findings(path) for issue in finding.issues()]
-
-
-def _finding(where: str, entry: object) -> Finding:
-    if not isinstance(entry, dict):
-        raise BaselineError(f"{where} is not a table")
-    if "case" in entry and "cases" not in entry:
-        return Finding.of(_old_issue(where, entry))
-    extra = sorted(set(entry) - _NEW_KEYS)
-    if extra:
-        raise BaselineError(f"{where}: unknown key {extra[0]!r} (keys: title, link, reason, cases)")
-    _require_text(where, entry, "title")
-    for key in ("reason", "link"):
-        if not isinstance(entry.get(key, ""), str):
-            raise BaselineError(f"{where}: `{key}` must be a string")
-    cases = entry.get("cases")
-    if not isinstance(cases, list) or not cases or not all(isinstance(c, str) and c.strip() for c in cases):
-        raise BaselineError(f"{where}: `cases` must be a non-empty list of case-id patterns (strings)")
-    return Finding(entry["title"], tuple(cases), entry.get("reason", ""), entry.get("link", ""))
-
-
-def _old_issue(where: str, entry: dict) -> KnownIssue:
-    extra = sorted(set(entry) - _OLD_KEYS)
-    if extra:
-        raise BaselineError(f"{where}: unknown key {extra[0]!r} (the one-case form's keys: case, reason, link)")
-    for key in ("case", "reason"):
-        _require_text(where, entry, key)
-    if not isinstance(entry.get("link", ""), str):
-        raise BaselineError(f"{where}: `link` must be a string")
-    return KnownIssue(entry["case"], entry["reason"], entry.get("link", ""))
-
-
-def _require_text(where: str, entry: dict, key: str) -> None:
-    if not isinstance(entry.get(key), str) or not entry[key].strip():
-        raise BaselineError(f"{where}: `{key}` must be a non-empty string")
-
-
 def match(issues: Sequence[KnownIssue], case_id: str) -> KnownIssue | None:
     """The first entry that lists the case."""
     return next((issue for issue in issues if issue.matches(case_id)), None)

@@ -39,7 +39,7 @@ def _for_pytest(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 def parse_baseline(path: str) -> str:
     """--baseline: a known-issues TOML file that loads (the path; `Settings.baseline` holds its entries)."""
     try:
-        load(path)
+        load(path, f"--baseline {path}")
     except BaselineError as exc:
         raise OptionError(str(exc)) from None
     return path

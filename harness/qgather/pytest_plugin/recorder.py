@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections import Counter
 from collections.abc import Generator
@@ -17,6 +18,7 @@ from collections.abc import Generator
 import pytest
 
 from qgather.model.case_record import CaseRecord, Outcome
+from qgather.model.report_folder import remove_older
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin import placement
 from qgather.pytest_plugin.collection import case_in
@@ -71,6 +73,7 @@ class Recorder:
         self.ran_nothing: dict[str, str] = {}
         self.unplaced: list[CaseRecord] = []  # a GPU job's cases skipped for want of GPUs (placement)
         self.collected_cases = 0  # case tests collected (M of "interrupted after N of M cases")
+        self._started = time.time()  # a report file older than this is an earlier run's
 
     # ------------------------------------------------------------------ hooks
     @pytest.hookimpl(tryfirst=True)  # before junitxml's: the record is not a property for junit.xml
@@ -117,6 +120,8 @@ class Recorder:
         a launched job's ranks agree on that exit status). After them: write the reports."""
         self.interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
         self._gate(session)
+        if self.interrupted:
+            self._junit_says_incomplete()
         if self.settings.report_dir and not self._writes_reports():
             self._keep_last_junit()
         yield
@@ -125,6 +130,7 @@ class Recorder:
         if self.interrupted and xml and os.path.isfile(xml):
             drop_nameless_testcases(xml)
         if self._writes_reports():
+            self._junit_into_folder()
             results = self.results()
             data = build_reports(results, self.settings, session)
             data["incomplete"] = self.interrupted
@@ -136,6 +142,7 @@ class Recorder:
             if results.cases or results.also_ran:
                 write_text(os.path.join(self.settings.report_dir, "timings.md"),
                            render_timings((*results.cases, *results.also_ran)))
+            remove_older(self.settings.report_dir, self._started)  # one run, one report folder
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         """The ran-nothing gate's reason, with --qgather-summary the verdicts reconciled with
@@ -159,19 +166,36 @@ class Recorder:
         if not self._writes_reports():
             return []
         files = ["verdicts.md", "verdicts.json"]
-        xml = self.config.option.xmlpath
-        if xml and os.path.dirname(os.path.abspath(xml)) == os.path.abspath(directory):
-            files.append(os.path.basename(xml))
+        if self.config.option.xmlpath:  # written there, or copied there from where --junitxml names
+            files.append("junit.xml")
         if self._checked or self._also_ran:
             files += ["coverage.md", "timings.md"]
         return [directory.rstrip("/") + "/", *files]
 
     def _writes_reports(self) -> bool:
-        """Whether this session writes the report directory: asked for, and some test ran (a run
-        that ran nothing, e.g. a -k that matches nothing, leaves the last run's reports as they were)."""
+        """Whether this session writes the report directory: asked for, and some test ran or the run was
+        interrupted (its reports say incomplete); a run that ran nothing, e.g. a -k that matches nothing,
+        leaves the last run's reports as they were."""
         if not self.settings.report_dir or self.config.option.collectonly:
             return False
-        return bool(self._checked or self._also_ran or any(sum(c.values()) for c in self._rows.values()))
+        ran = self._checked or self._also_ran or any(sum(c.values()) for c in self._rows.values())
+        return bool(ran or self.interrupted)
+
+    def _junit_says_incomplete(self) -> None:
+        """An interrupted run's junit.xml carries `incomplete` as a property of its suite (pytest's LogXML
+        writes it after this hook's first half)."""
+        from _pytest.junitxml import xml_key  # pytest's own key for its LogXML plugin (pytest >= 7)
+
+        xml = self.config.stash.get(xml_key, None)
+        if xml is not None:
+            xml.add_global_property("incomplete", self.interrupted_line().removeprefix("qgather: "))
+
+    def _junit_into_folder(self) -> None:
+        """The report folder holds the run's junit.xml also when --junitxml names another path: a copy."""
+        xml, folder = self.config.option.xmlpath, self.settings.report_dir
+        inside = os.path.join(folder, "junit.xml")
+        if xml and os.path.isfile(xml) and os.path.abspath(xml) != os.path.abspath(inside):
+            shutil.copyfile(xml, inside)
 
     def _keep_last_junit(self) -> None:
         """Stop pytest's junitxml from writing the report directory's junit.xml over the last run's."""

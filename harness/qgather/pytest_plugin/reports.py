@@ -24,7 +24,7 @@ from qgather.model.case_record import CaseRecord, Outcome
 from qgather.model.verdict import Verdict
 from qgather.pytest_plugin import placement
 from qgather.pytest_plugin.options import Settings
-from qgather.pytest_plugin.results import Row, RunResults
+from qgather.pytest_plugin.results import ALSO_RAN, OTHER_TESTS, Row, RunResults
 
 MATRIX_KEYS = ("implementation", "format", "world_size", "shape_class", "configuration")
 FAILURES_SHOWN = 200  # a job summary has a size limit; verdicts.json has them all
@@ -176,16 +176,18 @@ def _reconciliation(data: dict[str, Any]) -> list[str]:
         counts = data["rows"].get(row.name.lower(), {})
         if row is not Row.CASES and not sum(counts.values()):
             continue
-        other = data["other_tests"]
-        label = row.value + (f" ({other} test{'' if other == 1 else 's'})" if row is Row.OTHER else "")
         cells = [str(counts.get(k, 0)) for k in pytest_counts]
-        lines.append("| " + " | ".join([label, *cells, str(sum(counts.values()))]) + " |")
+        lines.append("| " + " | ".join([row.value, *cells, str(sum(counts.values()))]) + " |")
     cells = [f"**{n}**" for n in pytest_counts.values()]
     lines.append("| " + " | ".join(["**pytest's final line**", *cells, f"**{sum(pytest_counts.values())}**"]) + " |")
-    if data["also_ran"]:
-        ids = "1 more case id" if len(data["also_ran"]) == 1 else f"{len(data['also_ran'])} more case ids"
-        lines += ["", f"{ids} ran only inside tests that are not one case each (listed in verdicts.json under "
-                      "`also_ran`)."]
+    other, also = data["other_tests"], len(data["also_ran"])
+    if other:
+        tests = "1 other test" if other == 1 else f"{other} other tests"
+        line = f"{tests} {OTHER_TESTS}"
+        if also:
+            cases = "1 more case" if also == 1 else f"{also} more cases"
+            line += f"; they ran {cases}, not counted above, {ALSO_RAN} (verdicts.json: `also_ran`)"
+        lines += ["", line + "."]
     return lines
 
 
@@ -231,7 +233,7 @@ def _failures_section(rows: list[dict[str, Any]]) -> list[str]:
 def _other_failures_section(nodeids: list[str]) -> list[str]:
     if not nodeids:
         return []
-    lines = ["", f"### Failed tests that are not one case each ({len(nodeids)})", ""]
+    lines = ["", f"### Failed other tests ({len(nodeids)})", ""]
     lines += [f"- `{nodeid}`" for nodeid in nodeids[:FAILURES_SHOWN]]
     return lines
 

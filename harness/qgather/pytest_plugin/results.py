@@ -8,7 +8,7 @@ exactly these rows (`Row`), and each row's counts are in pytest's own categories
 - CASES: one per case id, the outcome of the test that checked it (when two tests checked the same
   id, the worse outcome is the case's);
 - REPEATS: the other tests that checked an id another test checked too;
-- OTHER: tests that are not one case each: they ran no case (e.g. the dispatch-op tests), several
+- OTHER: the other tests, not one case each: they ran no case (e.g. the dispatch-op tests), several
   (e.g. the virtual/real agreement test), or never reached their case (a setup error or skip);
 - AROUND: setup/teardown errors of tests that checked a case.
 
@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 
 from qgather.model.case_record import CaseRecord, Outcome
 
+#: the other tests, said once for every report (the summary's line, verdicts.md's)
+OTHER_TESTS = "each check something that is not one case (an adapter's tensor ops, virtual ranks against real ones)"
+ALSO_RAN = "which pass or fail with their test"
+
 # pytest's own order of its final line (_pytest/terminal.py KNOWN_TYPES), outcomes only.
 PYTEST_ORDER = ("failed", "passed", "skipped", "xfailed", "xpassed", "error")
 
@@ -31,10 +35,10 @@ PYTEST_ORDER = ("failed", "passed", "skipped", "xfailed", "xpassed", "error")
 class Row(str, enum.Enum):
     """Where a test report counts (see the module docstring)."""
 
-    CASES = "one case each (unique case ids)"
-    REPEATS = "a case id another test checked too"
-    OTHER = "not one case each"
-    AROUND = "setup/teardown errors of case tests"
+    CASES = "case tests: one test, one case"
+    REPEATS = "case tests repeating a case counted above"
+    OTHER = "other tests"
+    AROUND = "set-up/teardown errors of case tests"
 
 
 @dataclass(frozen=True)
@@ -104,22 +108,20 @@ class RunResults:
             counts = self.rows.get(row, {})
             if row is not Row.CASES and not sum(counts.values()):
                 continue
-            label = row.value + (f" ({_tests(self.other_tests)})" if row is Row.OTHER else "")
-            table.append([label, *(str(counts.get(c, 0)) for c in present), str(sum(counts.values()))])
+            table.append([row.value, *(str(counts.get(c, 0)) for c in present), str(sum(counts.values()))])
         table.append(["pytest's final line", *(str(self.pytest[c]) for c in present), str(sum(self.pytest.values()))])
         return table
 
-    def also_ran_line(self) -> str:
-        """What the cases run only inside other tests are ("" when there are none)."""
-        if not self.also_ran:
+    def other_tests_line(self) -> str:
+        """What the other tests are, and the cases they ran, in words ("" when there are none)."""
+        if not self.other_tests:
             return ""
-        ids = "1 more case id" if len(self.also_ran) == 1 else f"{len(self.also_ran)} more case ids"
-        return (f"{ids} ran only inside tests that are not one case each (those tests' outcomes stand for "
-                "them; verdicts.json lists them under also_ran)")
-
-
-def _tests(n: int) -> str:
-    return "1 test" if n == 1 else f"{n} tests"
+        tests = "1 other test" if self.other_tests == 1 else f"{self.other_tests} other tests"
+        line = f"{tests} {OTHER_TESTS}"
+        if not self.also_ran:
+            return line
+        cases = "1 more case" if len(self.also_ran) == 1 else f"{len(self.also_ran)} more cases"
+        return f"{line}; they ran {cases}, not counted above, {ALSO_RAN} (verdicts.json: also_ran)"
 
 
 def _ordered(counts: Mapping[str, int]) -> dict[str, int]:

@@ -52,8 +52,8 @@ def verdict_lines(results: RunResults) -> list[str]:
     lines = [f"{'implementation':<28}" + "".join(f"{v:>18}" for v in present)]
     lines += [f"{impl:<28}" + "".join(f"{counts[v]:>18}" for v in present) for impl, counts in by_impl.items()]
     lines += [results.headline(), *_table(results.reconciliation())]
-    if results.also_ran_line():
-        lines.append(results.also_ran_line())
+    if results.other_tests_line():
+        lines.append(results.other_tests_line())
     for record in results.failures[:FAILURES_SHOWN]:
         stale = " (baseline stale)" if record.known_issue else ""
         lines.append(f"  {record.verdict.value + stale:<16} {record.case}  ({clip(record.reason, 100)})")
@@ -61,7 +61,7 @@ def verdict_lines(results: RunResults) -> list[str]:
     if len(results.failures) > FAILURES_SHOWN:
         lines.append(f"  ... and {len(results.failures) - FAILURES_SHOWN} more (--report-dir writes them all)")
     for nodeid in results.failing_other_tests[:FAILURES_SHOWN]:
-        lines.append(f"  failed, not one case: {nodeid}")
+        lines.append(f"  failed, other test: {nodeid}")
     return lines
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import fully_shard
 
+from qgather.check.claim import check_claimed_format
+from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec
@@ -63,7 +65,9 @@ def own_sharded_module(impl: Implementation, ctx: CaseContext, spec: CaseSpec, m
 def harness_module(impl: Implementation, fmt: str, weight: torch.Tensor) -> torch.nn.Module:
     """The unsharded module the harness's route builds from the full `weight`: the library's own
     module (`make_module`), else qgather's linear layer over `make_param`."""
-    return impl.make_module(fmt, weight) or QuantizedLinear(impl, impl.make_param(fmt, weight))
+    module = impl.make_module(fmt, weight) or QuantizedLinear(impl, impl.make_param(fmt, weight))
+    check_claimed_format(impl, FORMATS[fmt], module.weight)  # before any data moves
+    return module
 
 
 def local_shard(module: torch.nn.Module) -> torch.Tensor:

@@ -9,10 +9,11 @@ list is computed from:
   - the Python and torch versions (FSDP2's rules depend on torch's: qgather.model.fsdp_rules);
   - the sweep's module and the call's arguments.
 
-Format plugins (entry points of `qgather.formats`) add code outside the package that sweeps read through
-FORMATS, so with any installed the memo is not used. One file per key's source part under
-`$QGATHER_CACHE_DIR`, else `$XDG_CACHE_HOME/qgather`, else `~/.cache/qgather`; `QGATHER_CACHE_DIR=off`
-turns the memo off. A file that cannot be read or written is ignored: the cases are computed instead.
+Format plugins (entry points of `qgather.formats`, and formats an adapter or `--formats` loads) add code
+outside the package that sweeps read through FORMATS, so with any of them the memo is not used. One file
+per key's source part under `$QGATHER_CACHE_DIR`, else `$XDG_CACHE_HOME/qgather`, else
+`~/.cache/qgather`; `QGATHER_CACHE_DIR=off` turns the memo off. A file that cannot be read or written is
+ignored: the cases are computed instead.
 
     memo = Memo()
     generated = memo.cases("test_alignment", sweep, impls, formats=..., world_sizes=..., scenarios=...)
@@ -31,6 +32,7 @@ from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
 
+from qgather.formats import user_formats
 from qgather.model.case import CaseSpec
 from qgather.paths import PACKAGE_DIR, suite_dir
 
@@ -45,7 +47,8 @@ class Memo:
     at the end (`flush`), with whatever this pass computed."""
 
     def __init__(self) -> None:
-        self.path = _memo_path()
+        # a format of the user's own (an adapter's, --formats') is code outside the digest: no memo then
+        self.path = None if user_formats() else _memo_path()
         self.entries = dict(_entries(self.path)) if self.path else {}
         self.added = False
 

@@ -13,8 +13,10 @@ and an option refused by its syntax alone start no torch.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,11 +27,13 @@ from qgather.model.names import (
     BUILTIN_IMPLS,
     FORMAT_NAMES,
     SCENARIOS,
+    external_module,
     impl_choices,
     is_unknown_impl,
     plugin_names,
     unknown_names,
 )
+from qgather.paths import missing_user_module
 
 DEFAULT_IMPLS = ("reference",)
 AUTO = "auto"
@@ -60,8 +64,7 @@ def parse_impls(text: str) -> tuple[str, ...]:
         try:
             get_impl(name)
         except UnknownImplementationError as exc:
-            message = str(exc)  # an external adapter's already names the option
-            raise OptionError(message if message.startswith("--impl") else f"--impl: {message}") from None
+            raise OptionError(f"--impl: {exc}") from None
     return names
 
 
@@ -71,23 +74,39 @@ def refuse_unknown_impl(name: str, option: str = "--impl") -> None:
     if is_unknown_impl(name):
         known = impl_choices((*BUILTIN_IMPLS, *plugin_names("qgather.impls")))
         raise OptionError(f"{option}: unknown implementation {name!r}; available: {known}")
+    module = external_module(name)
+    missing = module and missing_user_module(module)
+    if missing:
+        raise OptionError(f"{option}: implementation {name!r}: {missing}")
 
 
 def refuse_unknown_formats(names: Sequence[str], option: str = "--formats") -> None:
-    """OptionError naming the first of `names` that no built-in or plugin format has (no torch)."""
-    if unknown_names(names, FORMAT_NAMES, "qgather.formats"):
-        _known_names(option, "format", ",".join(names), (*FORMAT_NAMES, *plugin_names("qgather.formats")))
+    """OptionError naming the first of `names` that no built-in or plugin format has (no torch); a
+    `package.module:Class` is a format of the user's own, checked by loading it."""
+    names = [name for name in names if ":" not in name]
+    unknown = unknown_names(names, FORMAT_NAMES, "qgather.formats")
+    registry = sys.modules.get("qgather.formats.registry")  # an adapter loaded already may have added some
+    unknown = [name for name in unknown if registry is None or name not in registry.FORMATS]
+    if unknown:
+        known = (*FORMAT_NAMES, *plugin_names("qgather.formats"), *(registry.user_formats() if registry else ()))
+        raise OptionError(f"{option}: unknown format {unknown[0]!r}; known: {', '.join(dict.fromkeys(known))} "
+                          "(a format of your own: package.module:Class, or give first the --impl that lists it)")
 
 
 def parse_formats(text: str) -> tuple[str, ...]:
-    """--formats: format names the registry knows (entry-point formats included)."""
+    """--formats: format names the registry knows (entry-point formats included), or formats of the
+    user's own as `package.module:Class` (loaded and registered here; the names they register)."""
     names = split_names(text)
     refuse_unknown_formats(names)  # before torch is imported
     if all(name in FORMAT_NAMES for name in names):
         return names  # built-in names: known without importing the formats (torch)
-    from qgather.formats import FORMATS  # deferred: the formats import torch (an entry point's loads here)
+    from qgather.formats import FORMATS, FormatLoadError, load_format  # deferred: the formats import torch
 
-    return _known_names("--formats", "format", text, FORMATS)
+    try:
+        names = tuple(load_format(name, f"--formats {name!r}") if ":" in name else name for name in names)
+    except FormatLoadError as exc:
+        raise OptionError(str(exc)) from None
+    return _known_names("--formats", "format", ",".join(names), FORMATS)
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:
@@ -132,15 +151,33 @@ def joined_impls(values: Iterable[Sequence[str]] | None) -> tuple[str, ...]:
 
 
 def gpu_problem(device: str, backend: str) -> str | None:
-    """Why --device cuda or --backend nccl cannot work on this host (None: fine)."""
+    """Why --device cuda or --backend nccl cannot work on this host (None: fine). Where no GPU device is
+    visible at all it is said without importing torch (a refusal within a second), else torch is asked."""
     if device != "cuda" and backend != "nccl":
         return None
-    import torch  # deferred: asked only when a GPU is asked for
+    asked = "--device cuda" if device == "cuda" else "--backend nccl"
+    hidden = _no_gpu_visible()
+    if hidden:
+        return f"{asked}: no CUDA GPU on this host ({hidden})"
+    import torch  # deferred: asked only when a GPU is asked for and may be there
 
     if torch.cuda.is_available():
         return None
-    asked = "--device cuda" if device == "cuda" else "--backend nccl"
     return f"{asked}: no CUDA GPU on this host (torch.cuda.is_available() is False)"
+
+
+#: device nodes of a GPU torch.cuda may use: NVIDIA's, ROCm's (torch.cuda on HIP), WSL's
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+
+
+def _no_gpu_visible() -> str:
+    """Why this process certainly sees no GPU, read without torch ("" when it may see one)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    if not any(glob.glob(pattern) for pattern in GPU_DEVICE_NODES):
+        return "no GPU device in /dev"
+    return ""
 
 
 def output_problem(flag: str, path: str, directory: bool = False) -> str | None:
