@@ -7,10 +7,11 @@ import pytest
 from qgather.model.case import CaseSpec
 from qgather.model.verdict import Verdict
 from qgather.suite.selection import declares, runnable
-from qgather.suite.sweeps import CaseSet, Sweep
+from qgather.suite.sweeps import LEAN_SHAPES, CaseSet, Sweep
 from qgather.suite.tp_sweep import TensorParallelVirtual
 
-SWEEP = CaseSet([Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8, 16, 64, 256, 1024)),
+SWEEP = CaseSet([Sweep(scenarios=("virtual",), dtypes=("bf16",), world_sizes=(1, 2, 3, 4, 8, 16, 64, 256, 1024),
+                       shapes=LEAN_SHAPES),
                  TensorParallelVirtual()])
 
 
