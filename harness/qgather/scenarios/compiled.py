@@ -25,7 +25,9 @@ The stage's label names the backend that ran.
 A case compiles its module once and calls the compiled module at every point it runs a forward
 (after the first gather, after each optimizer step), as a training loop calls its compiled model
 every step: Dynamo recompiles only where a guard fails, and a step's forward otherwise runs the
-graph traced for the first (with the step's re-quantized inner tensors as its inputs). A forward
+graph traced for the first (with the step's re-quantized inner tensors as its inputs). What Dynamo
+compiled stays warm on the rank for its next compiled cases (`WarmCompiles`): a case whose module and
+gathered weight pass an earlier case's guards runs that graph without tracing it again. A forward
 that ran no compiled graph tested nothing (a compile that captured none, or Dynamo running a call
 eagerly): it is reported as an error of the forward, not as a pass.
 """
@@ -115,9 +117,9 @@ NO_GRAPH_RAN = ("this forward ran none of the compiled graphs (Dynamo ran it eag
 
 class CaseForward:
     """A whole module's forward as a case runs it: eager, or under `compile` torch.compile with a
-    backend that counts its graphs and their calls, compiled once for the case and called at every
-    point of it (as a training loop calls its compiled model every step: Dynamo recompiles only where
-    a guard fails). Each call records whether it ran a compiled graph. `close` clears what Dynamo cached."""
+    backend that counts its graphs and their calls (the rank's warm one, `WARM`), compiled once for the
+    case and called at every point of it (as a training loop calls its compiled model every step:
+    Dynamo recompiles only where a guard fails). Each call records whether it ran a compiled graph."""
 
     def __init__(self, case: RankCase, module: torch.nn.Module) -> None:
         self.counting: CountingBackend | None = None
@@ -149,9 +151,6 @@ class CaseForward:
     def graphs(self) -> int:
         """The graphs Dynamo compiled for this case (the others it ran came warm from earlier cases)."""
         return self.counting.graphs - self.graphs_before if self.counting is not None else 0
-
-    def close(self) -> None:
-        """Nothing to clear: what Dynamo compiled stays warm for the rank's next compiled case (WarmCompiles)."""
 
     def outputs_stage(self, label: str, what: str, got: torch.Tensor, expected: torch.Tensor | None) -> list[Stage]:
         """The flattened outputs `got` against the one-device `expected` (nothing when there is none to
