@@ -110,6 +110,8 @@ RULE_SHAPES = RuleShapes()
 #: for the sweeps whose depth is cheap (many world sizes, scenarios or seeds per shape), where the
 #: other hand-picked shapes only repeat regimes the cover already holds
 LEAN_SHAPES = RuleShapes(core_shapes)
+#: the generated shapes alone: every promised regime at each world size, nothing hand-picked
+RULES_ONLY = RuleShapes(lambda _fmt_name: [])
 
 
 def _shapes_at(shapes, fmt: str, world_size: int) -> list[tuple[int, ...]]:
