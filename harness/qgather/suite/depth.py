@@ -69,7 +69,10 @@ def families(spec: CaseSpec) -> frozenset[str]:
 
 
 def shape_classes(spec: CaseSpec) -> frozenset[str]:
-    """The case's shape classes (aligned, misaligned, uneven, zero-row) where FSDP2 splits its weight."""
+    """The case's shape classes (aligned, misaligned, uneven, zero-row) where FSDP2 splits its weight;
+    none for a TP case (a piece over the dp ranks: its own design's regimes) or a model's."""
+    if spec.config.tp is not None or spec.scenario == "model":
+        return frozenset()
     return frozenset(_CLASS_OF[r] for r in case_regimes(spec) if r in _CLASS_OF)
 
 
@@ -155,8 +158,7 @@ def measure(cases: Iterable[CaseSpec], promised: bool = True) -> Depth:
     depth = Depth(promised=promised)
     for spec in cases:
         held = families(spec)
-        # a TP case's regimes are its own design's (a piece over the dp ranks), a model's are a model's
-        classes = frozenset() if held & {"tp", "model"} else shape_classes(spec)
+        classes = shape_classes(spec)
         for family in held:
             cell = depth.cells.setdefault((family, spec.fmt), Cell())
             cell.cases += 1

@@ -149,7 +149,7 @@ SUITE_SCENARIOS = ("gather", "steps", "reshard")
 
 
 #: cases of the default suite each catching case draws into its mutant's sample (`drawn`)
-SUITE_DRAW = 16
+SUITE_DRAW = 20
 #: the default suite's cases that must kill each mutant
 MIN_SUITE_KILLS = 10
 
@@ -166,19 +166,25 @@ def default_suite_ids() -> frozenset[str]:
     return frozenset(c.id for c in default_suite())
 
 
+def _config_families(spec: CaseSpec) -> frozenset[str]:
+    return depth.families(spec) - {spec.scenario}
+
+
 def drawn(mutant: type[Mutant]) -> list[str]:
-    """For each catching case, up to SUITE_DRAW cases of the default suite of its format that hold its
-    configuration families (qgather.suite.depth.families: a `dcp-ws4` gather draws checkpointed cases
-    of any scenario), or without a configuration its scenario, spread evenly over them in id order, as
-    the mutant's cases."""
+    """For each catching case, the SUITE_DRAW cases of the default suite most like it, as the mutant's
+    cases: of its format and holding its configuration families (a `dcp-ws4` gather draws checkpointed
+    cases; a case without a configuration draws its scenario's cases), the most alike first: the same
+    scenario, the fewest other configuration families (none first), the same number of dims, the
+    most of its shape classes (qgather.suite.depth.shape_classes), then in id order."""
     out = set()
     for case_id in mutant.catching_cases:
         catching = CaseSpec.parse(case_id)
-        wanted = depth.families(catching) - {catching.scenario} or {catching.scenario}
-        pool = sorted((c for c in default_suite() if c.fmt == catching.fmt and wanted <= depth.families(c)),
-                      key=lambda c: c.id)
-        step = max(1, len(pool) // SUITE_DRAW)
-        out |= {replace(c, impl=mutant.name).id for c in pool[::step][:SUITE_DRAW]}
+        families, classes = _config_families(catching), depth.shape_classes(catching)
+        pool = [c for c in default_suite() if c.fmt == catching.fmt and families <= _config_families(c)
+                and (families or c.scenario == catching.scenario)]
+        pool.sort(key=lambda c: (c.scenario != catching.scenario, len(_config_families(c) - families),
+                                 len(c.shape) != len(catching.shape), -len(depth.shape_classes(c) & classes), c.id))
+        out |= {replace(c, impl=mutant.name).id for c in pool[:SUITE_DRAW]}
     return sorted(out)
 
 

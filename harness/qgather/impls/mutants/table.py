@@ -61,7 +61,7 @@ ZOO: tuple[MutantSpec, ...] = (
                ("nvfp4_2d:128x64:fp32:ws2:gather:s0:mp-bf16",),
                doc="the post-hook ignores the mixed-precision policy's param_dtype"),
     MutantSpec("assumes_dim0", 16, wire.AssumesDim0Param, V.SILENT_MISMATCH,
-               ("fp8_tensor:128x64:bf16:ws2:gather:s0:dim1",),
+               ("fp8_tensor:128x64:bf16:ws2:gather:s0:dim1", "fp8_tensor_e5m2:128x64:bf16:ws2:gather:s0:dim1"),
                doc="a post-hook that reads each rank's section as a dim-0 block under Shard(1)"),
     MutantSpec("world_not_shard_mesh", 17, sharding.WorldNotShardMeshParam, V.ERROR,
                ("nvfp4_2d:128x64:bf16:ws4:gather:s0:hsdp-2x2",),
