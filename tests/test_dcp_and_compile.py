@@ -95,18 +95,42 @@ def test_a_compiled_call_that_runs_no_compiled_graph_is_an_error_not_a_pass():
     from qgather.scenarios.compiled import NO_GRAPH_RAN, CaseForward
 
     case = SimpleNamespace(spec=SimpleNamespace(config=FsdpConfig(compile=True)))
+    torch._dynamo.reset()  # nothing warm from an earlier test of this process
     forward = CaseForward(case, _Twice())
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = 1
     try:
+        calls = forward.counting.calls
         forward(torch.randn(2, 4))
-        assert forward.problem() is None and forward.counting.graphs == 1
+        assert forward.problem() is None and forward.graphs == 1
         forward(torch.randn(2, 4))  # the same guards: the graph traced for the first call runs again
-        assert forward.problem() is None and (forward.counting.graphs, forward.counting.calls) == (1, 2)
+        assert forward.problem() is None and (forward.graphs, forward.counting.calls - calls) == (1, 2)
         assert torch.equal(forward(torch.ones(2, 4, dtype=torch.float64)), torch.full((2, 4), 2.0, dtype=torch.float64))
         assert forward.problem() == NO_GRAPH_RAN  # a float64 input fails the guard; no recompile is allowed
         stage, = forward.outputs_stage("outputs", "module", torch.zeros(1), torch.zeros(1))
         assert stage.forward_error == NO_GRAPH_RAN
     finally:
         torch._dynamo.config.recompile_limit = limit
-        forward.close()
+        torch._dynamo.reset()
+
+
+def test_a_later_case_runs_the_graph_an_earlier_one_compiled():
+    """The rank's warm compiles (qgather.scenarios.compiled.WarmCompiles): a second case's module of the
+    same structure and inputs runs the first case's graph, tracing nothing, and that counts as compiled."""
+    from types import SimpleNamespace
+
+    from qgather.model.config import FsdpConfig
+    from qgather.scenarios.compiled import WARM, CaseForward
+
+    case = SimpleNamespace(spec=SimpleNamespace(config=FsdpConfig(compile=True)))
+    WARM.counting = None  # a fresh start, as a new rank's
+    first = CaseForward(case, _Twice())
+    first(torch.randn(2, 4))
+    second = CaseForward(case, _Twice())
+    out = second(torch.randn(2, 4))
+    assert (first.graphs, second.graphs) == (1, 0) and second.problem() is None and out.shape == (2, 4)
+    assert second.counting is first.counting
+    WARM.cases = WARM.RESET_EVERY  # the next case resets Dynamo's caches and starts a new backend
+    third = CaseForward(case, _Twice())
+    assert third.counting is not first.counting and third.counting.graphs == 0
+    torch._dynamo.reset()

@@ -15,7 +15,8 @@ from qgather.model.report import CaseReport
 from qgather.model.verdict import Verdict
 from qgather.tools import selftest
 
-SUMMARY = re.compile(r"^mutants killed: (\d+)/(\d+), wrong-class verdicts: (\d+)$")
+SUMMARY = re.compile(r"^mutants killed: (\d+)/(\d+), wrong-class verdicts: (\d+), "
+                     r"killed by >= 10 cases of the default suite: (\d+)/(\d+)$")
 
 
 def _report(case_id: str, verdict: Verdict) -> CaseReport:
@@ -50,7 +51,7 @@ def test_a_verdict_outside_the_class_set_is_wrong_class():
     assert not result.killed and len(result.wrong_class) == len(selftest.suite_sample(nibble))
     lines, status = selftest.suite_summary([result])
     assert status == 1 and "SURVIVED" in lines[0] and "wrong-class DEGRADED" in lines[0]
-    assert SUMMARY.match(lines[-1]).groups() == ("0", "1", str(len(result.wrong_class)))
+    assert SUMMARY.match(lines[-1]).groups() == ("0", "1", str(len(result.wrong_class)), "0", "1")
 
 
 def test_a_wrong_class_verdict_fails_even_when_every_mutant_is_killed(monkeypatch):
@@ -62,7 +63,7 @@ def test_a_wrong_class_verdict_fails_even_when_every_mutant_is_killed(monkeypatc
         return _report(case_id, verdicts.get(case_id, Verdict.EXACT))
 
     lines, status = selftest.suite_summary(selftest.run_suite([mutant], runner=run))
-    assert lines[-1] == "mutants killed: 1/1, wrong-class verdicts: 1" and status == 1
+    assert lines[-1].startswith("mutants killed: 1/1, wrong-class verdicts: 1, ") and status == 1
 
 
 def test_a_wrong_class_crash_shows_its_evidence():
@@ -84,6 +85,37 @@ def test_a_wrong_class_crash_shows_its_evidence():
     assert line.endswith(f"... 9 more lines: qgather case {first}")
 
 
+def test_kills_outside_the_default_suite_do_not_make_a_mutant_deep():
+    """A mutant killed only by sample cases the default run does not hold fails the exit status."""
+    nibble = FACTORIES["mutant:nibble_swap"]
+    suite = selftest.default_suite_ids()
+
+    def run(case_id):
+        spec = CaseSpec.parse(case_id)
+        outside = selftest.reference_case(case_id) not in suite
+        return _report(case_id, Verdict.SILENT_MISMATCH if spec.impl != "reference" and outside else Verdict.EXACT)
+
+    [result] = selftest.run_suite([nibble], runner=run)
+    assert result.suite_kills == 0 and not result.deep
+    assert selftest.suite_summary([result])[1] == 1
+
+
+def test_drawn_cases_are_default_suite_cases_of_the_catching_families():
+    suite = selftest.default_suite_ids()
+    for name in ("mutant:checkpoint_drops_scale", "mutant:staged_wire", "mutant:per_rank_amax"):
+        mutant = FACTORIES[name]
+        drawn = selftest.drawn(mutant)
+        assert len(drawn) >= selftest.MIN_SUITE_KILLS and set(drawn) <= set(selftest.suite_sample(mutant))
+        catching = CaseSpec.parse(mutant.catching_cases[0])
+        for case_id in drawn:
+            spec = CaseSpec.parse(case_id)
+            assert selftest.reference_case(case_id) in suite and spec.fmt == catching.fmt
+            if catching.config.token:
+                assert spec.config.token, case_id
+            else:
+                assert spec.scenario == catching.scenario, case_id
+
+
 def test_a_case_the_reference_fails_counts_neither_as_kill_nor_wrong_class():
     mutant = FACTORIES["mutant:nibble_swap"]
     [result] = selftest.run_suite([mutant], runner=_fake(Verdict.ERROR, Verdict.SILENT_MISMATCH))
@@ -94,7 +126,7 @@ def test_a_survived_mutant_makes_the_exit_status_1(monkeypatch, capsys):
     monkeypatch.setattr(selftest, "run", _fake(Verdict.EXACT))
     assert selftest.main(["--suite", "--keep-pools", "nibble_swap"]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert "SURVIVED" in out[-2] and out[-1] == "mutants killed: 0/1, wrong-class verdicts: 0"
+    assert "SURVIVED" in out[-2] and SUMMARY.match(out[-1]).groups() == ("0", "1", "0", "0", "1")
 
 
 def test_all_killed_exits_0(monkeypatch, capsys):
@@ -102,7 +134,7 @@ def test_all_killed_exits_0(monkeypatch, capsys):
     assert selftest.main(["--suite", "--keep-pools", "nibble_swap", "stale_out"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("mutation mode: 2 mutants, ")
-    assert out[-1] == "mutants killed: 2/2, wrong-class verdicts: 0"
+    assert SUMMARY.match(out[-1]).groups() == ("2", "2", "0", "2", "2")
 
 
 def test_unknown_option_is_a_usage_error():
@@ -115,7 +147,7 @@ def test_two_real_mutants_are_killed(capsys):
     """The real engine on the warm pools: nibble_swap (gather) and per_rank_amax (steps)."""
     assert selftest.main(["--suite", "nibble_swap", "per_rank_amax"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out.splitlines()
-    assert SUMMARY.match(out[-1]).groups() == ("2", "2", "0")
+    assert SUMMARY.match(out[-1]).groups() == ("2", "2", "0", "2", "2")
     assert any(line.startswith("nibble_swap  bug 12  killed by mutant:nibble_swap:") for line in out)
 
 

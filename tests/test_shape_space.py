@@ -12,7 +12,16 @@ from qgather.formats.base import flat_dims
 from qgather.model.case import ShardLayout
 from qgather.suite import coverage, shape_space
 from qgather.suite.modules import suite_sweeps
-from qgather.suite.sweeps import CPU_WORLD_SIZES, RULE_SHAPES, CaseSet, SuiteSweep, Sweep, alignment_shapes, narrow
+from qgather.suite.sweeps import (
+    CPU_WORLD_SIZES,
+    RULE_SHAPES,
+    CaseSet,
+    SuiteSweep,
+    Sweep,
+    alignment_shapes,
+    core_shapes,
+    narrow,
+)
 
 Axis = shape_space.Axis
 
@@ -144,13 +153,16 @@ def test_steps_and_reshard_run_two_seeds_at_every_world_size():
 
 
 def test_hand_picked_ids_keep_their_meaning():
-    """Baselines and docs name hand-picked shapes with seed 0: each such id is still in the default run."""
+    """Baselines and docs name hand-picked shapes with seed 0: each such id is still in the default run
+    (the gathers of every hand-picked shape; steps, reshard and hooks of the four core shapes, their
+    other hand-picked shapes' regimes held by the generated ones: qgather.suite.sweeps.LEAN_SHAPES)."""
     ids = {c.id for _m, s, fixed in suite_sweeps() for c in s.cases(fixed or ["torchao"])}
-    for shape in alignment_shapes("fp8_tensor"):
-        dims = "x".join(map(str, shape))
-        for ws in (1, 2, 3):
+    for ws in (1, 2, 3):
+        for shape in alignment_shapes("fp8_tensor"):
+            assert f"torchao:fp8_tensor:{'x'.join(map(str, shape))}:bf16:ws{ws}:gather:s0" in ids
+        for shape in core_shapes("fp8_tensor"):
             for scenario in ("steps", "reshard", "hooks"):
-                assert f"torchao:fp8_tensor:{dims}:bf16:ws{ws}:{scenario}:s0" in ids
+                assert f"torchao:fp8_tensor:{'x'.join(map(str, shape))}:bf16:ws{ws}:{scenario}:s0" in ids
 
 
 def test_pairwise_default_run_and_exhaustive_product():

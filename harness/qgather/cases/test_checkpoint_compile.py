@@ -66,7 +66,17 @@ def findings_shape(fmt: str) -> list[tuple[int, ...]]:
 FINDINGS = [Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(b,), shapes=findings_shape,
                   formats=("fp8_block",), configs=(config,)) for b, config in ((2, dcp(3)), (4, TRAINED))]
 
-SWEEP = CaseSet([ConfigSweep(CHECKPOINT), *FINDINGS])
+def one_row(fmt: str) -> list[tuple[int, ...]]:
+    return [(1, 16)]
+
+
+# Ranks without rows loading a per-tensor checkpoint (mutant:empty_shard_stale_scale's bug: the empty
+# shard's scale, which the load never writes): the design holds one case per (token, regime) pair, too
+# few for a bug that needs both; a 1-row weight at 2, 3 and 4 ranks from checkpoints saved at 1, 2 and 4.
+EMPTY_SHARDS = [Sweep(scenarios=("gather",), dtypes=("bf16",), world_sizes=(2, 3, 4), shapes=one_row,
+                      formats=("fp8_tensor", "fp8_tensor_e5m2"), configs=(dcp(saved),)) for saved in (1, 2, 4)]
+
+SWEEP = CaseSet([ConfigSweep(CHECKPOINT), *FINDINGS, *EMPTY_SHARDS])
 
 # torchao: float8 per-tensor only; even shards at B (its uneven gathers are known failures on gloo,
 # docs/findings.md), uneven ones at A = 3 (saving needs no gather).

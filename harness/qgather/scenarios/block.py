@@ -165,12 +165,9 @@ def run_block(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint
     if isinstance(twin, str):
         stages[-1] = _noted(stages[-1], twin)
     run.twin = None if isinstance(twin, str) else twin
-    try:
-        for point in range(STEPS + 1):
-            run.requantize(point)
-            stages += run.iteration(point, goldens if point == 0 else [layer.golden(point) for layer in layers])
-    finally:
-        run.close()
+    for point in range(STEPS + 1):
+        run.requantize(point)
+        stages += run.iteration(point, goldens if point == 0 else [layer.golden(point) for layer in layers])
     return RankResult(ctx.rank, tuple(stages), None, _quantizer_diffs(layers, goldens), wires=(wire,))
 
 
@@ -275,9 +272,6 @@ class _BlockRun:
         self.param_types = tuple(dict.fromkeys(type(local_shard(layer.module)) for layer in layers))
         self.twin: list[torch.Tensor] | None = None
         self.forward = CaseForward(case, model)
-
-    def close(self) -> None:
-        self.forward.close()
 
     # the stages of every parameter -----------------------------------------------------------
     def _judge(self, module: torch.nn.Module, goldens: dict[int, Golden], point: int, what: str) -> Stage:

@@ -25,7 +25,9 @@ The stage's label names the backend that ran.
 A case compiles its module once and calls the compiled module at every point it runs a forward
 (after the first gather, after each optimizer step), as a training loop calls its compiled model
 every step: Dynamo recompiles only where a guard fails, and a step's forward otherwise runs the
-graph traced for the first (with the step's re-quantized inner tensors as its inputs). A forward
+graph traced for the first (with the step's re-quantized inner tensors as its inputs). What Dynamo
+compiled stays warm on the rank for its next compiled cases (`WarmCompiles`): a case whose module and
+gathered weight pass an earlier case's guards runs that graph without tracing it again. A forward
 that ran no compiled graph tested nothing (a compile that captured none, or Dynamo running a call
 eagerly): it is reported as an error of the forward, not as a pass.
 """
@@ -76,6 +78,38 @@ class CountingBackend:
         return run
 
 
+class WarmCompiles:
+    """What Dynamo compiled, kept warm across the cases of one rank process: one counting backend per
+    backend name, so that a later case whose module and gathered weight pass an earlier graph's guards
+    (same module structure, subclass, shapes and dtypes: one graph per shape class) runs that graph
+    without tracing it again; Dynamo's guards decide, as they do between a training loop's steps.
+
+    Dynamo allows a code object `recompile_limit` cache entries (8) before it runs it eagerly, which a
+    case would report as "ran no compiled graph"; a warm rank sees many shape classes, so the limit is
+    raised to RECOMPILE_LIMIT and the caches are reset every RESET_EVERY cases (a case compiles a few
+    entries at most: its first forward, a step's new guards), and whenever the backend changes."""
+
+    RECOMPILE_LIMIT = 64
+    RESET_EVERY = 16
+
+    def __init__(self) -> None:
+        self.counting: CountingBackend | None = None
+        self.cases = 0
+
+    def backend(self, name: str) -> CountingBackend:
+        """The backend a new compiled case uses, after a reset where one is due."""
+        if self.counting is None or self.counting.name != name or self.cases >= self.RESET_EVERY:
+            torch._dynamo.reset()
+            torch._dynamo.config.recompile_limit = self.RECOMPILE_LIMIT
+            self.counting, self.cases = CountingBackend(name), 0
+        self.cases += 1
+        return self.counting
+
+
+#: this rank process's warm compiles (a rank runs one case at a time; the pool keeps it for the next)
+WARM = WarmCompiles()
+
+
 NO_GRAPH = "torch.compile captured no graph (Dynamo ran the whole forward eagerly): nothing compiled"
 NO_GRAPH_RAN = ("this forward ran none of the compiled graphs (Dynamo ran it eagerly, e.g. past its "
                 "recompile limit): nothing compiled was tested")
@@ -83,19 +117,18 @@ NO_GRAPH_RAN = ("this forward ran none of the compiled graphs (Dynamo ran it eag
 
 class CaseForward:
     """A whole module's forward as a case runs it: eager, or under `compile` torch.compile with a
-    backend that counts its graphs and their calls, compiled once for the case and called at every
-    point of it (as a training loop calls its compiled model every step: Dynamo recompiles only where
-    a guard fails). Each call records whether it ran a compiled graph. `close` clears what Dynamo cached."""
+    backend that counts its graphs and their calls (the rank's warm one, `WARM`), compiled once for the
+    case and called at every point of it (as a training loop calls its compiled model every step:
+    Dynamo recompiles only where a guard fails). Each call records whether it ran a compiled graph."""
 
     def __init__(self, case: RankCase, module: torch.nn.Module) -> None:
         self.counting: CountingBackend | None = None
         self.module = module
         self.ran_graph = False
+        self.graphs_before = 0
         if case.spec.config.compile:
-            # A warm rank runs many cases through the same code: Dynamo's caches start empty for each
-            # (without a reset, its recompile limit would turn a later case's compile into an eager run).
-            torch._dynamo.reset()
-            self.counting = CountingBackend(backend_name())
+            self.counting = WARM.backend(backend_name())
+            self.graphs_before = self.counting.graphs
             self.module = torch.compile(module, backend=self.counting)
 
     @property
@@ -110,15 +143,14 @@ class CaseForward:
 
     def problem(self) -> str | None:
         """Why the last call tested nothing compiled (None when it ran a compiled graph, or is eager)."""
-        if self.counting is None:
+        if self.counting is None or self.ran_graph:
             return None
-        if self.counting.graphs == 0:
-            return NO_GRAPH
-        return None if self.ran_graph else NO_GRAPH_RAN
+        return NO_GRAPH if self.counting.graphs == 0 else NO_GRAPH_RAN
 
-    def close(self) -> None:
-        if self.counting is not None:
-            torch._dynamo.reset()
+    @property
+    def graphs(self) -> int:
+        """The graphs Dynamo compiled for this case (the others it ran came warm from earlier cases)."""
+        return self.counting.graphs - self.graphs_before if self.counting is not None else 0
 
     def outputs_stage(self, label: str, what: str, got: torch.Tensor, expected: torch.Tensor | None) -> list[Stage]:
         """The flattened outputs `got` against the one-device `expected` (nothing when there is none to
@@ -168,8 +200,8 @@ def compiled_stages(case: RankCase, module: torch.nn.Module, golden: Golden, com
     if problem:
         return [*stages, Stage(label, forward_error=problem)]
     return [*stages, Stage(label, output=_compare(out, eager), output_digest=digest({"output": out}, {}),
-                           note=f"compiled forward: torch.compile backend {name}, {compiled.counting.graphs} "
-                                "graph(s), FSDP2 hooks eager")]
+                           note=f"compiled forward: torch.compile backend {name}, {compiled.graphs} graph(s) "
+                                "compiled for the case (others warm), FSDP2 hooks eager")]
 
 
 def _compare(compiled: torch.Tensor, eager: torch.Tensor) -> Comparison:

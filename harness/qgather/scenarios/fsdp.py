@@ -79,15 +79,11 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
     with phases.labelled(Step.RESHARD):
         module.reshard()
     compiled = CaseForward(case, module) if spec.config.compile else None  # one compile for the whole case
-    try:
-        if compiled is not None:
-            stages.extend(compiled_stages(case, module, golden, compiled))
-            module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
-        if spec.scenario in ("steps", "reshard"):
-            stages.extend(_update_and_regather(case, module, master, compiled))
-    finally:
-        if compiled is not None:
-            compiled.close()
+    if compiled is not None:
+        stages.extend(compiled_stages(case, module, golden, compiled))
+        module.reshard()  # a root's forward leaves its weight unsharded (FSDP2 keeps it for the backward)
+    if spec.scenario in ("steps", "reshard"):
+        stages.extend(_update_and_regather(case, module, master, compiled))
     summary = summarize_wire(wire, fmt, weight_shape, case.shards, golden, impl)
     return RankResult(ctx.rank, tuple(stages), summary, golden.quantizer_diffs or None)
 

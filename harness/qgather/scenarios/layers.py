@@ -102,12 +102,9 @@ def run_layers(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoin
         stages[-1] = _noted(stages[-1], twin)
     goldens = [layer.golden(0) for layer in layers]
     iteration = _Iteration(case, module, layers, twin if isinstance(twin, list) else None)
-    try:
-        for point in range(STEPS + 1):
-            _requantize(case, module, layers, point)
-            stages += iteration.run(point, goldens if point == 0 else [layer.golden(point) for layer in layers])
-    finally:
-        iteration.close()
+    for point in range(STEPS + 1):
+        _requantize(case, module, layers, point)
+        stages += iteration.run(point, goldens if point == 0 else [layer.golden(point) for layer in layers])
     return RankResult(ctx.rank, tuple(stages), None, _quantizer_diffs(layers, goldens), wires=tuple(wires))
 
 
@@ -272,9 +269,6 @@ class _Iteration:
         self.case, self.module, self.layers, self.twin = case, module, layers, twin
         self.param_types = tuple(dict.fromkeys(type(local_shard(layer.module)) for layer in layers))
         self.forward = CaseForward(case, module)
-
-    def close(self) -> None:
-        self.forward.close()
 
     def run(self, point: int, goldens: list[Golden]) -> list[Stage]:
         """The stages of one iteration at `point` (0: before step 1, k: after step k)."""

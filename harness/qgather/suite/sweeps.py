@@ -81,19 +81,37 @@ def alignment_shapes(fmt_name: str) -> list[tuple[int, ...]]:
     return sorted(shapes)
 
 
+def core_shapes(fmt_name: str) -> list[tuple[int, ...]]:
+    """Four of the hand-picked shapes, one per shape class, in row units u = max(row block, 16): 8u
+    (aligned at 2 and 8 ranks, split blocks at 3), 8.5u (shards that split a scale block), 3u-2
+    (uneven at 2 and 3 ranks) and 4 rows (zero-row ranks at 8)."""
+    u = max(FORMATS[fmt_name].row_block, 16)
+    wanted = [(8 * u, K), (17 * u // 2, K), (3 * u - 2, K), (4, K)]
+    return [s for s in wanted if s in set(alignment_shapes(fmt_name))]
+
+
 class RuleShapes:
-    """The suite's shapes: the hand-picked `alignment_shapes` (whose case ids baselines and docs
-    name) at every world size, plus the shapes qgather.suite.shape_space generates from the format's
-    layout rules so that every promised regime of every buffer occurs at each world size."""
+    """The suite's shapes: hand-picked ones (`alignment_shapes` by default, whose case ids baselines
+    and docs name) at every world size, plus the shapes qgather.suite.shape_space generates from the
+    format's layout rules so that every promised regime of every buffer occurs at each world size."""
+
+    def __init__(self, hand_picked: Callable[[str], list[tuple[int, ...]]] = alignment_shapes) -> None:
+        self.hand_picked = hand_picked
 
     def __call__(self, fmt_name: str) -> list[tuple[int, ...]]:
-        return alignment_shapes(fmt_name)
+        return self.hand_picked(fmt_name)
 
     def at(self, fmt_name: str, world_size: int) -> list[tuple[int, ...]]:
-        return list(shape_space.cover(fmt_name, world_size, tuple(alignment_shapes(fmt_name))))
+        return list(shape_space.cover(fmt_name, world_size, tuple(self.hand_picked(fmt_name))))
 
 
 RULE_SHAPES = RuleShapes()
+#: every promised regime at each world size from the four `core_shapes` and the fewest generated ones:
+#: for the sweeps whose depth is cheap (many world sizes, scenarios or seeds per shape), where the
+#: other hand-picked shapes only repeat regimes the cover already holds
+LEAN_SHAPES = RuleShapes(core_shapes)
+#: the generated shapes alone: every promised regime at each world size, nothing hand-picked
+RULES_ONLY = RuleShapes(lambda _fmt_name: [])
 
 
 def _shapes_at(shapes, fmt: str, world_size: int) -> list[tuple[int, ...]]:
@@ -162,8 +180,10 @@ class Sweep(SuiteSweep):
         def fixed_labels(row):
             _impl, fmt, shape, ws, scen = row
             cells = shape_space.regimes(fmt, shape, ws)
-            # scenario-at-world-size as one value too: each seed (dtype, config) runs each scenario at each world size
-            labels = {("format", fmt), ("ws", ws), ("scenario", scen), ("scenario@ws", (scen, ws))}
+            # scenario-at-world-size and scenario-of-format as values too: each seed (dtype, config) runs each
+            # scenario at each world size and on each format
+            labels = {("format", fmt), ("ws", ws), ("scenario", scen), ("scenario@ws", (scen, ws)),
+                      ("scenario@format", (scen, fmt))}
             return frozenset(labels | {("regime", (fmt, *cell)) for cell in cells})
 
         def free_labels(combo):

@@ -15,8 +15,10 @@ status is 0 only when every mutant is caught.
 suite (see `suite_sample` and docs/mutation-mode.md) instead of its catching cases only. A mutant is
 KILLED by a case where the reference passes and the mutant fails with a verdict of its class
 (`Mutant.verdicts`, the failing verdicts consistent with its bug); a failing verdict outside that
-class where the reference passes is a wrong-class verdict. The last line is
-`mutants killed: X/Y, wrong-class verdicts: Z`; the exit status is 0 only when X == Y and Z == 0.
+class where the reference passes is a wrong-class verdict. Each mutant's line counts its kills on
+cases of the default suite (the sample holds cases the suite runs, `drawn` from it); the last line is
+`mutants killed: X/Y, wrong-class verdicts: Z, killed by >= 10 cases of the default suite: W/Y`; the
+exit status is 0 only when X == W == Y and Z == 0.
 """
 
 from __future__ import annotations
@@ -24,18 +26,20 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 
 from qgather.engine.run import RunOptions, run_case
 from qgather.errors import UsageError
-from qgather.formats import FORMATS
 from qgather.impls.mutants import MUTANTS, Mutant
 from qgather.model.case import CaseSpec
 from qgather.model.config import DEFAULT
 from qgather.model.report import CaseReport
 from qgather.model.verdict import Verdict
 from qgather.runtime import shutdown_pools
-from qgather.suite.sweeps import K, alignment_shapes
+from qgather.suite import depth
+from qgather.suite.coverage import suite_cases
+from qgather.suite.sweeps import core_shapes
 from qgather.tools.arguments import selftest_parser
 
 OPTIONS = RunOptions(backend="gloo", device="cpu")
@@ -144,20 +148,52 @@ SUITE_WORLD_SIZES = (2, 3, 8)
 SUITE_SCENARIOS = ("gather", "steps", "reshard")
 
 
-def _suite_shapes(fmt: str) -> list[tuple[int, ...]]:
-    """Four of the suite's alignment shapes (qgather.suite.sweeps.alignment_shapes), in row units u:
-    8u (aligned at 2 and 8 ranks, split blocks at 3), 8.5u (shards that split a scale block),
-    3u-2 (uneven at 2 and 3 ranks) and 4 rows (zero-row ranks at 8)."""
-    u = max(FORMATS[fmt].row_block, 16)
-    wanted = [(8 * u, K), (17 * u // 2, K), (3 * u - 2, K), (4, K)]
-    return [s for s in wanted if s in set(alignment_shapes(fmt))]
+#: cases of the default suite each catching case draws into its mutant's sample (`drawn`)
+SUITE_DRAW = 20
+#: the default suite's cases that must kill each mutant
+MIN_SUITE_KILLS = 10
+
+
+@cache
+def default_suite() -> tuple[CaseSpec, ...]:
+    """The default run's reference cases (`qgather run` without --impl), as `qgather list --cases` lists them."""
+    cases, _ = suite_cases(["reference"], memo=True)
+    return tuple(c for c in cases if c.impl == "reference")
+
+
+@cache
+def default_suite_ids() -> frozenset[str]:
+    return frozenset(c.id for c in default_suite())
+
+
+def _config_families(spec: CaseSpec) -> frozenset[str]:
+    return depth.families(spec) - {spec.scenario}
+
+
+def drawn(mutant: type[Mutant]) -> list[str]:
+    """For each catching case, the SUITE_DRAW cases of the default suite most like it, as the mutant's
+    cases: of its format and holding its configuration families (a `dcp-ws4` gather draws checkpointed
+    cases; a case without a configuration draws its scenario's cases), the most alike first: the same
+    scenario, the fewest other configuration families (none first), the same number of dims, the
+    most of its shape classes (qgather.suite.depth.shape_classes), then in id order."""
+    out = set()
+    for case_id in mutant.catching_cases:
+        catching = CaseSpec.parse(case_id)
+        families, classes = _config_families(catching), depth.shape_classes(catching)
+        pool = [c for c in default_suite() if c.fmt == catching.fmt and families <= _config_families(c)
+                and (families or c.scenario == catching.scenario)]
+        pool.sort(key=lambda c: (c.scenario != catching.scenario, len(_config_families(c) - families),
+                                 len(c.shape) != len(catching.shape), -len(depth.shape_classes(c) & classes), c.id))
+        out |= {replace(c, impl=mutant.name).id for c in pool[:SUITE_DRAW]}
+    return sorted(out)
 
 
 def suite_sample(mutant: type[Mutant]) -> list[str]:
-    """The fixed sample of the default suite one mutant runs over in mutation mode: the formats of
-    its catching cases x `_suite_shapes` (plus the catching shapes) x world sizes SUITE_WORLD_SIZES
-    (plus the catching ones) x scenarios SUITE_SCENARIOS (plus the catching ones), bf16, seed 0.
-    The catching cases are always in it, so a mutant the plain self-test catches is killable."""
+    """The fixed sample one mutant runs over in mutation mode: the formats of its catching cases x the
+    four core shapes (qgather.suite.sweeps.core_shapes; plus the catching shapes) x world sizes
+    SUITE_WORLD_SIZES (plus the catching ones) x scenarios SUITE_SCENARIOS (plus the catching ones), bf16,
+    seed 0; and the cases of the default suite its catching cases draw (`drawn`). The catching cases
+    are always in it, so a mutant the plain self-test catches is killable."""
     catching = [CaseSpec.parse(c) for c in mutant.catching_cases]
     fmts = sorted({c.fmt for c in catching})
     sizes = sorted(set(SUITE_WORLD_SIZES) | {c.world_size for c in catching})
@@ -165,14 +201,14 @@ def suite_sample(mutant: type[Mutant]) -> list[str]:
     configs = sorted({c.config for c in catching} | {DEFAULT}, key=lambda c: c.token)
     ids = {c.id for c in catching}
     for fmt in fmts:
-        shapes = set(_suite_shapes(fmt)) | {c.shape for c in catching if c.fmt == fmt}
+        shapes = set(core_shapes(fmt)) | {c.shape for c in catching if c.fmt == fmt}
         for shape in sorted(shapes):
             for ws in sizes:
                 for scenario in scenarios:
                     for config in configs:  # a configuration's mutant also runs where its bug is silent
                         if config.check_world_size(ws) is None:
                             ids.add(CaseSpec(mutant.name, fmt, shape, SUITE_DTYPE, ws, scenario, 0, config).id)
-    return sorted(ids)
+    return sorted(ids | set(drawn(mutant)))
 
 
 @dataclass
@@ -198,12 +234,23 @@ class SuiteResult:
     def killed(self) -> bool:
         return bool(self.kills)
 
+    @property
+    def suite_kills(self) -> int:
+        """Kills on cases of the default suite (its reference twin is one of `qgather run`'s cases)."""
+        suite = default_suite_ids()
+        return sum(1 for m in self.kills if reference_case(m.spec.id) in suite)
+
+    @property
+    def deep(self) -> bool:
+        return self.suite_kills >= MIN_SUITE_KILLS
+
     def line(self) -> str:
         counts = Counter(m.verdict.value for m, _ in self.pairs)
         shown = ", ".join(f"{v} {n}" for v, n in sorted(counts.items()))
         head = f"{self.mutant.bug}  bug {self.mutant.bug_class}  "
         head += f"killed by {self.kills[0].spec.id}" if self.killed else "SURVIVED"
-        line = f"{head}  [{len(self.pairs)} cases: {shown}]"
+        line = f"{head}  [{len(self.pairs)} cases: {shown}; killed by {self.suite_kills} cases of the default suite"
+        line += "]" if self.deep else f", under {MIN_SUITE_KILLS}]"
         for report in self.wrong_class:
             line += f"\n    wrong-class {report.verdict.value} on {report.spec.id} " \
                     f"(expected one of {', '.join(sorted(v.value for v in self.mutant.verdicts))})"
@@ -239,9 +286,11 @@ def suite_summary(results: Sequence[SuiteResult]) -> tuple[list[str], int]:
     """The per-mutant lines, the last line, and the exit status."""
     killed = sum(r.killed for r in results)
     wrong = sum(len(r.wrong_class) for r in results)
+    deep = sum(r.deep for r in results)
     lines = [r.line() for r in results]
-    lines.append(f"mutants killed: {killed}/{len(results)}, wrong-class verdicts: {wrong}")
-    return lines, 0 if killed == len(results) and wrong == 0 else 1
+    lines.append(f"mutants killed: {killed}/{len(results)}, wrong-class verdicts: {wrong}, "
+                 f"killed by >= {MIN_SUITE_KILLS} cases of the default suite: {deep}/{len(results)}")
+    return lines, 0 if killed == deep == len(results) and wrong == 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
