@@ -49,8 +49,8 @@ _TE_RECIPES = {("te", "fp8_tensor"): "Float8CurrentScaling", ("te", "fp8_block")
                ("te:delayed", "fp8_tensor"): "DelayedScaling"}
 _STEPS = {"gather": 0, "steps": 3, "reshard": 1}  # optimizer steps, as qgather.scenarios.fsdp takes them
 _MODULES = ("layers", "block")  # a module of several weights (qgather.model.layers, qgather.model.block)
-_STDLIB = ("contextlib", "datetime", "hashlib", "importlib", "itertools", "math", "multiprocessing", "os", "shutil",
-           "signal", "socket", "sys", "tempfile", "threading", "time", "types")
+_STDLIB = ("contextlib", "datetime", "hashlib", "importlib", "itertools", "math", "multiprocessing", "os", "re",
+           "shutil", "signal", "socket", "sys", "tempfile", "threading", "time", "types")
 #: the torch names the pieces import at module level, imported by a script that uses them
 _TORCH_NAMES = (("torch.distributed.device_mesh", ("DeviceMesh", "init_device_mesh")),
                 ("torch.distributed.fsdp", ("MixedPrecisionPolicy", "fully_shard")),

@@ -7,10 +7,12 @@ that raises, dies or hangs is reported as qgather reports it (ERROR, CRASH, HANG
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import sys
@@ -89,10 +91,9 @@ def spawn() -> tuple[str, list[str]]:
     while readers and time.monotonic() < deadline:
         for reader in multiprocessing.connection.wait(list(readers), deadline - time.monotonic()):
             rank = readers.pop(reader)
-            try:
+            with contextlib.suppress(EOFError):  # EOF: it died before it could say anything
                 sent[rank] = reader.recv()
-            except EOFError:  # it died before it could say anything
-                sent[rank] = ("died", "")
+            sent.setdefault(rank, ("died", ""))
             if sent[rank][0] != "ok":  # the others may wait for it in a collective: a short grace
                 deadline = min(deadline, time.monotonic() + 5.0)
     for process in ranks:  # a rank still waiting is killed
@@ -100,7 +101,8 @@ def spawn() -> tuple[str, list[str]]:
     died = [f"rank {r} killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"rank {r} exited with "
             f"status {p.exitcode}" for r, p in enumerate(ranks) if sent.get(r, ("",))[0] == "died"]  # the root cause
     failed = died + [f"rank {r}: {value}" for r, (kind, value) in sent.items() if kind == "error"]  # first
-    refused = len(failed) == WORLD_SIZE and not died and len({value for _, value in sent.values()}) == 1  # alike
+    refused = len(failed) == WORLD_SIZE and not died and len({value for _, value in sent.values()}) == 1 and not (
+        re.match(r"(Attribute|Name|Type|Key|Index|Import|ModuleNotFound|UnboundLocal)Error:", failed[0]))  # a refusal
     if failed or readers:
         return ("CRASH" if died else "REJECTED" if refused else "ERROR" if failed else "HANG"), failed or [
             f"ranks {sorted(readers.values())} did not finish within {TIMEOUT_S} s"]

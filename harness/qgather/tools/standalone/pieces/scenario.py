@@ -77,6 +77,8 @@ def judge(root, layers: dict, full: dict, rank: int, label: str) -> list[tuple]:
     if LAYERS:  # a group per layer
         for each in layers.values():
             each.unshard()
+    if NESTED:  # the block's group: the model root's unshard does not reach it
+        root.block.unshard()
     stages = []
     for name, each in layers.items():
         want, row0 = golden(full[name].detach(), rank)
@@ -91,6 +93,8 @@ def judge(root, layers: dict, full: dict, rank: int, label: str) -> list[tuple]:
     if LAYERS:
         for each in layers.values():
             each.reshard()
+    if NESTED:
+        root.block.reshard()
     return stages
 
 
