@@ -8,6 +8,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 PER_SCRIPT_S=${PER_SCRIPT_S:-75}
+PY=${PY:-python3}  # the interpreter with torch (torchrun is its torch.distributed.run)
 export OMP_NUM_THREADS=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 BOTH=(
     'torchrun --nproc-per-node 2 docs/repro/te-fp8-block-tile-split.py'
@@ -35,8 +36,9 @@ run() {  # run GPUS INDEX COMMAND: one script, its output kept for the report
     local gpus=$1 index=$2; shift 2
     local port=$((29500 + index))
     local started=$SECONDS
+    local words=("${@/#python3/$PY}")
     CUDA_VISIBLE_DEVICES=$gpus MASTER_PORT=$port timeout -k 5 "$PER_SCRIPT_S" \
-        ${@/torchrun/python3 -m torch.distributed.run --master-port $port} >"$out/$index.log" 2>&1
+        ${words[@]/#torchrun/$PY -m torch.distributed.run --master-port $port} >"$out/$index.log" 2>&1
     echo "$? $((SECONDS - started))" >"$out/$index.rc"
 }
 
@@ -44,7 +46,11 @@ report() {  # report INDEX COMMAND
     local index=$1; shift
     read -r rc took <"$out/$index.rc"
     echo "=== $* : exit $rc ($took s)"
-    grep -v -e '^\[rank[0-9]*\]:\[W' -e 'UserWarning' "$out/$index.log" | tail -n 40
+    echo "--- verdict:"
+    grep -E -e ': (EXACT|REJECTED|SILENT_MISMATCH|RANK_DIVERGENCE|ERROR|CRASH|HANG|SKIPPED)( - |$)' \
+        -e '^  rank|^(DEFECT|OK|HANG)\b' "$out/$index.log"
+    echo "--- output (warnings left out; the first 60 lines):"
+    grep -v -e 'Warning' -e '^\[rank[0-9]*\]:\[W' -e '^  warnings.warn' "$out/$index.log" | head -n 60
     echo
 }
 

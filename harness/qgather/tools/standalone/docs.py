@@ -1,6 +1,8 @@
-"""docs/repro/<name>.py and docs/upstream/<name>.md of every finding in FINDINGS: written by
-`python -m qgather.tools.standalone` (`make repro-docs`), compared by `--check` (CI, via
-tests/test_standalone_docs.py), so the checked-in scripts are always what the generator writes."""
+"""docs/repro/<name>.py and docs/upstream/<name>.md of every finding in FINDINGS (a case's script, or
+a probe copied from qgather/tools/standalone/probes/), and docs/repro/run-gpu.sh, which runs every
+TransformerEngine script on a GPU host: written by `python -m qgather.tools.standalone` (`make
+repro-docs`), compared by `--check` (CI, via tests/test_standalone_docs.py), so the checked-in files
+are always what the generator writes."""
 
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ _RUNNER = """#!/usr/bin/env bash
 set -u
 cd "$(dirname "$0")/../.."
 PER_SCRIPT_S=${{PER_SCRIPT_S:-75}}
+PY=${{PY:-python3}}  # the interpreter with torch (torchrun is its torch.distributed.run)
 export OMP_NUM_THREADS=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 BOTH=(
 {both}
@@ -109,8 +112,9 @@ run() {{  # run GPUS INDEX COMMAND: one script, its output kept for the report
     local gpus=$1 index=$2; shift 2
     local port=$((29500 + index))
     local started=$SECONDS
+    local words=("${{@/#python3/$PY}}")
     CUDA_VISIBLE_DEVICES=$gpus MASTER_PORT=$port timeout -k 5 "$PER_SCRIPT_S" \\
-        ${{@/torchrun/python3 -m torch.distributed.run --master-port $port}} >"$out/$index.log" 2>&1
+        ${{words[@]/#torchrun/$PY -m torch.distributed.run --master-port $port}} >"$out/$index.log" 2>&1
     echo "$? $((SECONDS - started))" >"$out/$index.rc"
 }}
 
@@ -118,7 +122,11 @@ report() {{  # report INDEX COMMAND
     local index=$1; shift
     read -r rc took <"$out/$index.rc"
     echo "=== $* : exit $rc ($took s)"
-    grep -v -e '^\\[rank[0-9]*\\]:\\[W' -e 'UserWarning' "$out/$index.log" | tail -n 40
+    echo "--- verdict:"
+    grep -E -e ': (EXACT|REJECTED|SILENT_MISMATCH|RANK_DIVERGENCE|ERROR|CRASH|HANG|SKIPPED)( - |$)' \\
+        -e '^  rank|^(DEFECT|OK|HANG)\\b' "$out/$index.log"
+    echo "--- output (warnings left out; the first 60 lines):"
+    grep -v -e 'Warning' -e '^\\[rank[0-9]*\\]:\\[W' -e '^  warnings.warn' "$out/$index.log" | head -n 60
     echo
 }}
 
