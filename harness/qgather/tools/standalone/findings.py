@@ -107,8 +107,8 @@ FINDINGS: tuple[Finding, ...] = (
         "torchao", TORCHAO,
         expected="With `precompute_float8_dynamic_scale_for_fsdp` before the all-gather, the 5-row weight on 2 "
                  "ranks gathers to the single-device cast.",
-        actual="`HANG`: the script's deadline (120 s) passes with both ranks waiting. qgather's report: one "
-               "rank waits in an amax all-reduce, the other in the all-gather.",
+        actual="`HANG`: the script's deadline (REPRO_TIMEOUT_S, 30 s) passes with both ranks waiting. qgather's "
+               "report: one rank waits in an amax all-reduce, the other in the all-gather.",
         cause="Not yet located to a line. qgather's evidence: FSDP2 re-wraps the padded shard at lazy "
               "initialization and the precomputed scale is lost on that rank only, which then casts "
               "dynamically and all-reduces its amax (`tensor_to_amax`, torchao/float8/float8_utils.py:75) "
