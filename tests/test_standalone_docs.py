@@ -3,18 +3,19 @@ from their findings (docs/findings.md) and from known-issues.toml (`make repro-d
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
 import sys
 
-from qgather.model.case import CaseSpec
 from qgather.pytest_plugin.baseline import load, load_findings, match
-from qgather.tools.standalone.docs import expected_files, stale_files
+from qgather.tools.standalone.docs import expected_files as _expected_files
+from qgather.tools.standalone.docs import stale_files
 from qgather.tools.standalone.findings import FINDINGS
-from qgather.tools.standalone.generate import MAX_LINES, readable_lines, template_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+expected_files = functools.lru_cache(maxsize=1)(_expected_files)  # rendered once for the tests below
 
 
 def test_checked_in_scripts_and_drafts_match_the_generator():
@@ -39,25 +40,46 @@ def test_every_script_and_draft_is_linked_from_its_finding_and_the_baseline():
         findings = fh.read()
     issues = load(os.path.join(REPO, "known-issues.toml"))
     links = {entry.link for entry in load_findings(os.path.join(REPO, "known-issues.toml"))}
-    linked = 0
     anchors = set(re.findall(r'<a id="([^"]+)"></a>', findings))
+    matched, files = 0, expected_files()
     for finding in FINDINGS:
         assert finding.anchor in anchors, finding.name
         section = findings.split(f'<a id="{finding.anchor}"></a>', 1)[1].split("<a id=", 1)[0]
         assert f"docs/repro/{finding.name}.py" in section and f"upstream/{finding.name}.md" in section, finding.name
         draft = f"docs/upstream/{finding.name}.md"
-        entry = match(issues, finding.case_id)  # None: a shape of no gated suite (the entry covers the suite's)
+        assert draft in files
+        entry = match(issues, finding.case_id) if finding.case_id else None  # None: no gated suite runs it
         assert entry is None or entry.link == draft, (finding.name, entry)
-        assert draft in expected_files()
-        linked += draft in links
-    # every one but the precompute hang and TE's Shard(1) case, which no gated suite runs
-    assert linked == len(FINDINGS) - 2
+        matched += entry is not None and draft in links
+    assert matched >= 11  # the gated suites' findings link their drafts from the baseline
+
+
+def test_findings_ship_enough_scripts_and_drafts():
+    """Issue 43's floor: at least 18 scripts and 18 drafts, and every finding section either links its
+    script or says why none can exist."""
+    files = expected_files()
+    assert sum(path.endswith(".py") for path in files) >= 18 and sum(path.endswith(".md") for path in files) >= 18
+    with open(os.path.join(REPO, "docs", "findings.md"), encoding="utf-8") as fh:
+        sections = re.split(r"\n#{2,3} ", fh.read())[1:]
+    for section in sections:
+        title = section.splitlines()[0]
+        if title.startswith(("TransformerEngine 2.20.2 on its own", "TE on FSDP2 configurations", "Not yet triaged")):
+            continue  # an overview, not a finding
+        assert "docs/repro/" in section or "**Standalone**: none" in section, title
 
 
 def test_every_findings_script_is_short():
-    """What a maintainer reads of each finding's script stays within its library's limit."""
-    files = expected_files()
+    """Each finding's script stays within 200 lines (the reference's limit counts what precedes SOURCES)."""
+    for path, text in expected_files().items():
+        if path.endswith(".py"):
+            assert len(text.splitlines()) <= 200, (path, len(text.splitlines()))
+
+
+def test_gpu_runner_runs_every_te_script():
+    """docs/repro/run-gpu.sh names every TransformerEngine script, each under its own timeout."""
+    runner = expected_files()["docs/repro/run-gpu.sh"]
     for finding in FINDINGS:
-        text = files[f"docs/repro/{finding.name}.py"]
-        limit = MAX_LINES[template_for(CaseSpec.parse(finding.case_id)).library]
-        assert readable_lines(text) <= limit, (finding.name, readable_lines(text), limit)
+        te = finding.library == "TransformerEngine"
+        assert (f"docs/repro/{finding.name}.py" in runner) == te, finding.name
+    assert 'timeout -k 5 "$PER_SCRIPT_S"' in runner
+    assert subprocess.run(["bash", "-n"], input=runner, text=True, timeout=30).returncode == 0

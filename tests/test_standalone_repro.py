@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -25,11 +26,13 @@ from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tenso
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ("torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1", "te:fp8_tensor:128x64:fp32:ws4:gather:s2",
-       "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:gather:s0", "reference:mxfp8:64x64:fp32:ws4:gather:s1",
-       "mutant:trim_to_fit:nvfp4_1d:136x64:bf16:ws8:gather:s0", "reference:fp8_tensor:128x64:bf16:ws2:reshard:s0",
-       "mutant:misaligned_shard:nvfp4_2d:136x64:bf16:ws2:steps:s0", "te:fp8_block:200x256:fp32:ws2:reshard:s1",
+       "reference:nvfp4_2d:136x64:bf16:ws2:gather:s0", "reference:mxfp8:64x64:fp32:ws4:gather:s1",
+       "reference:nvfp4_1d:136x64:bf16:ws8:gather:s0", "reference:fp8_tensor:128x64:bf16:ws2:reshard:s0",
+       "reference:fp8_block:255x64:bf16:ws2:block:s0:nested", "te:fp8_block:200x256:fp32:ws2:reshard:s1",
        "te:fp8_tensor:128x64:bf16:ws2:steps:s0", "te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1",
-       *(finding.case_id for finding in FINDINGS))
+       "torchao:fp8_tensor:31x128:bf16:ws2:steps:s0:mp-fp32+raf-no+compile+dcp-ws4",
+       "reference:fp8_tensor_e5m2:128x64:bf16:ws4:gather:s0:tp-2x2-row",
+       *(finding.case_id for finding in FINDINGS if finding.case_id and not finding.probe))
 STDLIB = set(sys.stdlib_module_names)
 SHAPES = ("1x16", "5x64", "128x64", "200x256", "255x130", "3x384")
 
@@ -42,17 +45,17 @@ def test_weight_and_goldens_are_qgathers_bit_for_bit(shape, dtype):
     assert torch.equal(data.make_weight(spec.shape, spec.seed, spec.torch_dtype), weight)
     for piece, name in ((fp8_tensor, "fp8_tensor"), (fp8_block, "fp8_block")):
         reference = FORMATS[name].quantize(weight)
-        golden = piece.quantize(weight)
+        golden = piece.quantize(weight, weight.abs().amax())
         for buffer, value in golden.items():
             expected = reference.buffers[buffer][reference.valid[buffer]]
             assert value.shape == expected.shape and torch.equal(value.view(torch.uint8), expected.view(torch.uint8)), (
                 name, buffer)
-        assert torch.equal(piece.dequantize(golden), FORMATS[name].dequantize(reference)), name
+        assert torch.equal(piece.dequantize(golden, spec.shape), FORMATS[name].dequantize(reference)), name
 
 
 def test_golden_catches_a_changed_bit():
     weight = data.make_weight((128, 64), 0, torch.bfloat16)
-    golden = fp8_block.quantize(weight)
+    golden = fp8_block.quantize(weight, weight.abs().amax())
     reference = FORMATS["fp8_block"].quantize(weight.clone().index_fill_(0, torch.tensor([3]), 1.0))
     assert not torch.equal(golden["rowwise_data"], reference.buffers["rowwise_data"])
 
@@ -100,37 +103,66 @@ def test_script_imports_only_torch_its_library_and_the_stdlib(case_id, tmp_path)
 
 def test_script_carries_the_case():
     text = render("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2")
-    for line in ("SHAPE = (128, 64)", "SEED = 0", "DTYPE = torch.bfloat16", "WORLD_SIZE = 4", "TP = 2",
+    for line in ("WEIGHTS = {\"weight\": ((128, 64), 0, 1.0)}", "DTYPE = torch.bfloat16", "WORLD_SIZE = 4", "TP = 2",
                  "def gathered(", "parallelize_module(linear"):
         assert line in text
 
 
 def test_script_holds_only_what_its_case_runs():
     """`if CONSTANT:` blocks of the pieces are decided for the case: no TP code without TP, no
-    precompute call without it, no Shard(1) at dim 0, no step code in a gather script."""
+    precompute call without it, no Shard(1) at dim 0, no step code in a gather script, no checkpoint
+    without dcp-wsA; and a configuration's code where its token is."""
     plain = render("torchao:fp8_tensor:5x64:bf16:ws2:gather:s0")
-    assert "parallelize_module" not in plain and "precompute_float8" not in plain and "TP" not in plain
-    assert "PRECOMPUTE" not in plain and "if " not in plain.split("def gathered(")[1].split("\ndef ")[0]
-    assert "precompute_float8_dynamic_scale_for_fsdp(linear)" in render(
+    for absent in ("parallelize_module", "precompute_float8", "TP", "PRECOMPUTE", "SAVED_AT", "dcp", "Shard(1)",
+                   "MixedPrecisionPolicy", "torch.compile", "requantize", "STEPS", "LAYERS", "reshard_after_forward"):
+        assert absent not in plain, absent
+    assert "if " not in plain.split("def gathered(")[1].split("\ndef ")[0]
+    assert "precompute_float8_dynamic_scale_for_fsdp(root)" in render(
         "torchao:precompute:fp8_tensor:5x64:bf16:ws2:gather:s0")
     dim0 = render("te:fp8_block:200x256:bf16:ws2:gather:s0")
     dim1 = render("te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1")
-    assert "Shard(1)" not in dim0 and "SHARD_DIM" not in dim0 and "shard_placement_fn=lambda p: Shard(1)" in dim1
+    assert "Shard(1)" not in dim0 and "SHARD_DIM" not in dim0 and "lambda param: Shard(1)" in dim1
     assert "requantize" not in dim0 and "STEPS" not in dim0
     assert "_rowwise_data" not in render("te:fp8_tensor:128x64:bf16:ws2:steps:s0")
+    configured = render("torchao:fp8_tensor:31x128:bf16:ws2:steps:s0:mp-fp32+raf-no+compile+dcp-ws4")
+    for present in ("MixedPrecisionPolicy(param_dtype=MP", "reshard_after_forward", "torch.compile(root",
+                    "dcp.save(", "dcp.load(", "SAVED_AT = 4", "LOADED_AT = 2", "WORLD_SIZE = 4", "requantize("):
+        assert present in configured, present
+    hsdp = render("reference:fp8_tensor:128x64:bf16:ws4:gather:s0:hsdp-2x2")
+    assert '("replicate", "shard")' in hsdp and "HSDP = 2" in hsdp
+    block = render("reference:fp8_block:255x64:bf16:ws2:block:s0:nested")
+    assert '"first": ((255, 64)' in block and '"experts": ((4, 128, 64)' in block and "root.scale" in block
+
+
+@pytest.mark.parametrize(("case_id", "why"), (
+    ("mutant:per_rank_amax:nvfp4_2d:128x64:bf16:ws2:gather:s0", "zoo mutant"),
+    ("te:nvfp4_2d:128x64:bf16:ws2:gather:s0", "no inlined golden"),
+    ("te:prequantized:fp8_block:1024x64:bf16:ws2:gather:s0", "bytes on the wire"),
+    ("reference:fp8_tensor:128x64:bf16:ws2:hooks:s0", "emulates FSDP2"),
+    ("reference:fp8_tensor:128x64:bf16:ws2:virtual:s0", "virtual ranks"),
+    ("te:delayed:fp8_tensor:256x512:bf16:ws1:model:s0", "one-GPU twin"),
+    ("torchao:fp8_tensor:4x1x64:bf16:ws2:gather:s0", "SKIPs"),
+    ("te:fp8_tensor:16x64:bf16:ws2:layers:s0", "SKIPs"),
+))
+def test_cases_without_a_script_are_refused_in_one_line_saying_why(case_id, why):
+    with pytest.raises(UnsupportedCase, match=f"^{re.escape(case_id)}: no standalone script: .*{why}") as refused:
+        render(case_id)
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("case_id", (
-    "mutant:per_rank_amax:nvfp4_2d:128x64:bf16:ws2:gather:s0",  # the bug is in the adapter's step
-    "torchao:fp8_tensor:128x64:bf16:ws2:steps:s0",
-    "te:nvfp4_2d:128x64:bf16:ws2:gather:s0",
-    "te:fp8_tensor:128x64:bf16:ws2:steps:s0:dim1",
-    "te:fp8_block:1024x64:bf16:ws2:gather:s0:dcp-ws3",
-    "torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2-row",
+    "torchao:fp8_tensor:128x64:bf16:ws2:steps:s0", "te:fp8_tensor:128x64:bf16:ws2:steps:s0:dim1",
+    "te:fp8_block:1024x64:bf16:ws2:gather:s0:dcp-ws3", "torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2-row",
+    "te:delayed:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2-trained",
+    "te:fp8_tensor:128x64:fp32:ws2:reshard:s0:tp-1x2",
+    "reference:nvfp4_1d:1x2x16:bf16:ws2:gather:s0:compile+dcp-ws4", "reference:fp8_tensor:16x64:bf16:ws1:layers:s0",
+    "torchao:fp8_tensor:17x64:fp32:ws2:block:s0:mp-bf16",
+    "reference:mxfp8:32x64:fp32:ws2:reshard:s0:mp-bf16-rfp32+raf-no+hsdp-1x2+dim1",
 ))
-def test_uncovered_cases_are_refused_naming_what_is_covered(case_id):
-    with pytest.raises(UnsupportedCase, match="no standalone template.*covered: |lives in the adapter"):
-        render(case_id)
+def test_every_configuration_token_and_scenario_has_a_script(case_id):
+    """gather, steps, reshard, layers, block; mp-*, raf-*, hsdp, tp(-row), dim1, compile, dcp-wsA(-trained)."""
+    text = render(case_id)
+    compile(text, case_id, "exec")
 
 
 def qgather(*args: str, cwd: str) -> subprocess.CompletedProcess:
@@ -146,7 +178,7 @@ def test_cli_writes_the_script_and_refuses_in_one_line(tmp_path):
     assert (tmp_path / "r.py").read_text() == render(case_id)
     printed = qgather("repro", case_id, "--standalone", cwd=str(tmp_path))
     assert printed.returncode == 0 and printed.stdout == render(case_id)
-    for args in (("torchao:fp8_tensor:128x64:bf16:ws2:steps:s0", "--standalone"),
+    for args in (("mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0", "--standalone"),
                  ("not-an-id", "--standalone"), (case_id, "-o", "r.py"),
                  (case_id, "--standalone", "-o", str(tmp_path / "missing" / "r.py"))):
         refused = qgather("repro", *args, cwd=str(tmp_path))
@@ -183,15 +215,18 @@ def test_script_is_short(case_id):
     assert readable_lines(render(case_id)) <= limit  # the findings' scripts, with their notes: test_standalone_docs
 
 
-def test_compare_counts_valid_elements_and_names_the_rows():
+def test_compare_counts_valid_elements_and_names_the_rows(monkeypatch):
+    monkeypatch.setattr(evidence, "dequantize", fp8_block.dequantize, raising=False)  # the script's golden
     weight = data.make_weight((200, 256), 0, torch.bfloat16)
-    want = fp8_block.quantize(weight)
-    got = fp8_block.quantize(weight.clone().index_fill_(0, torch.tensor([3, 4, 150]), 0.0))
-    lines = evidence.compare(got, want, fp8_block.dequantize(got), fp8_block.dequantize(want), row0=0)
+    want = fp8_block.quantize(weight, weight.abs().amax())
+    got = fp8_block.quantize(weight.clone().index_fill_(0, torch.tensor([3, 4, 150]), 0.0), weight.abs().amax())
+    lines = evidence.compare(got, want, (200, 256), row0=0)
     assert lines[0].startswith("rowwise_data: ") and lines[0].endswith(" of 51200 valid elements differ")
     scales = {**want, "rowwise_scale_inv": want["rowwise_scale_inv"].clone().index_fill_(1, torch.tensor([1]), 2.0)}
-    assert evidence.compare(scales, want, torch.empty(0), torch.empty(0), row0=0) == [
-        "rowwise_scale_inv: 2 of 4 valid elements differ"]  # float32 elements, not their bytes
-    assert lines[-1].endswith("rows 3-4, 150")
-    assert evidence.compare(want, want, fp8_block.dequantize(want), fp8_block.dequantize(want), row0=0) == []
-    assert evidence.row_ranges([0, 1, 2, 7, 9, 10]) == "0-2, 7, 9-10" and evidence.row_ranges([]) == "none"
+    assert evidence.compare(scales, want, (200, 256), row0=0)[0] == (
+        "rowwise_scale_inv: 2 of 4 valid elements differ")  # float32 elements, not their bytes
+    assert lines[-1].endswith("rows 3-150")
+    assert evidence.compare(want, want, (200, 256), row0=0) == []
+    wrong_shape = {**want, "rowwise_data": want["rowwise_data"][:100]}
+    assert evidence.compare(wrong_shape, want, (200, 256), row0=0)[0] == (
+        "rowwise_data: shape (100, 256), expected (200, 256)")

@@ -1,163 +1,167 @@
 """TransformerEngine: Float8BlockwiseQTensor under FSDP2 Shard(1): the all-gather copy-out fails on every rank
 
-Expected: With `shard_placement_fn` returning `Shard(1)`, the gathered weight equals the single-GPU
-Float8BlockScaling quantization, or TE refuses the placement with an error that names it.
-
-qgather case te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1 without qgather: torch, transformer_engine and the
-standard library. Run: torchrun --nproc-per-node 2 FILE. It prints the verdict and the evidence of qgather's
-report: exit 1 while the defect is there, 0 once every gathered buffer equals the single-device quantization
-(qgather's reference quantizer, inlined) bit for bit.
+Needs torch and transformer_engine. Run: torchrun --nproc-per-node 2 FILE. Exit 1 with qgather's verdict and evidence
+while the defect is there, 0 once the gathered buffers equal `quantize`'s.
 """
-import datetime, hashlib, itertools, os, sys, threading
+import datetime, hashlib, os, sys, threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
+
+from transformer_engine.common import recipe
+import transformer_engine.pytorch as te
 
 CASE = 'te:fp8_block:1024x256:bf16:ws2:gather:s0:dim1'
-SHAPE = (1024, 256)  # the weight (out_features, in_features)
-SEED = 0  # the weight is drawn from it exactly as qgather draws it
 DTYPE = torch.bfloat16
 WORLD_SIZE = 2
+WEIGHTS = {"weight": ((1024, 256), 0, 1.0)}  # name: (shape, data seed, magnitude)
+TIMEOUT_S = int(os.environ.get("REPRO_TIMEOUT_S", "30"))  # every rank's deadline (a rank still waiting then: HANG)
 RECIPE = 'Float8BlockScaling'  # transformer_engine.common.recipe
-TIMEOUT_S = int(os.environ.get("REPRO_TIMEOUT_S", "120"))  # every rank's deadline (a rank still waiting then: HANG)
 
+# What the case holds: its weights, drawn as qgather draws them, and FSDP2's split of them
 def make_weight(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
     values = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     return (values * torch.exp2(torch.linspace(-6.0, 6.0, shape[0])).reshape(-1, *[1] * (len(shape) - 1))).to(dtype)
-
 def shard_rows(rows: int, world_size: int, rank: int) -> slice:
     chunk = -(-rows // world_size)
     return slice(min(rank * chunk, rows), min((rank + 1) * chunk, rows))
+def local_part(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return full[:, shard_rows(full.shape[1], size, rank)]
+def masters(other: bool = False) -> dict[str, torch.Tensor]:
+    return {name: make_weight(shape, seed + 7919 * other, torch.float32) * scale * (1 + 3 * other)
+            for name, (shape, seed, scale) in WEIGHTS.items()}
 
-def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+# What it expects: the single-device quantization of the whole weight (qgather's quantizer, inlined)
+def quantize(w: torch.Tensor, per_tensor_amax: torch.Tensor) -> dict[str, torch.Tensor]:
+    w = w.reshape(-1, w.shape[-1])
     m, k = w.shape
     mt, kt = -(-m // 128), -(-k // 128)
     tiles = torch.nn.functional.pad(w.float(), (0, kt * 128 - k, 0, mt * 128 - m)).view(mt, 128, kt, 128)
     amax = tiles.abs().amax(dim=(1, 3))
-    scale = torch.tensor([448.0]) / amax
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, 2.0**127), scale)
-    scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # round down to a power of two
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    scale = (torch.tensor([448.0]) / amax).clamp(max=2.0**127)
+    scale = torch.where(amax == 0, 1.0, (scale.view(torch.int32) & 0x7F800000).view(torch.float32))  # 2^k, rounded down
     data = (tiles * scale.view(mt, 1, kt, 1)).view(mt * 128, kt * 128)[:m, :k]
     return {"rowwise_data": data.to(torch.float8_e4m3fn).view(torch.uint8),
             "rowwise_scale_inv": torch.tensor([1.0]) / scale}
+def dequantize(q: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    data, (m, k) = q["rowwise_data"].view(torch.float8_e4m3fn).float(), q["rowwise_data"].shape
+    return data * q["rowwise_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)[:m, :k]
+def golden(master: torch.Tensor, rank: int) -> tuple[dict, int]:
+    w, amax, row0 = master.to(DTYPE), master.to(DTYPE).abs().amax(), 0
+    return quantize(w, amax), row0
 
-def dequantize(q: dict[str, torch.Tensor]) -> torch.Tensor:
-    data = q["rowwise_data"].view(torch.float8_e4m3fn).float()
-    m, k = data.shape
-    factor = q["rowwise_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)[:m, :k]
-    return data * factor
-
-def sharded(rank: int, device: torch.device):
-    import transformer_engine.pytorch as te
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformer_engine.common import recipe
-
-    weight = make_weight(SHAPE, SEED, torch.float32)
-    mine = weight.to(DTYPE)[:, shard_rows(SHAPE[1], WORLD_SIZE, rank)].to(device)
-
-    def init_method(local: torch.Tensor) -> None:
+# What it builds: the library's own FSDP2 route, configured as the case says
+def fsdp_setup(device: torch.device, size: int):
+    shape, names = (size,), None
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    kwargs = {"mesh": mesh}
+    kwargs["shard_placement_fn"] = lambda param: Shard(1)
+    return mesh, kwargs
+def layer(master: torch.Tensor, rank: int, device: torch.device, size: int, mesh) -> torch.nn.Module:
+    mine = local_part(master.to(DTYPE), rank, size).to(device)
+    def init_method(local: torch.Tensor) -> None:  # what TE calls on this rank's materialized shard
         with torch.no_grad():
             local.copy_(mine)
-
     with te.quantized_model_init(enabled=True, recipe=getattr(recipe, RECIPE)()):
-        linear = te.Linear(SHAPE[1], SHAPE[0], bias=False, params_dtype=DTYPE, device="meta", init_method=init_method)
-    from torch.distributed.tensor import Shard
+        return te.Linear(master.shape[1], master.shape[0], bias=False, params_dtype=DTYPE, device="meta",
+                         init_method=init_method)
+def read(weight: torch.Tensor, want: dict) -> dict:
+    weight.dequantize()
+    # of the padded scales, the valid region
+    scales = weight._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]
+    return {"rowwise_data": weight._rowwise_data.view(torch.uint8), "rowwise_scale_inv": scales}
+def sharded(rank: int, device: torch.device, size: int, weights: dict):
+    mesh, kwargs = fsdp_setup(device, size)
+    layers = {name: layer(master, rank, device, size, mesh) for name, master in weights.items()}
+    root = layers["weight"]
+    fully_shard(root, **kwargs)
+    with torch.enable_grad():  # TE: materialize and quantize each rank's shard
+        for each in layers.values():
+            each.reset_parameters()
+    return root, layers
 
-    fully_shard(linear, mesh=init_device_mesh(device.type, (WORLD_SIZE,)), shard_placement_fn=lambda p: Shard(1))
-    with torch.enable_grad():
-        linear.reset_parameters()
-    return linear, weight
-
-def read(linear, want: dict) -> dict:
-    w = linear.weight
-    return {"rowwise_data": w._rowwise_data.view(torch.uint8),
-            "rowwise_scale_inv": w._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]}
-    return {"data": w._data.view(torch.uint8), "scale_inv": w._scale_inv.float().reshape(1)}
-
+# What it checks: every unshard's buffers against the golden, bit for bit
 def gathered(rank: int, device: torch.device) -> list[tuple]:
-    module, weight = sharded(rank, device)
-    want = quantize(weight.to(DTYPE))
-    module.unshard()
-    return [("unshard 1", 0, read(module, want), want)]
-
-def compare(got: dict, want: dict, got_values: torch.Tensor, want_values: torch.Tensor, row0: int) -> list[str]:
-    lines = []
-    for name, expected in want.items():
-        actual = got[name].detach().cpu()
-        if actual.shape != expected.shape:
-            lines.append(f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
-            continue
-        differ = (actual.view(torch.uint8) != expected.view(torch.uint8)).view(*expected.shape, -1).any(-1)  # elements
+    full = masters()
+    root, layers = sharded(rank, device, WORLD_SIZE, full)
+    stages = judge(root, layers, full, rank, "unshard 1")
+    return stages
+def judge(root, layers: dict, full: dict, rank: int, label: str) -> list[tuple]:
+    root.unshard()
+    stages = []
+    for name, each in layers.items():
+        want, row0 = golden(full[name].detach(), rank)
+        weight = getattr(each.weight, "_local_tensor", each.weight)  # a DTensor on "tp": this rank's piece
+        got = {key: value.detach().cpu().clone() for key, value in read(weight, want).items()}  # reshard frees them
+        where = label if len(layers) == 1 else f"{label}: weight {name} {'x'.join(map(str, full[name].shape))}"
+        digest = hashlib.sha256(b"".join(got[n].contiguous().view(torch.uint8).numpy().tobytes() for n in sorted(got)))
+        stages.append((where, compare(got, want, tuple(weight.shape), row0), digest.hexdigest()))
+    root.reshard()
+    return stages
+def compare(got: dict, want: dict, shape: tuple[int, ...], row0: int) -> list[str]:
+    lines = [f"{name}: shape {tuple(got[name].shape)}, expected {tuple(w.shape)}" for name, w in want.items()
+             if got[name].shape != w.shape]
+    for name, expected in [(name, w) for name, w in want.items() if got[name].shape == w.shape]:
+        differ = (got[name].view(torch.uint8) != expected.view(torch.uint8)).view(*expected.shape, -1).any(-1)
         if differ.any():
             lines.append(f"{name}: {int(differ.sum())} of {differ.numel()} valid elements differ")
+    got_values, want_values = dequantize(got, shape), dequantize(want, shape)
     if lines and got_values.shape == want_values.shape and want_values.numel():
-        differ = got_values.cpu() != want_values
+        differ = (got_values != want_values).reshape(-1, shape[-1])
         rows = (differ.any(1).nonzero().flatten() + row0).tolist()
         lines.append(f"dequantized weight: {int(differ.sum())} elements differ, max |diff| "
-                     f"{float((got_values.cpu() - want_values).abs().max()):.3g}; rows {row_ranges(rows)}")
+                     f"{float((got_values - want_values).abs().max()):.3g}; rows {rows[0]}-{rows[-1]}")
     return lines
 
-def row_ranges(rows: list[int]) -> str:
-    runs = [[row for _, row in run] for _, run in itertools.groupby(enumerate(rows), key=lambda p: p[1] - p[0])]
-    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs) or "none"
-
+# Running the ranks under one deadline; the verdict as qgather reports it
 def main() -> int:
     if "RANK" not in os.environ:  # python FILE
         return report(*spawn())
-    rank = int(os.environ["RANK"])
+    rank, gpus = int(os.environ["RANK"]), torch.cuda.device_count()
     if int(os.environ["WORLD_SIZE"]) != WORLD_SIZE:
         sys.exit(f"this case runs at {WORLD_SIZE} ranks: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % gpus) if gpus else None
     deadline = threading.Timer(TIMEOUT_S, lambda: (print(f"{CASE}: HANG - rank {rank}: no result within "
                                                           f"{TIMEOUT_S} s (REPRO_TIMEOUT_S)", flush=True), os._exit(1)))
     deadline.daemon = True  # our own deadline: NCCL's watchdog does not always end a rank stuck in a collective
     deadline.start()
     try:
-        stages = run_rank(rank, device)
-    except Exception as exc:
+        stages = run_rank(rank, device, "nccl" if gpus >= WORLD_SIZE else "gloo")
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         print(f"{CASE}: ERROR - rank {rank}: {type(exc).__name__}: {exc}", flush=True)
         raise  # torchrun stops the other ranks
     every = [None] * WORLD_SIZE
     dist.all_gather_object(every, stages)
     status = report(*verdict(every)) if rank == 0 else int(verdict(every)[0] != "EXACT")
     dist.barrier()  # rank 0 has printed before any rank exits: torchrun stops the others at the first exit 1
-    deadline.cancel()  # the verdict is out: no HANG after it
     dist.destroy_process_group()
     return status
-
-def run_rank(rank: int, device) -> list[dict]:
+def run_rank(rank: int, device, backend: str = "gloo") -> list[dict]:
     if device is not None:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device is not None else "gloo", rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))  # NCCL's watchdog then aborts the rank
-    return [{"rank": rank, "label": label, "lines": compare(got, want, dequantize(got), dequantize(want), row0),
-             "digest": hashlib.sha256(b"".join(got[n].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                                               for n in sorted(got))).hexdigest()}
-            for label, row0, got, want in gathered(rank, device or torch.device("cpu"))]
-
+    dist.init_process_group(backend, rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return [{"rank": rank, "label": label, "lines": lines, "digest": digest}
+            for label, lines, digest in gathered(rank, device or torch.device("cpu"))]
 def verdict(every: list[list[dict]]) -> tuple[str, list[str]]:
-    for stage in zip(*every):
-        digests, found = {}, {}
+    for stage in zip(*[stages for stages in every if stages]):
+        found = {}
         for r in stage:
-            digests.setdefault(r["label"], set()).add(r["digest"])  # ranks that gathered one piece agree on it
-            if r["lines"]:
-                found.setdefault((r["label"], *r["lines"]), []).append(r["rank"])
+            found.setdefault((r["label"], *r["lines"]), []).append(r["rank"])
         shown = [f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {label}: {'; '.join(lines)}"
-                 for (label, *lines), ranks in found.items()]
-        if any(len(d) > 1 for d in digests.values()):
-            return "RANK_DIVERGENCE", shown or ["ranks gathered different bytes"]
+                 for (label, *lines), ranks in found.items() if lines]
+        if len({(r["label"], r["digest"]) for r in stage}) > len({r["label"] for r in stage}):  # ranks of one piece
+            return "RANK_DIVERGENCE", shown or ["ranks gathered different bytes"]  # gathered different bytes
         if shown:
             return "SILENT_MISMATCH", shown
     return "EXACT", []
-
 def spawn() -> tuple[str, list[str]]:
     return "SKIPPED", [f"the library runs on GPUs, one rank each: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}"]
-
 def report(found: str, lines: list[str]) -> int:
     print(f"{CASE}: {found}" + (f" - {lines[0]}" if lines else ""), *(f"  {line}" for line in lines[1:]), sep="\n")
-    return {"EXACT": 0, "SKIPPED": 2}.get(found, 1)
+    return {"EXACT": 0, "REJECTED": 0, "SKIPPED": 2}.get(found, 1)  # REJECTED: every rank refused alike
 
 if __name__ == "__main__":
     sys.exit(main())

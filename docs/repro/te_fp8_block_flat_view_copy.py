@@ -1,4 +1,6 @@
-"""Repro (docs/findings.md): TransformerEngine 2.20.2 Float8BlockwiseQTensor under FSDP2 (torch 2.11).
+"""TransformerEngine: Float8BlockwiseQTensor under FSDP2 keeps a dequantized bf16 copy of every shard
+
+TransformerEngine 2.20.2, torch 2.11.
 At the first unshard, FSDP2's lazy initialization (FSDPParam.reset_sharded_param) flattens each local
 shard with `local_tensor.view(-1)`. TE's view of a 2-D-scaled Float8BlockwiseQTensor to another shape
 returns its dequantized values instead, so FSDP2 keeps a plain bf16 copy of every shard for the life of
@@ -12,11 +14,13 @@ each recipe, the FP8 shard's bytes, the first unshard's peak (the lazy initializ
 all-gather) and what stays allocated after the step (grads freed). Exit 1 while the blockwise shard
 is kept twice, 0 once it is not.
 
-    PYTHONPATH=/opt/te/site torchrun --nproc-per-node 2 docs/repro/te_fp8_block_flat_view_copy.py [M K]
+    PYTHONPATH=/opt/te/site torchrun --nproc-per-node 2 FILE [M K]
 """
 
 import gc
+import os
 import sys
+import threading
 import warnings
 
 import torch
@@ -29,6 +33,7 @@ from transformer_engine.common import recipe
 
 WEIGHT = (8192, 28672)  # (out_features, in_features) of the layer
 MiB = 2**20
+TIMEOUT_S = int(os.environ.get("REPRO_TIMEOUT_S", "30"))  # the deadline (HANG after it)
 BUFFERS = ("_rowwise_data", "_columnwise_data", "_rowwise_scale_inv", "_columnwise_scale_inv", "_data", "_transpose",
            "_scale_inv")
 autocast = getattr(te, "autocast", None) or te.fp8_autocast
@@ -108,4 +113,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    timer = threading.Timer(TIMEOUT_S, lambda: (print(f"HANG: no result within {TIMEOUT_S} s", flush=True),
+                                                os._exit(1)))
+    timer.daemon = True
+    timer.start()
     sys.exit(main())

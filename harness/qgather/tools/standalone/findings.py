@@ -29,6 +29,11 @@ class Finding:
         library: the project the draft is for.
         versions: what it was seen on.
         expected, actual, cause, fix: the draft's sections (Markdown).
+        gpu_output: what the script printed on GPUs, quoted by whoever ran `docs/repro/run-gpu.sh`
+            ("": not yet run; TE's scripts need GPUs).
+        probe: the script is pieces of no case: qgather/tools/standalone/probes/<name>.py, copied
+            (case_id then names the case closest to it, or "").
+        ranks: the probe's process count (1: `python FILE`; more: torchrun).
     """
 
     name: str
@@ -41,6 +46,9 @@ class Finding:
     actual: str
     cause: str
     fix: str
+    gpu_output: str = ""
+    probe: bool = False
+    ranks: int = 1
 
 
 FINDINGS: tuple[Finding, ...] = (
@@ -99,8 +107,8 @@ FINDINGS: tuple[Finding, ...] = (
         "torchao", TORCHAO,
         expected="With `precompute_float8_dynamic_scale_for_fsdp` before the all-gather, the 5-row weight on 2 "
                  "ranks gathers to the single-device cast.",
-        actual="`HANG`: the script's deadline (120 s) passes with both ranks waiting. qgather's report: one "
-               "rank waits in an amax all-reduce, the other in the all-gather.",
+        actual="`HANG`: the script's deadline (REPRO_TIMEOUT_S, 30 s) passes with both ranks waiting. qgather's "
+               "report: one rank waits in an amax all-reduce, the other in the all-gather.",
         cause="Not yet located to a line. qgather's evidence: FSDP2 re-wraps the padded shard at lazy "
               "initialization and the precomputed scale is lost on that rank only, which then casts "
               "dynamically and all-reduces its amax (`tensor_to_amax`, torchao/float8/float8_utils.py:75) "
@@ -213,4 +221,125 @@ FINDINGS: tuple[Finding, ...] = (
               "but for 1 x K viewed as (K,) it is false and `shape[-2]` raises.",
         fix="Test `len(shape)` before indexing `shape[-2]`: a view to fewer dimensions takes the "
             "warn-and-dequantize path as any other flat view does."),
+    Finding(
+        "te-blockwise-cannot-dequantize", "te:fp8_block:4x64:bf16:ws2:gather:s0",
+        "Float8BlockwiseQTensor under FSDP2: shards smaller than a tile gather a weight TE cannot dequantize",
+        "te-blockwise-cannot-dequantize", "TransformerEngine", TE_ONE_GPU,
+        expected="A 4-row weight on 2 ranks (2 rows each) gathers to the single-GPU Float8BlockScaling "
+                 "quantization, which TE's own `dequantize()` reads, or every rank refuses the shards.",
+        actual="qgather's report (one H200, 2 ranks as gloo on CUDA): `ERROR` on every rank in TE's "
+               "`dequantize()` of the gathered weight: `RuntimeError: shape '[2, 128, 1, 128]' is invalid for "
+               "input of size 16384` (float8_blockwise_tensor_storage.py:85); in the model scenario "
+               "(`te:fp8_block:128x352:bf16:ws2:model:s0`) TE's forward raises the same.",
+        cause="Each rank quantizes its 2-row shard on its own 128x128 tile grid (the tile-split finding); the "
+              "post-hook concatenates the shards' padded tiles, so the gathered data holds two tiles' worth of "
+              "rows for a weight of one tile, which `dequantize()` cannot reshape.",
+        fix="Refuse, in the pre-hook on every rank, a shard that does not start on a 128-row tile boundary "
+            "(as for the tile split), or gather unpadded rows."),
+    Finding(
+        "te-delayed-dcp-extra-state", "te:delayed:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2-trained",
+        "DelayedScaling: a DCP checkpoint saved after training does not load into a freshly built module",
+        "te-delayed-dcp-extra-state", "TransformerEngine", TE_ONE_GPU,
+        expected="A te.Linear (DelayedScaling, TE's FSDP2 route) saved with torch.distributed.checkpoint after "
+                 "one training forward at 2 ranks loads into a freshly built module at 4 ranks, as it does when "
+                 "saved before any forward.",
+        actual="qgather's report (one H200, gloo on CUDA): `ERROR` in the load on every rank: `ValueError: Size "
+               "mismatch between saved torch.Size([22322]) and current: torch.Size([0]) for _extra_state` "
+               "(wrapped in DCP's `CheckpointException`, a BaseException: the script reports it as the rank's "
+               "error). A one-GPU probe printed `DelayedScaling: _extra_state bytes: fresh 0, after one forward "
+               "22322, another fresh module 0`; Float8CurrentScaling: 0 bytes before and after, and it loads.",
+        cause="A te.Linear's `_extra_state` is empty until its first forward under `te.autocast` "
+              "(module/base.py:1387: `fp8_checkpoint = fp8_meta[\"fp8_checkpoint\"] or self.fp8 or "
+              "self.fp8_calibration`), then holds DelayedScaling's scales and amax history, so the saved and "
+              "the fresh state dicts disagree on its size, which DCP's load planner refuses.",
+        fix="Give `_extra_state` the same size before the first forward (the recipe's empty history), or "
+            "accept a size change in the load (`set_extra_state` already accepts any size outside DCP)."),
+    Finding(
+        "te-blockwise-checkpoint-tile-split", "te:fp8_block:1024x64:bf16:ws2:gather:s0:dcp-ws3",
+        "Float8BlockwiseQTensor: a checkpoint saved at a tile-splitting world size loads wrong values",
+        "te-blockwise-checkpoint-tile-split", "TransformerEngine", TE_ONE_GPU,
+        expected="A 1024-row weight saved with torch.distributed.checkpoint at 3 ranks (342-row shards) and loaded "
+                 "at 2 ranks (512-row shards, tile-aligned) gathers to the single-GPU Float8BlockScaling "
+                 "quantization, or the save refuses the tile-splitting shards.",
+        actual="qgather's report (one H200, gloo on CUDA), twice: `SILENT_MISMATCH` - `rowwise_data: 64644 of 65536 "
+               "valid elements differ; rowwise_scale_inv: 8 of 8`, dequantized weight 65113 elements differ, max "
+               "|diff| 848, in every block row from both ranks. Saved at 2 ranks (`...:dcp-ws2`): EXACT.",
+        cause="At 3 ranks each shard is quantized on its own 128-row tile grid (the tile-split finding) and DCP "
+              "saves those shards without complaint; the load at 2 ranks writes the saved bytes and scales into "
+              "another tiling.",
+        fix="Refuse tile-splitting shards in the pre-hook and at `reset_parameters` (then nothing is saved "
+            "from them), or save the high-precision shard and re-quantize after the load."),
+    Finding(
+        "te-blockwise-checkpoint-trained", "te:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained",
+        "Float8BlockwiseQTensor: a checkpoint saved after a training forward loads one tile wrong",
+        "te-blockwise-checkpoint-trained", "TransformerEngine", TE_ONE_GPU,
+        expected="A weight saved at 2 ranks after one forward under `te.autocast` and loaded at 4 ranks into a "
+                 "freshly built module gathers to the single-GPU Float8BlockScaling quantization, as it does "
+                 "when saved as built.",
+        actual="qgather's report (one H200, gloo on CUDA), three runs alike: `SILENT_MISMATCH` - `rowwise_data: "
+               "8192 of 65536 valid elements differ; rowwise_scale_inv: 1 of 8`, block row 3 (rows 384-511, the "
+               "saving rank 0's last tile), loaded by rank 1. Saved as built (`...:dcp-ws2`): EXACT.",
+        cause="Not yet located. What the forward changes in the sharded Float8BlockwiseQTensor that DCP then "
+              "saves is the open question (its columnwise usage is the first suspect).",
+        fix="Not yet known; the script shows the one wrong tile."),
+    Finding(
+        "te-tp-amax", "te:fp8_tensor:128x64:fp32:ws2:reshard:s0:tp-1x2",
+        "te.Linear with tp_group under FSDP2: each TP piece quantized with the amax of its dp shards only",
+        "te-tp-amax", "TransformerEngine", "torch 2.11.0+cu130, TransformerEngine 2.20.2, one H100 (sm_90)",
+        expected="te.Linear(tp_group=..., tp_size=2, parallel_mode=\"column\") built on meta under "
+                 "`quantized_model_init(Float8CurrentScaling)`, `fully_shard(mesh=mesh[\"dp\"])`, "
+                 "`reset_parameters()`: every TP rank's gathered piece equals its rows of the single-GPU "
+                 "quantization of the whole weight (one amax).",
+        actual="qgather's report (one H100, ranks as gloo on the GPU): `SILENT_MISMATCH` - `unshard 1: tp rank 0 "
+               "of 4: rows [0, 32): data: 2048 of 2048 valid elements differ; scale_inv: 1 of 1 valid elements "
+               "differ` (`te:fp8_tensor:128x64:bf16:ws8:reshard:s0:tp-2x4`); the same class at tp-1x2.",
+        cause="TE takes the quantizer's `amax_reduction_group` from the parameter's FSDP mesh, \"dp\" only: "
+              "each TP piece is scaled by the amax of its own dp shards, never reduced over \"tp\".",
+        fix="Reduce the weight's amax over the tensor-parallel group too (the module has it: `tp_group`) "
+            "when the recipe scales per tensor."),
+    Finding(
+        "te_refused_autocast_leaves_fp8_enabled", "",
+        "A refused te.autocast leaves TE's global FP8 state enabled for the rest of the process",
+        "te-refused-autocast", "TransformerEngine", "torch 2.11.0+cu130, TransformerEngine 2.20.2, one H200 (sm_90)",
+        expected="A `te.autocast` whose recipe the GPU cannot run raises and leaves TE's global FP8 state as it "
+                 "found it.",
+        actual="On an H200: `before: FP8 enabled = False`; `te.autocast(NVFP4BlockScaling) refused: Device compute "
+               "capability 10.0 or higher required for NVFP4 execution.`; `after the refused autocast: FP8 "
+               "enabled = True recipe = NVFP4BlockScaling`; `a DelayedScaling te.Linear built afterwards, never "
+               "run: fp8 = True _extra_state bytes = 22158`.",
+        cause="`FP8GlobalStateManager.autocast_enter` (transformer_engine/pytorch/quantization.py:730-769) first "
+              "writes the new state (`fp8_enabled`, the recipe, `autocast_depth += 1`) and only then asserts that "
+              "the GPU can run the recipe; `autocast.__enter__` (line 1037) raises, so `__exit__` (line 1056), "
+              "which restores the previous state, never runs.",
+        fix="Assert before mutating the state, or enter the state inside the `try` whose `finally` restores it.",
+        probe=True),
+    Finding(
+        "te_delayed_fused_adam_stale_transpose", "te:delayed:fp8_tensor:256x512:bf16:ws1:model:s0",
+        "DelayedScaling + FusedAdam(master_weights=True): the backward uses a stale FP8 transpose",
+        "te-delayed-fused-adam-stale-transpose", "TransformerEngine",
+        "torch 2.11.0+cu130, TransformerEngine 2.20.2, one H200 (sm_90)",
+        expected="After `te.optimizers.FusedAdam(..., master_weights=True).step()` the Float8Tensor weight's cached "
+                 "transpose equals its data's transpose, or is marked invalid.",
+        actual="qgather's probe (2 x H200, one GPU used): a 256x256 bf16 te.Linear, lr 1e-2: `after init: "
+               "stale_elements=0/65536`, `after step 1: stale_elements=65536/65536 invalid=False`; dgrad with "
+               "the held transpose against the same backward after dropping it: `equal=False max|diff|=1.086`.",
+        cause="Not yet located in TE's source: which FusedAdam path writes FP8 data under delayed scaling "
+              "without invalidating the transpose.",
+        fix="Invalidate (or rewrite) the cached transpose wherever FusedAdam writes a Float8Tensor's data.",
+        probe=True),
+    Finding(
+        "te_fp8_block_flat_view_copy", "",
+        "Float8BlockwiseQTensor under FSDP2: FSDP2 keeps a dequantized bf16 copy of every shard",
+        "te-fp8-block-flat-view-copy", "TransformerEngine", "torch 2.11.0+cu130, TransformerEngine 2.20.2, 4 x H100",
+        expected="The sharded Float8BlockwiseQTensor weights take the FP8 shard's memory, as Float8Tensor's do.",
+        actual="te.Linear 8192 x 28672, 4 x H100: at 2 ranks the FP8 shard is 224 MiB of buffers, FSDP2's flat "
+               "shard a `torch.Tensor` bf16 of 224 MiB, and what stays allocated after a forward and backward "
+               "(gradients freed) grows by 224 MiB (Float8CurrentScaling: +0); the first unshard peaks 896 MiB "
+               "above the built layer (the control: 448).",
+        cause="FSDP2's lazy initialization (`FSDPParam.reset_sharded_param`) stores `local_tensor.view(-1)` as "
+              "its flat shard; TE's `_ViewFunc.forward` answers a view of a 2-D-scaled Float8BlockwiseQTensor to "
+              "another shape with the dequantized values.",
+        fix="TE: a flat `view` of a 2-D-scaled tensor that does not dequantize, or FSDP2: no flat view of a local "
+            "tensor whose class has `fsdp_pre_all_gather`.",
+        probe=True, ranks=2),
 )

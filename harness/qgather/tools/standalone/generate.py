@@ -3,11 +3,13 @@ writes, made of the functions in qgather.tools.standalone.pieces (copied with in
 docstrings dropped and each `if` on the case's constants decided, so the script runs the code the
 tests check, less the branches its case does not take) and the case's constants.
 
-Templates exist per library route and format: torchao's float8 all-gather (fp8_tensor; FSDP2
-alone or with torchao's colwise tensor parallelism, the gather scenario), TransformerEngine's FSDP2
-route (fp8_tensor with Float8CurrentScaling, fp8_block with Float8BlockScaling; gather, steps and
-reshard; Shard(0) or Shard(1) for gather) and the reference or a zoo mutant (gather, steps and
-reshard at FSDP2's defaults). Any other case id is refused in one line (`UnsupportedCase`).
+One template per library route, its FSDP2 configuration decided by the case's constants: torchao's
+float8 all-gather (fp8_tensor, torchao and torchao:precompute), TransformerEngine's FSDP2 route (te:
+fp8_tensor with Float8CurrentScaling, fp8_block with Float8BlockScaling; te:delayed: DelayedScaling)
+and qgather's reference subclass (every built-in format; carried as source), each over the gather,
+steps, reshard, layers and block scenarios and every configuration token (mp-*, raf-*, hsdp-RxS,
+tp-DxT[-row], dim1, compile, dcp-wsA[-trained], nested). Any other case id is refused in one line
+saying why (`UnsupportedCase`).
 """
 
 from __future__ import annotations
@@ -16,132 +18,185 @@ import ast
 import inspect
 import re
 import textwrap
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 
 from qgather.errors import UsageError
+from qgather.model.block import block_params
 from qgather.model.case import CaseSpec
+from qgather.model.layers import layer_weights
 from qgather.tools.standalone import bundle
-from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor, launch, reference, routes, scenario
+from qgather.tools.standalone.pieces import (
+    data,
+    evidence,
+    fp8_block,
+    fp8_tensor,
+    fsdp,
+    launch,
+    reference,
+    routes,
+    scenario,
+)
 
 __all__ = ["MAX_LINES", "UnsupportedCase", "how_to_run", "readable_lines", "render"]
 
 #: The most lines a script has before SOURCES (what a maintainer reads; SOURCES is the carried subclass),
-#: by library: TE's scripts run under torchrun only; torchao's also carry the `python FILE` launcher
-#: (forked gloo ranks, ERROR / CRASH / HANG under one deadline); the reference's its route's helpers.
-MAX_LINES = {"transformer_engine": 180, "torchao": 205, "": 235}
+#: by library: TE's scripts run under torchrun only; torchao's and the reference's also carry the
+#: `python FILE` launcher (forked gloo ranks, ERROR / CRASH / HANG under one deadline).
+MAX_LINES = {"transformer_engine": 260, "torchao": 260, "": 280}  # a finding's script: 200 (test_standalone_docs)
 _DTYPES = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}
-_TE_RECIPES = {"fp8_tensor": "Float8CurrentScaling", "fp8_block": "Float8BlockScaling"}
+_TE_RECIPES = {("te", "fp8_tensor"): "Float8CurrentScaling", ("te", "fp8_block"): "Float8BlockScaling",
+               ("te:delayed", "fp8_tensor"): "DelayedScaling"}
 _STEPS = {"gather": 0, "steps": 3, "reshard": 1}  # optimizer steps, as qgather.scenarios.fsdp takes them
-_EVIDENCE = (evidence.compare, evidence.row_ranges, launch.main, launch.run_rank, launch.verdict)
-_STDLIB = ("contextlib", "datetime", "hashlib", "importlib", "itertools", "multiprocessing", "os", "signal", "socket",
-           "sys", "threading", "time", "types")
+_MODULES = ("layers", "block")  # a module of several weights (qgather.model.layers, qgather.model.block)
+_STDLIB = ("contextlib", "datetime", "hashlib", "importlib", "itertools", "math", "multiprocessing", "os", "re",
+           "shutil", "signal", "socket", "sys", "tempfile", "threading", "time", "types")
+#: the torch names the pieces import at module level, imported by a script that uses them
+_TORCH_NAMES = (("torch.distributed.device_mesh", ("DeviceMesh", "init_device_mesh")),
+                ("torch.distributed.fsdp", ("MixedPrecisionPolicy", "fully_shard")),
+                ("torch.distributed.tensor", ("Shard",)))
+#: why a case has no standalone script, by what it is (one line each; `qgather case ID` runs every case)
+_WHY_NOT = {
+    "mutant": "a zoo mutant is qgather's own reference code with a planted bug, not a library with "
+              "maintainers to report to (its script would carry qgather's package as source)",
+    "te:prequantized": "te:prequantized's verdict is about the bytes on the wire (DEGRADED), which a script's "
+                       "comparison of the gathered buffers does not measure",
+    "hooks": "the hooks scenario emulates FSDP2 around the subclass's hooks with qgather's own code, without "
+             "fully_shard: its script would be qgather's emulation",
+    "virtual": "the virtual scenario runs FSDP2's hooks in one process on qgather's virtual ranks",
+    "model": "the model scenario trains the library's model against its one-GPU twin through qgather's "
+             "optimizer and inspection",
+}
 
 
 class UnsupportedCase(UsageError):
-    """A case id no standalone template covers (the message says what is covered)."""
+    """A case id no standalone template covers (the message says why, in one line)."""
 
 
 @dataclass(frozen=True)
 class Template:
-    """What a script is made of: the library, the route's functions (script name -> piece) and the golden."""
+    """What a script is made of: the library, its route's functions (name in the script -> piece), the
+    golden, the case's constants and, for the reference, the sources it carries."""
 
     library: str  # the import name the script needs besides torch ("": none)
     functions: tuple[tuple[str, object], ...]  # (name in the script, a function of pieces), in order
     golden: ModuleType  # pieces.fp8_tensor, pieces.fp8_block or pieces.reference
-    constants: tuple[tuple[str, str, str], ...]  # (name, value source, comment) of the route's own constants
+    constants: tuple[tuple[str, str, str, object], ...]  # (name, value source, comment, value) of the route's
     needs_cuda: bool
-    sources: dict[str, str] | None = None  # reference/mutant: qgather's modules the script carries (bundle)
-
-
-_COVERED = ("covered: torchao[:precompute]:fp8_tensor (gather; FSDP2 defaults or tp-DxT), te:fp8_tensor / "
-            "te:fp8_block (gather, steps, reshard; FSDP2 defaults, dim1 for gather), reference and mutant:<bug> "
-            "(gather, steps, reshard; FSDP2 defaults)")
+    sources: dict[str, str] | None = None  # reference: qgather's modules the script carries (bundle)
 
 
 def template_for(spec: CaseSpec) -> Template:
-    """The template of `spec`, or UnsupportedCase naming why there is none."""
-    for template in (_torchao_template, _reference_template, _te_template):
-        found = template(spec)
-        if found is not None:
-            return found
-    config = f" under {spec.config.token}" if not spec.config.is_default else ""
-    raise UnsupportedCase(f"{spec.id}: no standalone template for {spec.impl}:{spec.fmt} in the {spec.scenario} "
-                          f"scenario{config} ({_COVERED})")
-
-
-def _torchao_template(spec: CaseSpec) -> Template | None:
-    config = spec.config
-    colwise_tp_only = config.tp is not None and config.tp_style == "col" and replace(config, tp=None).is_default
-    if spec.impl not in ("torchao", "torchao:precompute") or spec.fmt != "fp8_tensor" or len(spec.shape) != 2 or not (
-            config.is_default or colwise_tp_only) or spec.scenario != "gather":
-        return None
-    functions = (("gathered", routes.gathered_torchao), ("float8_as_bytes_on_gloo", routes.float8_as_bytes_on_gloo))
-    return Template("torchao", functions, fp8_tensor, (
-        ("TP", str(config.tp[1] if config.tp else 1),
-         'tensor-parallel size: mesh ("dp", "tp") of (WORLD_SIZE // TP, TP)'),
-        ("PRECOMPUTE", str(spec.impl == "torchao:precompute"), "precompute_float8_dynamic_scale_for_fsdp first")),
-        needs_cuda=False)
-
-
-def _reference_template(spec: CaseSpec) -> Template | None:
-    if not (spec.impl == "reference" or spec.impl.startswith("mutant:")) or not spec.config.is_default or (
-            spec.scenario not in _STEPS):
-        return None
+    """The template of `spec`, or UnsupportedCase saying in one line why there is none."""
+    why = _why_not(spec)
+    if why:
+        raise UnsupportedCase(f"{spec.id}: no standalone script: {why}; run `qgather case {spec.id}`")
+    if spec.impl.startswith("torchao"):
+        route = (("layer", routes.layer_torchao), ("read", routes.read_torchao),
+                 ("requantize", routes.requantize_torchao), ("forward", routes.forward_module))
+        return Template("torchao", route, fp8_tensor, (), needs_cuda=False)
+    if spec.impl.startswith("te"):
+        route = (("layer", routes.layer_te), ("read", routes.read_te), ("requantize", routes.requantize_te),
+                 ("forward", routes.forward_te))
+        recipe = _TE_RECIPES[spec.impl, spec.fmt]
+        return Template("transformer_engine", route, fp8_block if spec.fmt == "fp8_block" else fp8_tensor,
+                        (("RECIPE", repr(recipe), "transformer_engine.common.recipe", recipe),), needs_cuda=True)
     param_class = _param_class(spec)
-    functions = (("install", reference.install), ("sharded", reference.sharded_reference),
-                 ("read", reference.read_reference), *_scenario(spec, reference.requantize_reference))
-    return Template("", functions, reference, (
-        ("FORMAT", repr(spec.fmt), "qgather's format name"),
-        ("PARAM_CLASS", repr(bundle.class_path(param_class)), "the tensor subclass under test, in SOURCES"),
-        *_steps_constants(spec)), needs_cuda=False, sources=bundle.sources(param_class))
+    route = (("install", reference.install), ("ReferenceLinear", reference.ReferenceLinear),
+             ("layer", reference.layer_reference), ("read", reference.read_reference),
+             ("requantize", reference.requantize_reference), ("forward", routes.forward_module))
+    return Template("", route, reference, (
+        ("FORMAT", repr(spec.fmt), "qgather's format name", spec.fmt),
+        ("PARAM_CLASS", repr(bundle.class_path(param_class)), "the tensor subclass under test, in SOURCES", None)),
+        needs_cuda=False, sources=bundle.sources(param_class))
 
 
-def _te_template(spec: CaseSpec) -> Template | None:
+def _why_not(spec: CaseSpec) -> str:
+    """Why `spec` has no script ("" when it has one)."""
+    family = "mutant" if spec.impl.startswith("mutant:") else spec.impl
+    if family in _WHY_NOT:
+        return _WHY_NOT[family]
+    if spec.scenario in _WHY_NOT:
+        return _WHY_NOT[spec.scenario]
+    if spec.impl not in ("reference", "te", "te:delayed", "torchao", "torchao:precompute"):
+        return (f"{spec.impl} is not one of the libraries the scripts know (te, te:delayed, torchao) nor the "
+                "reference")
+    if spec.impl.startswith("te") and (spec.impl, spec.fmt) not in _TE_RECIPES:
+        return (f"{spec.impl}:{spec.fmt} has no inlined golden (the scripts carry FP8 per-tensor and blockwise), "
+                "and TE's MXFP8 and NVFP4 kernels need sm_100")
+    if spec.impl.startswith("torchao") and spec.fmt != "fp8_tensor":
+        return f"torchao's float8 training has no {spec.fmt}"
+    if not spec.impl == "reference" and (len(spec.shape) != 2 or (spec.impl == "te" and spec.scenario == "layers")):
+        return f"{spec.impl} does not run this case (qgather SKIPs it: 3-D weights, or te's layers scenario)"
+    return ""
+
+
+def _constants(spec: CaseSpec) -> tuple[tuple[str, str, str, object], ...]:
+    """(name, source, comment, value) of every constant a script's pieces may read; a script holds those
+    its code reads after its case's `if`s are decided (`value` decides them; None: not a literal)."""
     config = spec.config
-    dim1_gather = config.shard_dim == 1 and spec.scenario == "gather" and replace(config, shard_dim=0).is_default
-    if spec.impl != "te" or spec.fmt not in _TE_RECIPES or len(spec.shape) != 2 or not (
-            config.is_default or dim1_gather) or spec.scenario not in _STEPS:
-        return None
-    functions = (("sharded", routes.sharded_te), ("read", routes.read_te),
-                 *_scenario(spec, routes.requantize_te))
-    return Template("transformer_engine", functions, fp8_tensor if spec.fmt == "fp8_tensor" else fp8_block, (
-        ("RECIPE", repr(_TE_RECIPES[spec.fmt]), "transformer_engine.common.recipe"),
-        ("SHARD_DIM", str(config.shard_dim), "FSDP2 shards the weight's rows (0) or columns (1)"),
-        *_steps_constants(spec)), needs_cuda=True)
-
-
-def _scenario(spec: CaseSpec, requantize) -> tuple[tuple[str, object], ...]:
-    if spec.scenario == "gather":
-        return (("gathered", scenario.gathered_once),)
-    return ("requantize", requantize), ("gathered", scenario.gathered_steps)
-
-
-def _steps_constants(spec: CaseSpec) -> tuple[tuple[str, str, str], ...]:
-    if spec.scenario == "gather":
-        return ()
-    return (("STEPS", str(_STEPS[spec.scenario]), "SGD steps (lr 0.05, momentum 0.9), each followed by a re-gather"),
+    size = spec.world_size
+    saved = config.saved_at_world_size or 0
+    mp = config.param_dtype and _DTYPES[config.param_dtype]
+    reduce = config.reduce_dtype and _DTYPES[config.reduce_dtype]
+    rows = [("CASE", repr(spec.id), "", None),
+            ("SHAPE", repr(tuple(spec.shape)), "the weight (out_features, in_features)", None),
+            ("SEED", str(spec.seed), "the weight is drawn from it exactly as qgather draws it", None),
+            ("DTYPE", _DTYPES[spec.dtype], "", None),
+            ("WORLD_SIZE", str(max(size, saved)), "ranks launched" if saved else "", None),
+            ("WEIGHTS", _weights(spec), "name: (shape, data seed, magnitude)", None),
+            ("TP", str(config.tp[1] if config.tp else 0), 'tensor-parallel size: a ("dp", "tp") mesh of '
+             "(ranks // TP, TP)", config.tp[1] if config.tp else 0),
+            ("TP_DIM", str(int(config.tp_style == "row")), "0: ColwiseParallel (rows), 1: RowwiseParallel (columns)",
+             int(config.tp_style == "row")),
+            ("HSDP", str(config.hsdp[0] if config.hsdp else 0), 'HSDP replicas: a ("replicate", "shard") mesh',
+             config.hsdp[0] if config.hsdp else 0),
+            ("SHARD_DIM", str(config.shard_dim), "FSDP2 shards the weight's rows (0) or columns (1)",
+             config.shard_dim),
+            ("MP", str(mp), "MixedPrecisionPolicy(param_dtype=MP, reduce_dtype=REDUCE)", bool(mp)),
+            ("REDUCE", str(reduce), "", None),
+            ("RAF", repr(config.reshard_after_forward), "fully_shard's reshard_after_forward",
+             config.reshard_after_forward),
+            ("COMPILE", str(config.compile), "", config.compile),
+            ("SAVED_AT", str(saved), "the checkpoint is saved at SAVED_AT ranks, loaded at LOADED_AT", saved),
+            ("LOADED_AT", str(size), "", None),
+            ("TRAINED", str(config.saved_after_forward), "saved after one training forward",
+             config.saved_after_forward),
+            ("LAYERS", str(spec.scenario == "layers"), "", spec.scenario == "layers"),
+            ("BLOCK", str(spec.scenario == "block"), "", spec.scenario == "block"),
+            ("NESTED", str(config.nested), "", config.nested),
+            ("RESET", str(spec.impl.startswith("te")), "", spec.impl.startswith("te")),
+            ("FLOAT8_WIRE", str(not spec.impl.startswith("te")), "", not spec.impl.startswith("te")),
+            ("DELAYED", str(spec.impl == "te:delayed"), "", spec.impl == "te:delayed"),
+            ("PRECOMPUTE", str(spec.impl == "torchao:precompute"), "", spec.impl == "torchao:precompute"),
+            ("STEPS", str(_STEPS.get(spec.scenario, 0)), "SGD steps (lr 0.05, momentum 0.9), each followed by a "
+             "re-gather", _STEPS.get(spec.scenario, 0)),
             ("REQUANTIZE_FIRST", str(spec.scenario == "steps"),
-             "re-quantize every shard from its unchanged rows before the first all-gather"))
+             "re-quantize every shard from its unchanged rows before the first all-gather", spec.scenario == "steps"),
+            ("TIMEOUT_S", 'int(os.environ.get("REPRO_TIMEOUT_S", "30"))',
+             "every rank's deadline (a rank still waiting then: HANG)", None)]
+    return tuple(rows)
+
+
+def _weights(spec: CaseSpec) -> str:
+    """WEIGHTS: the case's one weight, or the weights of its layers or block module (those of the case's
+    format the library holds: qgather leaves the others out of the module too)."""
+    if spec.scenario not in _MODULES:
+        return f'{{"weight": ({tuple(spec.shape)!r}, {spec.seed}, 1.0)}}'
+    weights = block_params(spec).quantized if spec.scenario == "block" else layer_weights(spec)
+    held = [w for w in weights if w.spec.fmt == spec.fmt and (spec.impl == "reference" or len(w.spec.shape) == 2)]
+    return "{" + ", ".join(f'"{w.name}": ({tuple(w.spec.shape)!r}, {w.spec.seed}, {w.scale})' for w in held) + "}"
 
 
 def _param_class(spec: CaseSpec) -> type:
-    """The reference's or the mutant's parameter class; UnsupportedCase for a bug in the adapter."""
+    """The reference's parameter class."""
     # deferred: the registry imports torch and the adapters, which a TE or torchao script never needs
     from qgather.impls import get_impl
-    from qgather.impls.reference import ReferenceImplementation
 
     impl = get_impl(spec.impl)
     if spec.fmt not in impl.formats or spec.fmt not in bundle.reference_formats():
-        raise UnsupportedCase(f"{spec.id}: {spec.impl} does not implement {spec.fmt}")
-    adapter = type(impl)
-    own = sorted({name for cls in adapter.__mro__[:adapter.__mro__.index(ReferenceImplementation)]
-                  for name, value in vars(cls).items()
-                  if inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))})
-    if own:
-        raise UnsupportedCase(f"{spec.id}: the bug lives in the adapter ({', '.join(own)}), "
-                              "which the script does not carry")
-    return adapter.param_class
+        raise UnsupportedCase(f"{spec.id}: no standalone script: {spec.impl} does not implement {spec.fmt}")
+    return type(impl).param_class
 
 
 def render(case_id: str, title: str = "", note: str = "") -> str:
@@ -159,68 +214,120 @@ def render(case_id: str, title: str = "", note: str = "") -> str:
     """
     spec = CaseSpec.parse(case_id)
     template = template_for(spec)
+    constants = (*_constants(spec), *template.constants)
     install = "    install(SOURCES)\n" if template.sources else ""
     main = f'if __name__ == "__main__":\n{install}    sys.exit(main())'
     sources = [_sources_block(template.sources), ""] if template.sources else []  # SOURCES last but main
-    body = "\n".join([*_functions(template), *sources, main])
-    body = "\n".join([_constants(spec, template, body), "", body])
-    return "\n".join([_header(spec, template, title, note), _imports(template, body), "", body]) + "\n"
+    functions, imports = _hoisted(_functions(spec, template, constants))
+    code = "\n".join([*functions, main])  # what the imports serve (SOURCES brings its own)
+    body = "\n".join([*functions, *sources, main])
+    body = "\n".join([_constant_lines(constants, code), "", body])
+    return "\n".join([_header(spec, template, title, note), _imports(code, imports), "", body]) + "\n"
 
 
-def _functions(template: Template) -> list[str]:
-    """The script's functions in reading order (data, golden, route, evidence, launcher), each
-    specialized to the case's constants; `shard_rows` only where something calls it."""
-    launcher = [("spawn", launch.torchrun_only)] if template.needs_cuda else [("spawn", launch.spawn),
-                                                                               ("_rank", launch._rank)]
-    named = [("make_weight", data.make_weight), ("shard_rows", data.shard_rows),
-             ("quantize", template.golden.quantize), ("dequantize", template.golden.dequantize),
-             *template.functions, *((f.__name__, f) for f in _EVIDENCE), *launcher, ("report", launch.report)]
-    known = {name: ast.literal_eval(value) for name, value, _ in template.constants}
-    functions = [_specialized(_source(function, name), known) for name, function in named]
-    if not any("shard_rows(" in text for text in functions[2:]):
-        del functions[1]
-    return functions
+#: the script's sections, in reading order: a comment, then its functions (no blank line between them)
+_SECTIONS = (
+    ("What the case holds: its weights, drawn as qgather draws them, and FSDP2's split of them",
+     ("make_weight", "shard_rows", "tp_piece", "local_part", "masters")),
+    ("What it expects: the single-device quantization of the whole weight (qgather's quantizer, inlined)",
+     ("quantize", "dequantize", "golden")),
+    ("What it builds: the library's own FSDP2 route, configured as the case says",
+     ("install", "ReferenceLinear", "fsdp_setup", "sub_mesh", "float8_as_bytes_on_gloo", "layer", "read", "requantize",
+      "forward", "Layers", "sharded", "saved_checkpoint")),
+    ("What it checks: every unshard's buffers against the golden, bit for bit",
+     ("gathered", "unshards", "judge", "compare", "make_input", "compiled")),
+    ("Running the ranks under one deadline; the verdict as qgather reports it",
+     ("main", "run_rank", "verdict", "spawn", "_rank", "report")),
+)
+
+
+def _functions(spec: CaseSpec, template: Template, constants) -> list[str]:
+    """The script's sections: each a comment and its functions, specialized to the case's constants;
+    a function nothing calls is left out."""
+    launcher = {"spawn": launch.spawn, "_rank": launch._rank}
+    if template.needs_cuda:
+        launcher = {"spawn": launch.torchrun_only}
+    pieces = {"make_weight": data.make_weight, "shard_rows": data.shard_rows, "tp_piece": data.tp_piece,
+              "local_part": data.local_part, "masters": data.masters, "quantize": template.golden.quantize,
+              "dequantize": template.golden.dequantize, "golden": scenario.golden, "fsdp_setup": fsdp.fsdp_setup,
+              "sub_mesh": fsdp.sub_mesh, "float8_as_bytes_on_gloo": fsdp.float8_as_bytes_on_gloo,
+              "saved_checkpoint": fsdp.saved_checkpoint,
+              **dict(template.functions), "Layers": scenario.Layers, "sharded": scenario.sharded,
+              "gathered": _gathered(spec), "judge": scenario.judge, "compare": evidence.compare,
+              "unshards": scenario.gathered_steps if spec.scenario in ("steps", "reshard") else scenario.gathered_once,
+              "make_input": scenario.make_input, "compiled": scenario.compiled, "main": launch.main,
+              "run_rank": launch.run_rank, "verdict": launch.verdict, **launcher, "report": launch.report}
+    known = {name: value for name, _, _, value in constants if value is not None}
+    texts = {name: _specialized(_source(function, name), known) for name, function in pieces.items()}
+    reached = _called(texts, "main", "install")
+    sections = []
+    for comment, names in _SECTIONS:
+        kept = [texts[name] for name in names if name in reached]
+        if kept:
+            sections.append(f"# {comment}\n" + "".join(kept))
+    return sections
+
+
+def _gathered(spec: CaseSpec):
+    """The scenario's entry: a checkpoint first; the steps' unshards; the first unshard."""
+    if spec.config.saved_at_world_size:
+        return scenario.gathered_checkpoint
+    return scenario.gathered_again if spec.scenario in ("steps", "reshard") else scenario.gathered
+
+
+def _called(texts: dict[str, str], *roots: str) -> set[str]:
+    """The names of `roots` and of every function or class they reach (named in a reached text)."""
+    reached, todo = set(), [root for root in roots if root in texts]
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        body = re.sub(r"^(def|class) \w+", "", texts[name], count=1, flags=re.M)
+        todo += [other for other in texts if other not in reached and re.search(rf"\b{other}\b", body)]
+    return reached
 
 
 def _header(spec: CaseSpec, template: Template, title: str, note: str) -> str:
-    what = f"torch, {template.library} and the standard library" if template.library else (
-        "torch and the standard library (the subclass under test travels as source: SOURCES, at the end)")
-    run = f"torchrun --nproc-per-node {spec.world_size} FILE" + (
-        "" if template.needs_cuda else f" or python FILE ({spec.world_size} gloo ranks on the CPU)")
+    what = f"torch and {template.library}" if template.library else (
+        "torch (the subclass under test travels as source: SOURCES, at the end)")
+    ranks = max(spec.world_size, spec.config.saved_at_world_size or 0)
+    run = f"torchrun --nproc-per-node {ranks} FILE" + (
+        "" if template.needs_cuda else f" or python FILE ({ranks} gloo ranks, CPU)")
     lines = [title or f"qgather case {spec.id}, standalone", "", *([note, ""] if note else []),
-             f"qgather case {spec.id} without qgather: {what}. Run: {run}. It prints the verdict and the "
-             "evidence of qgather's report: exit 1 while the defect is there, 0 once every gathered buffer "
-             "equals the single-device quantization (qgather's reference quantizer, inlined) bit for bit."]
+             f"Needs {what}. Run: {run}. Exit 1 with qgather's verdict and evidence while the defect is there, "
+             "0 once the gathered buffers equal `quantize`'s."]
     return '"""' + "\n".join(_wrapped(line) for line in lines) + '\n"""'
 
 
+def _constant_lines(constants, body: str) -> str:
+    """The constants the script's code reads (one a script does not read is left out)."""
+    code = re.sub(r"#.*", "", body)
+    return "\n".join(f"{name} = {value}" + (f"  # {comment}" if comment else "")
+                     for name, value, comment, _ in constants if re.search(rf"\b{name}\b", code))
+
+
 def _wrapped(line: str) -> str:
-    return textwrap.fill(line, width=110, break_on_hyphens=False, break_long_words=False) if line else line
+    return textwrap.fill(line, width=118, break_on_hyphens=False, break_long_words=False) if line else line
 
 
-def _imports(template: Template, body: str) -> str:
+def _imports(body: str, hoisted: list[str]) -> str:
+    """The script's imports: the standard library's it uses, torch's, then the functions' own (the library's)."""
     modules = [m for m in _STDLIB if re.search(rf"\b{m}\.", body)]
-    wait = ["from multiprocessing.connection import wait"] if "wait(" in body else []
-    return "\n".join([f"import {', '.join(modules)}", *wait, "", "import torch", "import torch.distributed as dist"])
-
-
-def _constants(spec: CaseSpec, template: Template, body: str) -> str:
-    """The constants the script's code reads (a route's constant its case does not use is left out)."""
-    rows = [("CASE", repr(spec.id), ""),
-            ("SHAPE", repr(tuple(spec.shape)), "the weight (out_features, in_features)"),
-            ("SEED", str(spec.seed), "the weight is drawn from it exactly as qgather draws it"),
-            ("DTYPE", _DTYPES[spec.dtype], ""),
-            ("WORLD_SIZE", str(spec.world_size), ""),
-            *template.constants,
-            ("TIMEOUT_S", 'int(os.environ.get("REPRO_TIMEOUT_S", "120"))',
-             "every rank's deadline (a rank still waiting then: HANG)")]
-    return "\n".join(f"{name} = {value}" + (f"  # {comment}" if comment else "") for name, value, comment in rows
-                     if re.search(rf"\b{name}\b", re.sub(r"#.*", "", body)))
+    wait = ["import multiprocessing.connection"] if "multiprocessing.connection." in body else []
+    torch_names = [(module, [n for n in names if re.search(rf"\b{n}\b", body)]) for module, names in _TORCH_NAMES]
+    torch_lines = [f"from {module} import {', '.join(names)}" for module, names in torch_names if names]
+    torch_lines += sorted({*(line for line in hoisted if re.match(r"(import|from) torch\b", line)),
+                           *(["import torch.distributed.checkpoint as dcp"] if re.search(r"\bdcp\.", body) else [])})
+    library = sorted(line for line in hoisted if not re.match(r"(import|from) torch\b", line))
+    return "\n".join([f"import {', '.join(modules)}", *wait, "", "import torch", "import torch.distributed as dist",
+                      *torch_lines, *([""] + library if library else [])])
 
 
 def _specialized(text: str, known: dict[str, object]) -> str:
     """`text` with each `if COND:` block whose condition reads only the case's constants decided:
-    dropped when false, its body in its place when true (the script holds only what its case runs)."""
+    dropped when false, its body in its place when true (the script holds only what its case runs;
+    the `if`'s comment goes with the body, and what follows a body that returns is dropped)."""
     lines, out, i = text.splitlines(), [], 0
     while i < len(lines):
         match = re.fullmatch(r"(\s*)if (.+?):(\s+#.*)?", lines[i])
@@ -233,12 +340,45 @@ def _specialized(text: str, known: dict[str, object]) -> str:
         end = _block_end(lines, i + 1, indent)
         otherwise = end < len(lines) and lines[end] == f"{match[1]}else:"
         end_else = _block_end(lines, end + 1, indent) if otherwise else end
-        if eval(match[2], {}, dict(known)):  # noqa: S307 -- a condition of the pieces' own source, over literals
-            out += [line[4:] for line in lines[i + 1:end]]
-        elif otherwise:
-            out += [line[4:] for line in lines[end + 1:end_else]]
+        taken = eval(match[2], {}, dict(known))  # noqa: S307 -- a condition of the pieces' own source, over literals
+        body = lines[i + 1:end] if taken else lines[end + 1:end_else] if otherwise else []
+        body = _specialized("\n".join(line[4:] for line in body), known).splitlines() if body else []
+        if body and taken and match[3]:
+            body[0] = _with_comment(body[0], match[3].strip())
+        out += body
         i = end_else
+        last = next((line for line in reversed(body) if line.strip() and len(line) - len(line.lstrip()) == indent), "")
+        if re.match(r"\s*(return|raise)\b", last):
+            while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) >= indent):
+                i += 1  # unreachable after the body's return
     return "\n".join(out) + "\n"
+
+
+def _with_comment(line: str, comment: str) -> str:
+    """`line` carrying `comment` (the decided `if`'s why), or the comment above it when that is too long."""
+    if "#" not in line and len(line) + len(comment) + 2 <= 120:
+        return f"{line}  {comment}"
+    return f"{' ' * (len(line) - len(line.lstrip()))}{comment}\n{line}"
+
+
+def _hoisted(texts: list[str]) -> tuple[list[str], list[str]]:
+    """The texts without their function-level imports (a blank line after them goes too), and those
+    imports, to stand at the top of the script (the carried `qref` package's stay: it is installed
+    at run time)."""
+    imports, out = [], []
+    for text in texts:
+        lines, kept = text.splitlines(), []
+        for index, line in enumerate(lines):
+            stripped = line.strip()
+            if line.startswith(" ") and re.match(r"(import|from) (?!qref)[\w.]+", stripped):
+                imports += [stripped] if stripped not in imports else []
+                if index + 1 < len(lines) and not lines[index + 1].strip():
+                    lines[index + 1] = "\0"  # the blank line after the imports
+                continue
+            if line != "\0":
+                kept.append(line)
+        out.append("\n".join(kept) + "\n")
+    return out, imports
 
 
 def _block_end(lines: list[str], start: int, indent: int) -> int:
@@ -284,5 +424,5 @@ def readable_lines(text: str) -> int:
 def how_to_run(case_id: str, path: str) -> str:
     """The command(s) that run the script of `case_id` written at `path`."""
     spec = CaseSpec.parse(case_id)
-    torchrun = f"torchrun --nproc-per-node {spec.world_size} {path}"
+    torchrun = f"torchrun --nproc-per-node {max(spec.world_size, spec.config.saved_at_world_size or 0)} {path}"
     return torchrun if template_for(spec).needs_cuda else f"python {path} or {torchrun}"

@@ -29,34 +29,44 @@ def install(sources: dict[str, str]) -> None:
         exec(compile(source, f"<{name}>", "exec"), sys.modules[name].__dict__)
 
 
-def sharded_reference(rank: int, device: torch.device):
-    """The subclass (PARAM_CLASS) holding the full weight as a module's parameter, fully_shard: the
-    module and the float32 weight."""
+class ReferenceLinear(torch.nn.Linear):
+    """A bias-free linear layer whose weight is the subclass (an nn.Linear: torch's TP styles apply)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = weight.shape[-1], weight.shape[0]
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.weight.transpose(-1, -2))
+
+
+def layer_reference(master: torch.Tensor, rank: int, device: torch.device, size: int, mesh) -> torch.nn.Module:
+    """The subclass (PARAM_CLASS) holding the full weight in a linear layer; under TP torch's own style on "tp"."""
     from qref.formats import FORMATS  # the carried package (SOURCES)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     module_name, _, class_name = PARAM_CLASS.partition(":")
     param_class = getattr(importlib.import_module(module_name), class_name)
-    weight = make_weight(SHAPE, SEED, torch.float32)
-    module = torch.nn.Module()
-    module.weight = torch.nn.Parameter(param_class.from_weight(FORMATS[FORMAT], weight.to(device, DTYPE)),
-                                       requires_grad=False)
-    fully_shard(module, mesh=init_device_mesh(device.type, (WORLD_SIZE,)))
-    return module, weight
+    layer = ReferenceLinear(param_class.from_weight(FORMATS[FORMAT], master.to(device, DTYPE)))
+    if TP:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(layer, mesh["tp"], RowwiseParallel() if TP_DIM else ColwiseParallel(), src_data_rank=None)
+    return layer
 
 
-def read_reference(module, want: dict) -> dict:
+def read_reference(weight: torch.Tensor, want: dict) -> dict:
     """The gathered buffers in TransformerEngine's layout (`_te`): in TE's padded shape, their valid
     regions; in any other shape, whole (the evidence then names the shape)."""
     from qref.formats import FORMATS
 
-    fmt = FORMATS[FORMAT]
-    return {name: buffer[fmt.valid_regions(SHAPE)[name]] if tuple(buffer.shape) == fmt.buffer_specs(SHAPE)[name][0]
-            else buffer for name, buffer in module.weight._te.items()}
+    fmt, shape = FORMATS[FORMAT], tuple(weight.shape)
+    return {name: buffer[fmt.valid_regions(shape)[name]] if tuple(buffer.shape) == fmt.buffer_specs(shape)[name][0]
+            else buffer for name, buffer in weight._te.items()}
 
 
-def requantize_reference(module, rows: torch.Tensor) -> None:
+def requantize_reference(module: torch.nn.Module, rows: torch.Tensor) -> None:
     """The reference adapter's optimizer step (ReferenceImplementation.requantize_shard): the shard
     re-quantized from its rows, per-tensor formats with the amax of the whole weight."""
     from qref.formats import FORMATS
@@ -65,7 +75,8 @@ def requantize_reference(module, rows: torch.Tensor) -> None:
     amax = None
     if local._glob:  # per-tensor values: all-reduce the shards' amaxes
         amax = rows.abs().amax().float() if rows.numel() else rows.new_zeros((), dtype=torch.float32)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        for group in module.weight.device_mesh.get_all_groups():  # over every rank of the mesh
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     if rows.shape[0] == 0:  # a rank with zero rows keeps the per-tensor values every rank agrees on
         probe = rows.new_zeros((fmt.row_block * 2, rows.shape[-1]))
         local._assign({}, fmt.to_rows(fmt.quantize(probe, amax=amax))[1] if amax is not None else {})
@@ -73,23 +84,25 @@ def requantize_reference(module, rows: torch.Tensor) -> None:
         local._assign(*fmt.to_rows(fmt.quantize(rows, amax=amax) if amax is not None else fmt.quantize(rows)))
 
 
-def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The reference quantizer's buffers of the full weight, their valid regions."""
+def quantize(w: torch.Tensor, per_tensor_amax: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The reference quantizer's buffers of the weight (per-tensor formats: with the whole weight's
+    amax), their valid regions."""
     from qref.formats import FORMATS
 
-    q = FORMATS[FORMAT].quantize(w)
+    fmt = FORMATS[FORMAT]
+    q = fmt.quantize(w, amax=per_tensor_amax) if fmt.per_tensor else fmt.quantize(w)
     return {name: buffer[q.valid[name]] for name, buffer in q.buffers.items()}
 
 
-def dequantize(q: dict[str, torch.Tensor]) -> torch.Tensor:
+def dequantize(q: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     """float32 values of valid-region buffers, by the reference's own dequantization."""
     from qref.formats import FORMATS, QuantizedTensor
 
-    fmt, valid = FORMATS[FORMAT], FORMATS[FORMAT].valid_regions(SHAPE)
+    fmt, valid = FORMATS[FORMAT], FORMATS[FORMAT].valid_regions(shape)
     buffers = {}
-    for name, (shape, dtype) in fmt.buffer_specs(SHAPE).items():
-        buffers[name] = torch.zeros(shape, dtype=dtype)
+    for name, (padded, dtype) in fmt.buffer_specs(shape).items():
+        buffers[name] = torch.zeros(padded, dtype=dtype)
         if buffers[name][valid[name]].shape != q[name].shape:
             return torch.empty(0)  # a buffer in another layout (the evidence says which): no values
         buffers[name][valid[name]] = q[name].cpu()
-    return fmt.dequantize(QuantizedTensor(FORMAT, SHAPE, buffers, valid))
+    return fmt.dequantize(QuantizedTensor(FORMAT, shape, buffers, valid))

@@ -1,0 +1,191 @@
+"""TransformerEngine: DelayedScaling: a DCP checkpoint saved after training does not load into a freshly built module
+
+Needs torch and transformer_engine. Run: torchrun --nproc-per-node 4 FILE. Exit 1 with qgather's verdict and evidence
+while the defect is there, 0 once the gathered buffers equal `quantize`'s.
+"""
+import datetime, hashlib, os, shutil, sys, tempfile, threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+import torch.distributed.checkpoint as dcp
+
+from transformer_engine.common import recipe
+import transformer_engine.pytorch as te
+
+CASE = 'te:delayed:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2-trained'
+SHAPE = (128, 64)  # the weight (out_features, in_features)
+SEED = 0  # the weight is drawn from it exactly as qgather draws it
+DTYPE = torch.bfloat16
+WORLD_SIZE = 4  # ranks launched
+WEIGHTS = {"weight": ((128, 64), 0, 1.0)}  # name: (shape, data seed, magnitude)
+SAVED_AT = 2  # the checkpoint is saved at SAVED_AT ranks, loaded at LOADED_AT
+LOADED_AT = 4
+TIMEOUT_S = int(os.environ.get("REPRO_TIMEOUT_S", "30"))  # every rank's deadline (a rank still waiting then: HANG)
+RECIPE = 'DelayedScaling'  # transformer_engine.common.recipe
+
+# What the case holds: its weights, drawn as qgather draws them, and FSDP2's split of them
+def make_weight(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return (values * torch.exp2(torch.linspace(-6.0, 6.0, shape[0])).reshape(-1, *[1] * (len(shape) - 1))).to(dtype)
+def shard_rows(rows: int, world_size: int, rank: int) -> slice:
+    chunk = -(-rows // world_size)
+    return slice(min(rank * chunk, rows), min((rank + 1) * chunk, rows))
+def local_part(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return full[shard_rows(full.shape[0], size, rank)]
+def masters(other: bool = False) -> dict[str, torch.Tensor]:
+    return {name: make_weight(shape, seed + 7919 * other, torch.float32) * scale * (1 + 3 * other)
+            for name, (shape, seed, scale) in WEIGHTS.items()}
+
+# What it expects: the single-device quantization of the whole weight (qgather's quantizer, inlined)
+def quantize(w: torch.Tensor, per_tensor_amax: torch.Tensor) -> dict[str, torch.Tensor]:
+    amax = per_tensor_amax.float().reshape(1)
+    scale = torch.where(amax == 0, 1.0, (torch.tensor([448.0]) / amax).clamp(max=torch.finfo(torch.float32).max))
+    data = (w.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    return {"data": data, "scale_inv": torch.tensor([1.0]) / scale}
+def dequantize(q: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    return q["data"].view(torch.float8_e4m3fn).float() * q["scale_inv"]
+def golden(master: torch.Tensor, rank: int) -> tuple[dict, int]:
+    w, amax, row0 = master.to(DTYPE), master.to(DTYPE).abs().amax(), 0
+    amax = torch.tensor(448.0)  # DelayedScaling's scale is its initial 1 until a forward updates it: amax = 448
+    return quantize(w, amax), row0
+
+# What it builds: the library's own FSDP2 route, configured as the case says
+def fsdp_setup(device: torch.device, size: int):
+    shape, names = (size,), None
+    mesh = sub_mesh(device, shape, names)  # a checkpoint's two phases: each on the first ranks of the launched world
+    kwargs = {"mesh": mesh}
+    return mesh, kwargs
+def sub_mesh(device: torch.device, shape: tuple[int, ...], names):
+    group = dist.new_group(list(range(shape[0])))
+    return DeviceMesh.from_group(group, device.type) if dist.get_rank() < shape[0] else None
+def layer(master: torch.Tensor, rank: int, device: torch.device, size: int, mesh) -> torch.nn.Module:
+    mine = local_part(master.to(DTYPE), rank, size).to(device)
+    def init_method(local: torch.Tensor) -> None:  # what TE calls on this rank's materialized shard
+        with torch.no_grad():
+            local.copy_(mine)
+    with te.quantized_model_init(enabled=True, recipe=getattr(recipe, RECIPE)()):
+        return te.Linear(master.shape[1], master.shape[0], bias=False, params_dtype=DTYPE, device="meta",
+                         init_method=init_method)
+def read(weight: torch.Tensor, want: dict) -> dict:
+    weight.dequantize()
+    return {"data": weight._data.view(torch.uint8), "scale_inv": weight._scale_inv.float().reshape(1)}
+def forward(root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)()):
+        return root(x)
+def sharded(rank: int, device: torch.device, size: int, weights: dict):
+    mesh, kwargs = fsdp_setup(device, size)
+    if mesh is None:  # a rank of the other phase's world only
+        return None, {}
+    layers = {name: layer(master, rank, device, size, mesh) for name, master in weights.items()}
+    root = layers["weight"]
+    fully_shard(root, **kwargs)
+    with torch.enable_grad():  # TE: materialize and quantize each rank's shard
+        for each in layers.values():
+            each.reset_parameters()
+    return root, layers
+def saved_checkpoint(rank: int, device: torch.device) -> tuple[str, object]:
+    path = [tempfile.mkdtemp(prefix="repro-dcp-") if rank == 0 else None]  # one directory: the ranks share a host
+    dist.broadcast_object_list(path)
+    group, loading = dist.new_group(list(range(SAVED_AT))), dist.new_group(list(range(LOADED_AT)))
+    root, layers = sharded(rank, device, SAVED_AT, masters())
+    if root is not None:
+        with torch.enable_grad():
+            forward(root, make_input().to(device))
+        dcp.save(root.state_dict(), checkpoint_id=path[0], process_group=group)
+    dist.barrier()
+    return path[0], loading
+
+# What it checks: every unshard's buffers against the golden, bit for bit
+def gathered(rank: int, device: torch.device) -> list[tuple]:
+    full, (path, group) = masters(), saved_checkpoint(rank, device)
+    root, layers = sharded(rank, device, LOADED_AT, masters(other=True))  # a decoy: the load must overwrite it
+    stages = []
+    if root is not None:  # not a rank of the saving world only
+        state = root.state_dict()  # as training code resumes: dcp.load in place, then load_state_dict
+        dcp.load(state, checkpoint_id=path, process_group=group)
+        root.load_state_dict(state)
+        stages = judge(root, layers, full, rank, "unshard 1")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return stages
+def judge(root, layers: dict, full: dict, rank: int, label: str) -> list[tuple]:
+    root.unshard()
+    stages = []
+    for name, each in layers.items():
+        want, row0 = golden(full[name].detach(), rank)
+        weight = getattr(each.weight, "_local_tensor", each.weight)  # a DTensor on "tp": this rank's piece
+        got = {key: value.detach().cpu().clone() for key, value in read(weight, want).items()}  # reshard frees them
+        where = label if len(layers) == 1 else f"{label}: weight {name} {'x'.join(map(str, full[name].shape))}"
+        digest = hashlib.sha256(b"".join(got[n].contiguous().view(torch.uint8).numpy().tobytes() for n in sorted(got)))
+        stages.append((where, compare(got, want, tuple(weight.shape), row0), digest.hexdigest()))
+    root.reshard()
+    return stages
+def compare(got: dict, want: dict, shape: tuple[int, ...], row0: int) -> list[str]:
+    lines = [f"{name}: shape {tuple(got[name].shape)}, expected {tuple(w.shape)}" for name, w in want.items()
+             if got[name].shape != w.shape]
+    for name, expected in [(name, w) for name, w in want.items() if got[name].shape == w.shape]:
+        differ = (got[name].view(torch.uint8) != expected.view(torch.uint8)).view(*expected.shape, -1).any(-1)
+        if differ.any():
+            lines.append(f"{name}: {int(differ.sum())} of {differ.numel()} valid elements differ")
+    got_values, want_values = dequantize(got, shape), dequantize(want, shape)
+    if lines and got_values.shape == want_values.shape and want_values.numel():
+        differ = (got_values != want_values).reshape(-1, shape[-1])
+        rows = (differ.any(1).nonzero().flatten() + row0).tolist()
+        lines.append(f"dequantized weight: {int(differ.sum())} elements differ, max |diff| "
+                     f"{float((got_values - want_values).abs().max()):.3g}; rows {rows[0]}-{rows[-1]}")
+    return lines
+def make_input() -> torch.Tensor:
+    return torch.randn((8, SHAPE[-1]), generator=torch.Generator().manual_seed(SEED + 7)).to(DTYPE)
+
+# Running the ranks under one deadline; the verdict as qgather reports it
+def main() -> int:
+    if "RANK" not in os.environ:  # python FILE
+        return report(*spawn())
+    rank, gpus = int(os.environ["RANK"]), torch.cuda.device_count()
+    if int(os.environ["WORLD_SIZE"]) != WORLD_SIZE:
+        sys.exit(f"this case runs at {WORLD_SIZE} ranks: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % gpus) if gpus else None
+    deadline = threading.Timer(TIMEOUT_S, lambda: (print(f"{CASE}: HANG - rank {rank}: no result within "
+                                                          f"{TIMEOUT_S} s (REPRO_TIMEOUT_S)", flush=True), os._exit(1)))
+    deadline.daemon = True  # our own deadline: NCCL's watchdog does not always end a rank stuck in a collective
+    deadline.start()
+    try:
+        stages = run_rank(rank, device, "nccl" if gpus >= WORLD_SIZE else "gloo")
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        print(f"{CASE}: ERROR - rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+        raise  # torchrun stops the other ranks
+    every = [None] * WORLD_SIZE
+    dist.all_gather_object(every, stages)
+    status = report(*verdict(every)) if rank == 0 else int(verdict(every)[0] != "EXACT")
+    dist.barrier()  # rank 0 has printed before any rank exits: torchrun stops the others at the first exit 1
+    dist.destroy_process_group()
+    return status
+def run_rank(rank: int, device, backend: str = "gloo") -> list[dict]:
+    if device is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return [{"rank": rank, "label": label, "lines": lines, "digest": digest}
+            for label, lines, digest in gathered(rank, device or torch.device("cpu"))]
+def verdict(every: list[list[dict]]) -> tuple[str, list[str]]:
+    for stage in zip(*[stages for stages in every if stages]):
+        found = {}
+        for r in stage:
+            found.setdefault((r["label"], *r["lines"]), []).append(r["rank"])
+        shown = [f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {label}: {'; '.join(lines)}"
+                 for (label, *lines), ranks in found.items() if lines]
+        if len({(r["label"], r["digest"]) for r in stage}) > len({r["label"] for r in stage}):  # ranks of one piece
+            return "RANK_DIVERGENCE", shown or ["ranks gathered different bytes"]  # gathered different bytes
+        if shown:
+            return "SILENT_MISMATCH", shown
+    return "EXACT", []
+def spawn() -> tuple[str, list[str]]:
+    return "SKIPPED", [f"the library runs on GPUs, one rank each: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}"]
+def report(found: str, lines: list[str]) -> int:
+    print(f"{CASE}: {found}" + (f" - {lines[0]}" if lines else ""), *(f"  {line}" for line in lines[1:]), sep="\n")
+    return {"EXACT": 0, "REJECTED": 0, "SKIPPED": 2}.get(found, 1)  # REJECTED: every rank refused alike
+
+if __name__ == "__main__":
+    sys.exit(main())
