@@ -38,7 +38,7 @@ def test_a_block_holds_the_layers_weights_with_plain_parameters_between_them():
     assert {k[2] for k in coverage.measure([spec]).hits} >= {"3d", "rows:split", "rows:aligned"}
 
 
-def test_the_suite_runs_every_format_and_each_configuration_on_three_formats():
+def test_the_suite_crosses_every_format_with_mp_raf_and_hsdp_and_compiles_three():
     cases = SWEEP.cases(["reference"])
     assert {c.scenario for c in cases} == {"block"}
     assert len({c.fmt for c in cases}) == 7
@@ -46,7 +46,9 @@ def test_the_suite_runs_every_format_and_each_configuration_on_three_formats():
     for c in cases:
         by_config.setdefault(c.config.token, set()).add(c.fmt)
     assert set(by_config) == {"", "compile", "mp-bf16", "raf-no", "hsdp-2x2", "nested"}
-    assert all(len(fmts) == 3 for token, fmts in by_config.items() if token)
+    # issue 46's depth: block crossed with mp-*, raf-* and hsdp on every format; compile and nested on three
+    assert {token: len(fmts) for token, fmts in by_config.items()} == {
+        "": 7, "mp-bf16": 7, "raf-no": 7, "hsdp-2x2": 7, "compile": 3, "nested": 3}
     assert any(not expectation(c).aligned for c in cases) and any(expectation(c).aligned for c in cases)
     assert {c.impl for c in TORCHAO.cases(["torchao", "torchao:precompute"])} == {"torchao", "torchao:precompute"}
 

@@ -122,6 +122,7 @@ def _worker(name: str, gpus: int, marks: str, conn: Connection, broken_lock: boo
     names = [str(i) for i in range(gpus)]
     spec.visible_gpus = pool.visible_gpus = lambda: names  # what this simulated host has
     registry.RankPool = SimPool
+    registry._pools.clear()  # forked: the parent's pools (earlier tests') are the parent's, not this worker's
     SimPool.marks = marks
     if broken_lock:
         fcntl.flock = lambda fd, op: None

@@ -55,7 +55,7 @@ def test_the_policy_reads_every_weight_of_the_module():
 def test_the_suite_runs_uneven_and_split_first_weights_and_torchao_even_ones():
     cases = SWEEP.cases(["reference"])
     assert {c.scenario for c in cases} == {"layers"} and {c.world_size for c in cases} == {1, 2, 3, 4}
-    assert {c.config.token for c in cases} == {"", "compile", "raf-no"}
+    assert {c.config.token for c in cases} == {"", "compile", "raf-no", "mp-bf16", "hsdp-2x2"}
     assert any(not expectation(c).aligned for c in cases) and any(expectation(c).aligned for c in cases)
     for fmt in ("fp8_tensor", "fp8_block", "nvfp4_1d"):  # an uneven first weight whose shards stay aligned
         assert any(c.fmt == fmt and c.world_size > 1 and expectation(c).aligned

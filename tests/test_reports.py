@@ -23,7 +23,7 @@ MUTANT = "mutant:unpadded_uneven"  # ERROR (would deadlock) on the uneven ws3 sh
 SELECT = ["cases/test_virtual.py::test_virtual", "--formats", "fp8_tensor", "--world-sizes", "3", "--device", "cpu",
           "-p", "no:cacheprovider", "-q"]
 FAILING = f"{MUTANT}:fp8_tensor:136x64:bf16:ws3:virtual:s0"
-PASSING = f"{MUTANT}:fp8_tensor:3x1x64:bf16:ws3:virtual:s0"
+PASSING = f"{MUTANT}:fp8_tensor:3x16:bf16:ws3:virtual:s0"
 SKIPS = "tests._skip_adapters:SkipsUnevenShards"  # SKIPPED on the uneven ws3 shapes, for a reason of its own
 
 # One xdist worker runs the whole module (`make test` uses --dist loadgroup): the xdist_run fixture runs once.
@@ -92,7 +92,7 @@ def write_baseline(path, *entries: tuple[str, str, str]) -> str:
     return str(path)
 
 
-BASELINE_SELECT = [*SELECT, "--impl", MUTANT, "-k", "136x64 or 3x1x64"]
+BASELINE_SELECT = [*SELECT, "--impl", MUTANT, "-k", "136x64 or 3x16"]
 
 
 def test_a_listed_failure_is_an_xfail_and_the_run_stays_green(tmp_path):

@@ -30,7 +30,7 @@ HANG = "torchao:precompute:fp8_tensor:5x64:bf16:ws2:gather:s0"  # docs/findings.
 SAMPLE = (
     "torchao:fp8_tensor:1x16:bf16:ws2:gather:s0",  # gather: a rank with no rows
     "torchao:fp8_tensor:128x64:bf16:ws2:steps:s0:tp-1x2",  # steps, tp: each TP piece's own amax
-    "torchao:fp8_tensor:31x128:bf16:ws2:reshard:s0",  # reshard: uneven shards
+    "torchao:fp8_tensor:46x64:bf16:ws3:reshard:s0",  # reshard: uneven shards
     "torchao:fp8_tensor:17x64:bf16:ws2:layers:s0",  # layers
     "torchao:fp8_tensor:17x64:bf16:ws2:block:s0",  # block
     "torchao:fp8_tensor:17x64:bf16:ws2:block:s0:nested",  # nested

@@ -2,7 +2,8 @@
 parameter class needs, in the order they must run, each rewritten from `qgather.` to the private
 package name `qref.` so that the script imports no qgather; a zoo mutant's module(s) after them.
 
-What is not copied is generated in a few lines, named as such: the packages' own modules, the one
+What is not copied is generated in a few lines, named as such: the packages' own modules, the
+formats' registry (a table of the built-in formats), the one
 class of qgather.model.case (`ShardLayout`) and the one function of qgather.model.layout
 (`column_block`) the reference uses, and a stand-in for the zoo's adapter base (`Mutant`), which
 the parameter classes do not use."""
@@ -24,11 +25,40 @@ _REFERENCE = ("wire", "ops", "hooks", "param")
 _NOT_COPIED = ("qgather.impls.mutants.base", "qgather.impls.mutants.table")
 
 
+# The formats' registry as a script needs it: the built-in formats by name, no user format to load.
+_REGISTRY = '''"""Generated: qgather.formats.registry's table of formats; a script loads no format of its own."""
+
+FORMATS = {}
+
+
+class FormatLoadError(ValueError):
+    pass
+
+
+def register_format(fmt, builtin=False):
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def load_format(spec):
+    raise FormatLoadError(f"a standalone script loads no format of its own ({spec})")
+
+
+def load_entry_point_formats():
+    return []
+
+
+def user_formats():
+    return {}
+'''
+
+
 def sources(param_class: type) -> dict[str, str]:
     """Module name (under `qref`) -> source, in execution order, for a script built on `param_class`
     (the reference's QuantizedParam or a mutant's subclass of it)."""
     out = {PACKAGE: "", f"{PACKAGE}.errors": _copied("qgather.errors")}
     out.update({f"{PACKAGE}.formats.{name}": _copied(f"qgather.formats.{name}") for name in _FORMATS})
+    out[f"{PACKAGE}.formats.registry"] = _REGISTRY
     out[f"{PACKAGE}.formats"] = _copied("qgather.formats")
     out[f"{PACKAGE}.model"] = ""
     out[f"{PACKAGE}.model.case"] = _generated("qgather.model.case", ShardLayout,
