@@ -1,6 +1,6 @@
 """The GPU job's sharing of its GPUs, without a GPU: simulated xdist workers (real processes) take cases
 one at a time from a shared queue, as xdist's load scheduling hands them out, and run each on the pools
-of the real registry (get_pool, start_pools, release_gpu_pools), whose RankPools take their seats through
+of the real registry (get_pool, release_gpu_pools), whose RankPools take their seats through
 the real lease, and whose yielder thread gives idle pools' seats to a process that waits; only the rank
 processes are simulated. For 1, 2, 4 and 8 GPUs with K seats per GPU: every case is
 placed, no seat is held twice (no GPU carries more than K ranks), an NCCL pool's ranks are on distinct
@@ -56,8 +56,9 @@ class SimPool(RankPool):
         self._ranks = [None] * self.spec.world_size  # type: ignore[list-item]
         self.spawn_count += 1
 
-    def finish_start(self, case_id: str = "") -> None:
-        self._start_began = None
+    def _collect(self, replies, deadline):  # the simulated ranks joined at once
+        replies.pending.clear()
+        return replies
 
     def _run(self, *_args, **_kwargs) -> object:  # RankPool.run holds in_use around it
         if not self._ranks:
@@ -117,7 +118,7 @@ def _pool_specs(case: CaseSpec, gpus: int) -> list[PoolSpec]:
     return [PoolSpec("nccl" if size <= gpus else "gloo", size, "cuda") for size in case.pool_sizes]
 
 
-def _worker(name: str, gpus: int, marks: str, conn: Connection, broken_lock: bool, prestart: bool) -> None:
+def _worker(name: str, gpus: int, marks: str, conn: Connection, broken_lock: bool) -> None:
     """A simulated xdist worker: runs the case ids it is sent on the registry's pools until it gets None."""
     names = [str(i) for i in range(gpus)]
     spec.visible_gpus = pool.visible_gpus = lambda: names  # what this simulated host has
@@ -127,8 +128,6 @@ def _worker(name: str, gpus: int, marks: str, conn: Connection, broken_lock: boo
     if broken_lock:
         fcntl.flock = lambda fd, op: None
     try:
-        if prestart:
-            registry.start_pools({s for case_id in collection() for s in _pool_specs(CaseSpec.parse(case_id), gpus)})
         while (case_id := conn.recv()) is not None:
             for pool_spec in _pool_specs(CaseSpec.parse(case_id), gpus):
                 registry.get_pool(pool_spec).run(None)
@@ -195,8 +194,7 @@ class Controller:
                 process.kill()
 
 
-def simulate(tmp_path, gpus: int, seats: int, *, kill_one: bool = False, broken_lock: bool = False,
-             prestart: bool = False) -> Controller:
+def simulate(tmp_path, gpus: int, seats: int, *, kill_one: bool = False, broken_lock: bool = False) -> Controller:
     """Run the collection on WORKERS simulated workers; the controller says where each case ran."""
     ctx = mp.get_context("fork")
     lease_dir, marks = tmp_path / "lease", tmp_path / "marks"
@@ -207,7 +205,7 @@ def simulate(tmp_path, gpus: int, seats: int, *, kill_one: bool = False, broken_
     workers = {}
     for i in range(WORKERS):
         ours, theirs = ctx.Pipe()
-        process = ctx.Process(target=_worker, args=(f"gw{i}", gpus, str(marks), theirs, broken_lock, prestart))
+        process = ctx.Process(target=_worker, args=(f"gw{i}", gpus, str(marks), theirs, broken_lock))
         process.start()
         workers[f"gw{i}"] = (process, ours)
     controller = Controller(workers)
@@ -235,7 +233,7 @@ def test_every_case_is_placed_on_at_most_k_ranks_per_gpu(tmp_path, gpus):
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_a_workers_pools_stay_warm_across_world_sizes_when_k_allows(tmp_path, gpus):
     roomy = WORKERS * sum(math.ceil(size / gpus) for size in SIZES)  # every worker keeps every pool
-    run = simulate(tmp_path, gpus, roomy, prestart=True)
+    run = simulate(tmp_path, gpus, roomy)
     assert run.errors == [] and sorted(run.placed) == sorted(collection())
     specs = {s for case_id in collection() for s in _pool_specs(CaseSpec.parse(case_id), gpus)}
     assert max(run.starts.values()) <= len(specs), f"pools restarted: {run.starts} for {len(specs)} pool kinds"

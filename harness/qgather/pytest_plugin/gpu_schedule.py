@@ -3,14 +3,11 @@
 Every pytest-xdist worker sees every GPU, and xdist hands out the cases one at a time as it does on the
 CPU. A pool's ranks take seats on the GPUs (qgather.runtime.gpu_lease): K per GPU, from the tightest
 GPU's free memory and the host's, over what one rank of the suite's largest case needs
-(`plan_seats`; QGATHER_GPU_SEATS overrides). Three rules keep the pools warm and nobody waiting:
-
-* A worker keeps its pools for the whole run, whatever world size its next case has.
-* With QGATHER_PRESTART_POOLS=1, a worker starts the pools its selection uses side by side before its
-  first case (registry.start_pools). Off by default: on 2 x H200 every worker starting every pool at
-  once made each start ~15 s and the first cases time out (docs/gpu-results.md, 2026-11-28).
-* While another process of the run waits for seats (the lease's `want` flag), a worker stops, between
-  two tests, the GPU pools its next test does not use; a process about to wait stops its own idle ones.
+(`plan_seats`; QGATHER_GPU_SEATS overrides). A worker keeps its pools for the whole run, whatever world
+size its next case has; while another process of the run waits for seats, each process's yielder thread
+stops its idle pools (qgather.runtime.registry). Pools start as the cases need them: every worker starting
+every pool at once, tried on 2 x H200, made each start ~15 s and the first cases time out
+(docs/gpu-results.md, 2026-11-28).
 
 The run's controller makes the lease directory every worker shares (QGATHER_GPU_LEASE_DIR) and fixes K
 (QGATHER_GPU_SEATS) before the workers start.
@@ -22,17 +19,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 
-from qgather.model.case import CaseSpec
-from qgather.pytest_plugin.options import settings
 from qgather.runtime import gpu_lease
-from qgather.runtime.launch import detect_launch
-from qgather.runtime.registry import release_gpu_pools, start_pools
-from qgather.runtime.spec import PoolSpec, visible_gpus
+from qgather.runtime.spec import visible_gpus
 from qgather.suite.shape_space import MAX_ELEMENTS
 
 GIB = 1 << 30
@@ -45,7 +37,6 @@ RANK_HOST_BYTES = GIB  # a rank's private host memory (torch, CUDA's host side);
 CASE_COPIES = 16
 SHARE = 0.8  # of the free memory that the seats may plan on
 FREE_MEMORY_TIMEOUT_S = 120.0
-PRESTART_ENV = "QGATHER_PRESTART_POOLS"
 lease_dir_key = pytest.StashKey[str]()
 seat_plan_key = pytest.StashKey["SeatPlan"]()
 
@@ -141,34 +132,3 @@ def remove_lease_dir(config: pytest.Config) -> None:
 def report_header(config: pytest.Config) -> list[str]:
     plan = config.stash.get(seat_plan_key, None)
     return [f"qgather: {plan.describe()}"] if plan is not None else []
-
-
-def release_when_wanted(nextitem: pytest.Item | None) -> None:
-    """While another process waits for GPU seats, stop the pools `nextitem` will not use."""
-    if not gpu_lease.someone_waits():
-        return
-    release_gpu_pools(keep=_pool_specs([nextitem]) if nextitem is not None else ())
-
-
-def prestart_pools(session: pytest.Session) -> None:
-    """On a GPU run outside a launcher, start side by side the pools this process's selection uses
-    often enough that each worker will run cases on them (registry.start_pools)."""
-    if os.environ.get(PRESTART_ENV, "0") != "1" or settings(session.config).run.device_type() != "cuda" \
-            or detect_launch() is not None or not visible_gpus():
-        return
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    counts = Counter(spec for item in session.items for spec in _pool_specs([item]))
-    start_pools([spec for spec, count in counts.items() if count >= 2 * workers])
-
-
-def _pool_specs(items: list[pytest.Item]) -> list[PoolSpec]:
-    """The pools the items' cases run on (the checkpoint's saving world too)."""
-    options = None
-    specs = []
-    for item in items:
-        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-        if not isinstance(case, CaseSpec):
-            continue
-        options = options or settings(item.config).run
-        specs += [PoolSpec(options.backend_for(size), size, options.device_type()) for size in case.pool_sizes]
-    return specs

@@ -15,13 +15,7 @@ import pytest
 
 from qgather.pytest_plugin.collection import impl_problems_key, preload_before_key, sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
-from qgather.pytest_plugin.gpu_schedule import (
-    make_lease_dir,
-    prestart_pools,
-    release_when_wanted,
-    remove_lease_dir,
-    report_header,
-)
+from qgather.pytest_plugin.gpu_schedule import make_lease_dir, remove_lease_dir, report_header
 from qgather.pytest_plugin.options import Settings, settings_key
 from qgather.pytest_plugin.recorder import Recorder, recorder_key
 from qgather.pytest_plugin.role import Role, role
@@ -97,17 +91,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return report_header(config)
 
 
-@pytest.hookimpl(tryfirst=True)  # before the loop (xdist's worker loop, or pytest's own) runs a test
-def pytest_runtestloop(session: pytest.Session) -> None:
-    """A GPU run's pools start side by side before the first case (qgather.pytest_plugin.gpu_schedule)."""
-    if role(session.config) is not Role.QUIET_RANK and not session.config.option.collectonly:
-        prestart_pools(session)
-
-
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """While another process waits for GPU seats, pools the next test will not use give theirs back;
-    under a launcher, a broken world stops every rank at the same case."""
-    release_when_wanted(nextitem)
+    """Under a launcher, a broken world stops every rank at the same case."""
     broken = external.world_broken()
     if broken:
         item.session.shouldfail = f"qgather: {broken}"

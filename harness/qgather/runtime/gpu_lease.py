@@ -16,9 +16,10 @@ lock when its holder dies however it dies, so a killed worker never keeps a seat
 Acquiring: take the gate (one acquirer at a time: while it counts free seats nobody else takes one, so
 the count only grows), pick the m GPUs with the most free seats, take the seats. While seats are
 short, the gate holder calls `before_wait` (its process stops its own idle GPU pools) and raises the
-`want` flag, which tells every other process of the run to stop its idle GPU pools between cases
-(`someone_waits`): no process waits while others sit on idle seats, and no process waits while it
-holds idle seats itself, so nobody starves and nothing deadlocks. Every wait is bounded.
+`want` flag, which tells every other process of the run to stop its idle GPU pools (`someone_waits`;
+each process's yielder thread in qgather.runtime.registry answers it, also while its main thread waits
+for the gate): no process waits while others sit on idle seats, so nobody starves and nothing
+deadlocks. Waiting for the gate itself gives nothing up. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def acquire(world_size: int, gpus: Sequence[str], *, seats: int | None = None, d
     limit = lease_timeout_s() if timeout is None else timeout
     began = time.monotonic()
     deadline = began + limit
-    gate = _lock(os.path.join(directory, GATE), deadline, before_wait)
+    gate = _lock(os.path.join(directory, GATE), deadline)
     if gate is None:
         raise LeaseTimeout(f"no seats for {world_size} rank(s) within {limit:.0f} s: another process kept the "
                            f"lease gate ({_holders(directory, len(gpus), seats)})")
@@ -258,15 +259,14 @@ def _lower_want(directory: str) -> None:
         pass
 
 
-def _lock(path: str, deadline: float, before_wait: Callable[[], None] | None) -> int | None:
-    waited = False
+def _lock(path: str, deadline: float) -> int | None:
+    """The gate, waited for without giving anything up: its holder counts and takes seats in
+    milliseconds, and one that must wait for seats raises `want`, to which every process's yielder
+    answers (a waiter here included), so waiting for the gate sheds no warm pool."""
     while True:
         fd = _try_lock(path)
         if fd is not None:
             return fd
-        if not waited and before_wait is not None:
-            before_wait()
-        waited = True
         if time.monotonic() >= deadline:
             return None
         time.sleep(POLL_S)

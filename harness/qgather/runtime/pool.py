@@ -70,8 +70,6 @@ class RankPool:
         self._checks = 0
         # Held while a case (or the start) uses the ranks: another thread stops the pool only between cases.
         self.in_use = threading.Lock()
-        self._start_began: float | None = None  # set by begin_start until finish_start
-        self._unreported: tuple[float, float] | None = None  # (start, seat wait) seconds no case reported yet
 
     @property
     def started(self) -> bool:
@@ -112,14 +110,14 @@ class RankPool:
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if self._ranks and self._idle_rank_gone():
             self._teardown()  # a rank died while idle (OOM killer, a stray signal): not this case's doing
+        startup = lease_wait = 0.0
         if not self._ranks:
             began = time.monotonic()
             failure = self.start(case_id)
             if failure is not None:
                 return failure
-            self.charge_start(time.monotonic() - began)
-        startup, lease_wait = self._unreported or (0.0, 0.0)
-        self._unreported = None
+            startup = time.monotonic() - began
+            lease_wait = self._lease.waited_s if self._lease is not None else 0.0
         start = time.monotonic()
         try:
             replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit)
@@ -131,11 +129,6 @@ class RankPool:
             self._teardown()
             raise
 
-    def charge_start(self, seconds: float) -> None:
-        """The seconds this pool's start cost its process, reported with the next case it runs."""
-        waited = self._lease.waited_s if self._lease is not None else 0.0
-        self._unreported = (max(seconds, waited), waited)  # a start side by side may add less than it waited
-
     def _idle_rank_gone(self) -> bool:
         # An idle rank sends nothing, so a readable pipe means EOF: the process is gone, even
         # before a forkserver has reaped it and made its sentinel ready.
@@ -143,37 +136,21 @@ class RankPool:
 
     def start(self, case_id: str = "") -> CaseOutcome | None:
         """Spawn the ranks and join the process group; returns the failure (for `case_id`) if that fails."""
-        return self.begin_start(case_id) or self.finish_start(case_id)
-
-    def begin_start(self, case_id: str = "") -> CaseOutcome | None:
-        """The first half of `start`: the GPU seats and the spawn, without waiting for the ranks to join
-        (several pools' ranks then start side by side: registry.start_pools); the failure if that fails."""
         if self._ranks:
             return None
-        self._start_began = time.monotonic()
-        mp_context()  # the forkserver boots (seconds, TE preloaded) before this pool holds any GPU
+        start = time.monotonic()
+        mp_context()  # the forkserver boots (seconds, TE preloaded) before this pool holds any GPU seat
         refused = self._take_lease(case_id)
         if refused is not None:
             return refused
         try:
             self._spawn()
-        except BaseException:
-            self._teardown()
-            raise
-        return None
-
-    def finish_start(self, case_id: str = "") -> CaseOutcome | None:
-        """The second half of `start`: wait (bounded) until every rank joined; the failure if one did not."""
-        if self._start_began is None:
-            return None
-        began, self._start_began = self._start_began, None
-        try:
             replies = self._collect(Replies(self.spec.world_size, protocol.RANK_STARTING),
-                                    began + self.spec.startup_timeout_s)
+                                    start + self.spec.startup_timeout_s)
             if replies.status is OutcomeStatus.OK:
                 return None
             replies.results = [None] * self.spec.world_size  # the pids of the ranks that did start
-            return self._conclude(replies, time.monotonic() - began, case_id,
+            return self._conclude(replies, time.monotonic() - start, case_id,
                                   note=f"pool startup failed for {self.spec}")
         except BaseException:
             self._teardown()
@@ -397,7 +374,6 @@ class RankPool:
             except ValueError:  # still running after SIGKILL: leave it to multiprocessing's reaper
                 pass
         self._ranks = []
-        self._start_began = self._unreported = None
         if self._lease is not None:  # the ranks are dead: their seats are free for other pools
             self._lease.release()
             self._lease = None

@@ -5,18 +5,19 @@ from __future__ import annotations
 import atexit
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 
 from qgather.runtime.external import ExternalPool
 from qgather.runtime.gpu_lease import POLL_S, remove_own_lease_dir, someone_waits
 from qgather.runtime.helpers import stop_helpers
 from qgather.runtime.launch import external_world
 from qgather.runtime.pool import RankPool
-from qgather.runtime.spec import PoolSpec, PoolSpecError
+from qgather.runtime.spec import PoolSpec
 
 _pools: dict[PoolSpec, RankPool | ExternalPool] = {}
 _lock = threading.Lock()
 _atexit_registered = False
+# This process's seat yielder (_start_yielder): per process by nature, like the pools it stops.
 _yielder: threading.Thread | None = None
 YIELD_POLL_S = 5 * POLL_S  # how often a process looks whether another one waits for GPU seats
 IN_USE_WAIT_S = 10.0  # the most shutdown_pools waits for the yielder to finish stopping a pool
@@ -42,33 +43,6 @@ def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPo
                 atexit.register(shutdown_pools)
                 _atexit_registered = True
         return pool
-
-
-def start_pools(specs: Iterable[PoolSpec]) -> None:
-    """Start the pools of `specs` side by side: every pool's ranks spawn first, then each pool waits for
-    its own to join, so the starts overlap. Each pool's first case is charged the seconds its start
-    added to the wait (their sum is the wall time spent here). A pool that fails to start is left cold:
-    its first case starts it again and reports the failure."""
-    pools = []
-    for spec in specs:
-        try:
-            pool = get_pool(spec.validate())
-        except PoolSpecError:  # its cases say why, one by one
-            continue
-        if isinstance(pool, RankPool) and pool.in_use.acquire(blocking=False):
-            pools.append(pool)
-    try:
-        began = time.monotonic()
-        spawned = [pool for pool in pools if not pool.started and pool.begin_start() is None]
-        for pool in spawned:
-            failure = pool.finish_start()
-            now = time.monotonic()
-            if failure is None:
-                pool.charge_start(now - began)
-            began = now
-    finally:
-        for pool in pools:
-            pool.in_use.release()
 
 
 def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) -> int:
