@@ -96,3 +96,22 @@ def test_an_interrupt_at_any_point_leaves_reports_that_say_incomplete(tmp_path, 
     assert data["incomplete"] is True, data
     assert "incomplete (interrupted)" in (folder / "verdicts.md").read_text()
     assert _left_of_the_earlier_run(folder) == [], os.listdir(folder)
+
+
+def test_a_signal_while_torch_loads_is_delivered_once_it_has_loaded():
+    """The interrupts held back during torch's import (qgather.cli.interrupts) arrive after it, once each:
+    inside the block the signal raises nothing, after it the process's own handler sees it."""
+    from qgather.cli.interrupts import signals_held_back
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: seen.append(signum))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_held_back():
+                signal.raise_signal(signal.SIGTERM)
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGTERM)
+                assert seen == []
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

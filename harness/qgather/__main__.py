@@ -2,6 +2,10 @@
 
 import sys
 
-from qgather.cli import main
+try:
+    from qgather.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the command line itself loads: no run started, nothing to clean
+    print("qgather: interrupted", file=sys.stderr)
+    sys.exit(2)
 
 sys.exit(main())

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, selection_problem, usage
+from qgather.cli.interrupts import load_torch
 from qgather.model.known_issues import BaselineError, load
 from qgather.model.report_folder import write_interrupted
 from qgather.paths import checkout_root, suite_dir
@@ -66,7 +67,11 @@ def _run(extra: list[str]) -> int:
     # Reports by default (`--report-dir ''` turns them off): a CI run always has its summary and junit.xml.
     reports = [] if _given(extra, "--report-dir") else ["--report-dir", DEFAULT_REPORT_DIR]
     writes = not any(a in ("--collect-only", "--co") for a in extra)  # collecting writes no report
-    problem = _input_problem(args, writes) or _selection_problem(args)
+    problem = _input_problem(args, writes)
+    if problem:
+        return usage("run", problem)
+    load_torch()  # past here, a Ctrl-C is a KeyboardInterrupt qgather handles (qgather.cli.interrupts)
+    problem = _selection_problem(args)
     if problem:
         return usage("run", problem)
     # One -q by default; a user's -q must not stack to -qq, which drops pytest's final line.
