@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from qgather.cli.common import USAGE_ERROR, add_run_options, refusing_in_one_line, run_options, shutdown_pools, usage
+from qgather.cli.interrupts import load_torch
 from qgather.errors import UsageError
 from qgather.model.case import CaseSpec  # torch-free: a case id is read before torch loads
 from qgather.model.names import external_module
@@ -40,7 +41,8 @@ def main_case(argv: Sequence[str]) -> int:
     options = run_options("case", args)
     if options is None:
         return USAGE_ERROR
-    from qgather.engine.run import run_case  # deferred: torch, once the options and ids are checked
+    load_torch()  # deferred: torch, once the options and ids are checked
+    from qgather.engine.run import run_case
     from qgather.impls import UnknownImplementationError
 
     failed = 0
@@ -81,7 +83,8 @@ def main_repro(argv: Sequence[str]) -> int:
     options = run_options("repro", args)
     if options is None:
         return USAGE_ERROR
-    from qgather.engine.run import run_case  # deferred: torch, once the options and the id are checked
+    load_torch()  # deferred: torch, once the options and the id are checked
+    from qgather.engine.run import run_case
     from qgather.impls import UnknownImplementationError, adapter_module
 
     try:
