@@ -44,3 +44,20 @@ class SkipsACollective(ReferenceImplementation):
         if dist.get_rank() != 0:
             dist.barrier()
         return super().make_param(fmt, weight)
+
+
+def _note_gather_then_stand_still(nbytes: int) -> None:
+    """A rank as an NCCL all-gather of `nbytes` that never completes leaves it on the host: the gather
+    noted, the main thread blocked at one place (outside any c10d frame) until the case is given up."""
+    from qgather.runtime import gather_note, whereabouts
+
+    whereabouts.note(gather_note.KEY, gather_note.text(nbytes, 1))
+    threading.Event().wait()
+
+
+def unequal_gather_then_stand_still(ctx) -> None:
+    _note_gather_then_stand_still(1024 * (dist.get_rank() + 1))
+
+
+def equal_gather_then_stand_still(ctx) -> None:
+    _note_gather_then_stand_still(1024)

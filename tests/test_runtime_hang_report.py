@@ -69,3 +69,21 @@ def test_hang_with_unequal_gather_sizes_says_so():
     assert "different sizes (bytes: rank 0 16400, rank 1 32768)" in text.summary()
     same = hang({0: {"all-gather": "8 bytes from this rank"}, 1: {"all-gather": "8 bytes from this rank"}})
     assert "different sizes" not in same.summary()
+
+
+def test_a_case_whose_ranks_stand_still_after_unequal_gather_sizes_ends_before_its_deadline(monkeypatch):
+    """The stall's evidence (qgather.runtime.stall) ends the case as HANG once every rank stood still for
+    STALL_EVIDENCE_S after handing one all-gather unequal sizes; alike sizes wait for the deadline. The
+    evidence window is shortened here (it is the parent's) to keep the test at a few seconds."""
+    from qgather.runtime import get_pool, stall
+    from qgather.runtime.spec import PoolSpec
+    from tests._hang_adapters import equal_gather_then_stand_still, unequal_gather_then_stand_still
+
+    monkeypatch.setattr(stall, "STALL_EVIDENCE_S", 1.0)
+    pool = get_pool(PoolSpec("gloo", 2, "cpu"))
+    unequal = pool.run(unequal_gather_then_stand_still, timeout=120.0, case_id="unequal")
+    assert unequal.status.value == "hang" and unequal.note == stall.STALL_NOTE, unequal.summary()
+    assert unequal.duration_s < 30.0, unequal.summary()
+    assert "different sizes (bytes: rank 0 1024, rank 1 2048)" in unequal.summary()
+    equal = pool.run(equal_gather_then_stand_still, timeout=3.0, case_id="equal")
+    assert equal.status.value == "hang" and equal.note == "" and equal.duration_s >= 3.0, equal.summary()

@@ -17,7 +17,7 @@ from qgather.impls.base import Implementation
 from qgather.instruments.patches import all_gathers_counted, pre_all_gather_observed
 from qgather.model.case import ColumnShardLayout, ShardLayout
 from qgather.model.records import WireSummary
-from qgather.runtime import whereabouts
+from qgather.runtime import gather_note, whereabouts
 
 
 @dataclass
@@ -53,7 +53,7 @@ class WireLog:
         nbytes = input.numel() * input.element_size()
         self.collectives += 1
         self.collective_bytes += nbytes
-        whereabouts.note("all-gather", f"{nbytes} bytes from this rank")
+        whereabouts.note(gather_note.KEY, gather_note.text(nbytes, self.collectives))
 
     def record_hook_outputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """One pre-all-gather hook call and the (dtype, shape) of each all-gather input it returned."""

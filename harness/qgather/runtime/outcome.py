@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qgather.errors import qualified_name
+from qgather.runtime import gather_note
 
 # The rank-side function that runs a case (runtime/rank.py, runtime/external.py): the thread with
 # this frame in a stack dump is the case's thread.
@@ -305,9 +306,8 @@ def _summary_hang(outcome: CaseOutcome) -> str:
 def _unequal_gathers(outcome: CaseOutcome) -> str:
     """Ranks that handed the all-gather different sizes: on GPUs that collective waits on the device,
     and the host threads are found wherever they next synchronized, not in the collective."""
-    sent = {rank: notes["all-gather"].split(" ", 1)[0] for rank, notes in outcome.notes.items()
-            if "all-gather" in notes}
-    if len(set(sent.values())) < 2:
+    sent = gather_note.unequal_sizes(outcome.notes)
+    if not sent:
         return ""
     sizes = ", ".join(f"rank {rank} {size}" for rank, size in sorted(sent.items()))
     return (f"; the ranks handed the all-gather different sizes (bytes: {sizes}), so it can never complete "

@@ -33,6 +33,7 @@ from qgather.runtime.protocol import decode, encode, send
 from qgather.runtime.rank import RankConfig, rank_main
 from qgather.runtime.replies import WAIT_EVIDENCE_S, Replies
 from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank, visible_gpus
+from qgather.runtime.stall import STALL_NOTE, StallWatch
 
 WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
@@ -120,8 +121,9 @@ class RankPool:
             lease_wait = self._lease.waited_s if self._lease is not None else 0.0
         start = time.monotonic()
         try:
-            replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit)
-            return replace(self._conclude(replies, time.monotonic() - start, case_id), startup_s=startup,
+            replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit, StallWatch(len(self._ranks)))
+            note = STALL_NOTE if replies.stalled else ""
+            return replace(self._conclude(replies, time.monotonic() - start, case_id, note), startup_s=startup,
                            lease_wait_s=lease_wait)
         except BaseException:
             # Interrupted mid-case (Ctrl-C, a bug here): the ranks' late replies would be read as
@@ -216,21 +218,27 @@ class RankPool:
 
     # -- talking to the ranks -------------------------------------------------------------
 
-    def _exchange(self, message: bytes, timeout: float) -> Replies:
+    def _exchange(self, message: bytes, timeout: float, watch: StallWatch | None = None) -> Replies:
         replies = Replies(self.spec.world_size, protocol.RANK_REPLYING)
         deadline = time.monotonic() + timeout
         for r in self._ranks:
             if not send(r.conn, message):
                 self._bury(r, replies)
-        return self._collect(replies, deadline)
+        return self._collect(replies, deadline, watch)
 
-    def _collect(self, replies: Replies, deadline: float) -> Replies:
+    def _collect(self, replies: Replies, deadline: float, watch: StallWatch | None = None) -> Replies:
+        """Read the ranks' replies until all are in, the deadline passes, the ranks still out are seen
+        waiting for one that failed, or (`watch`) the case is seen stalled for good."""
         owners: dict[Any, _Rank] = {}
         for r in self._ranks:
             owners[r.conn] = r
             owners[r.process.sentinel] = r
         while replies.pending:
             if replies.first_failure_at is not None and self._all_pending_wait_in_collectives(replies):
+                break
+            if watch is not None and replies.first_failure_at is None and watch.stalled(
+                    replies.pending, lambda rank: self._where(self._ranks[rank])):
+                replies.stalled = True
                 break
             remaining = replies.wait_until(deadline) - time.monotonic()
             if remaining <= 0 or time.monotonic() >= deadline:

@@ -35,6 +35,7 @@ class Replies:
     pending: set[int] = field(default_factory=set)
     first_failure_at: float | None = None
     waiting: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (collective frame, since)
+    stalled: bool = False  # ended on a stall's evidence (qgather.runtime.stall), not at the deadline
 
     def __post_init__(self) -> None:
         self.results = [None] * self.world_size
