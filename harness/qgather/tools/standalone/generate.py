@@ -173,9 +173,29 @@ def _constants(spec: CaseSpec) -> tuple[tuple[str, str, str, object], ...]:
              "re-gather", _STEPS.get(spec.scenario, 0)),
             ("REQUANTIZE_FIRST", str(spec.scenario == "steps"),
              "re-quantize every shard from its unchanged rows before the first all-gather", spec.scenario == "steps"),
+            ("REFUSALS", repr(_refusals(spec)), "(error class, message prefix)",
+             _refusals(spec)),
+            ("DATA_MOVED", "threading.Event()", "set by FSDP2's first all-gather or a step: no refusal after it",
+             None),
             ("TIMEOUT_S", 'int(os.environ.get("REPRO_TIMEOUT_S", "30"))',
              "every rank's deadline (a rank still waiting then: HANG)", None)]
     return tuple(rows)
+
+
+def _refusals(spec: CaseSpec) -> tuple[tuple[str, str], ...]:
+    """REFUSALS: (class name, message prefix) of each error the implementation declares as its refusal
+    (qgather's `rejection_types`; the reference's classes travel with its script, under the same names),
+    matched by a script against every class of a raised error. None where qgather's policy accepts no
+    refusal of the case (every shard aligned): a refusal there fails the case, and the script says ERROR."""
+    # deferred: the registry and the policy import torch and the adapters
+    from qgather.impls import get_impl
+    from qgather.impls.rejections import DeclaredRejections
+    from qgather.model.policy import expectation
+
+    if expectation(spec).aligned:
+        return ()
+    declared = DeclaredRejections.of(get_impl(spec.impl).rejection_types, spec.impl)
+    return tuple(sorted([(c.__name__, "") for c in declared.classes] + list(declared.names)))
 
 
 def _weights(spec: CaseSpec) -> str:
@@ -214,7 +234,8 @@ def render(case_id: str, title: str = "", note: str = "") -> str:
     """
     spec = CaseSpec.parse(case_id)
     template = template_for(spec)
-    constants = (*_constants(spec), *template.constants)
+    constants = (*_constants(spec), *template.constants,
+                 ("SPAWN", str(not template.needs_cuda), "python FILE forks gloo ranks", not template.needs_cuda))
     install = "    install(SOURCES)\n" if template.sources else ""
     main = f'if __name__ == "__main__":\n{install}    sys.exit(main())'
     sources = [_sources_block(template.sources), ""] if template.sources else []  # SOURCES last but main
@@ -237,7 +258,7 @@ _SECTIONS = (
     ("What it checks: every unshard's buffers against the golden, bit for bit",
      ("gathered", "unshards", "judge", "compare", "make_input", "compiled")),
     ("Running the ranks under one deadline; the verdict as qgather reports it",
-     ("main", "run_rank", "verdict", "spawn", "_rank", "report")),
+     ("main", "run_rank", "refusal", "refused_on_every_rank", "verdict", "spawn", "_rank", "report")),
 )
 
 
@@ -245,8 +266,6 @@ def _functions(spec: CaseSpec, template: Template, constants) -> list[str]:
     """The script's sections: each a comment and its functions, specialized to the case's constants;
     a function nothing calls is left out."""
     launcher = {"spawn": launch.spawn, "_rank": launch._rank}
-    if template.needs_cuda:
-        launcher = {"spawn": launch.torchrun_only}
     pieces = {"make_weight": data.make_weight, "shard_rows": data.shard_rows, "tp_piece": data.tp_piece,
               "local_part": data.local_part, "masters": data.masters, "quantize": template.golden.quantize,
               "dequantize": template.golden.dequantize, "golden": scenario.golden, "fsdp_setup": fsdp.fsdp_setup,
@@ -256,7 +275,9 @@ def _functions(spec: CaseSpec, template: Template, constants) -> list[str]:
               "gathered": _gathered(spec), "judge": scenario.judge, "compare": evidence.compare,
               "unshards": scenario.gathered_steps if spec.scenario in ("steps", "reshard") else scenario.gathered_once,
               "make_input": scenario.make_input, "compiled": scenario.compiled, "main": launch.main,
-              "run_rank": launch.run_rank, "verdict": launch.verdict, **launcher, "report": launch.report}
+              "run_rank": launch.run_rank, "refusal": launch.refusal,
+              "refused_on_every_rank": launch.refused_on_every_rank, "verdict": launch.verdict, **launcher,
+              "report": launch.report}
     known = {name: value for name, _, _, value in constants if value is not None}
     texts = {name: _specialized(_source(function, name), known) for name, function in pieces.items()}
     reached = _called(texts, "main", "install")
@@ -297,7 +318,7 @@ def _header(spec: CaseSpec, template: Template, title: str, note: str) -> str:
     lines = [title or f"qgather case {spec.id}, standalone", "", *([note, ""] if note else []),
              f"Needs {what}. Run: {run}. Exit 1 with qgather's verdict and evidence while the defect is there, "
              "0 once the gathered buffers equal `quantize`'s."]
-    return '"""' + "\n".join(_wrapped(line) for line in lines) + '\n"""'
+    return '"""' + "\n".join(_wrapped(line) for line in lines) + '"""'  # closed on its last line: one line less
 
 
 def _constant_lines(constants, body: str) -> str:
@@ -308,7 +329,7 @@ def _constant_lines(constants, body: str) -> str:
 
 
 def _wrapped(line: str) -> str:
-    return textwrap.fill(line, width=118, break_on_hyphens=False, break_long_words=False) if line else line
+    return textwrap.fill(line, width=115, break_on_hyphens=False, break_long_words=False) if line else line
 
 
 def _imports(body: str, hoisted: list[str]) -> str:

@@ -63,7 +63,7 @@ def read_te(weight: torch.Tensor, want: dict) -> dict:
     """The gathered weight's buffers (of the blockwise scales, the valid region), after TE's own
     dequantize() of it (what its forward does with it) has run."""
     weight.dequantize()
-    if RECIPE == "Float8BlockScaling":  # of the padded scales, the valid region
+    if RECIPE == "Float8BlockScaling":  # valid region
         scales = weight._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]
         return {"rowwise_data": weight._rowwise_data.view(torch.uint8), "rowwise_scale_inv": scales}
     else:

@@ -107,10 +107,9 @@ def gathered(rank: int, device: torch.device) -> list[tuple]:
     """The module sharded, then its first unshard judged (compile: then the compiled forward's)."""
     full = masters()
     root, layers = sharded(rank, device, WORLD_SIZE, full)
-    stages = judge(root, layers, full, rank, "unshard 1")
     if COMPILE:
-        stages += compiled(root, rank)
-    return stages
+        return judge(root, layers, full, rank, "unshard 1") + compiled(root, rank)
+    return judge(root, layers, full, rank, "unshard 1")
 
 
 def gathered_again(rank: int, device: torch.device) -> list[tuple]:
@@ -163,6 +162,8 @@ def gathered_steps(root, layers: dict, full: dict, rank: int, device: torch.devi
                 mine[name].grad, full[name].grad = local_part(grad, rank, size).clone(), grad
             optimizer.step()
         if step or REQUANTIZE_FIRST:
+            if REFUSALS:  # an optimizer step's write: a refusal after it is no REJECTED (qgather's phases)
+                DATA_MOVED.set()
             with torch.no_grad():
                 for name, each in layers.items():
                     requantize(each, mine[name].detach().to(device, DTYPE))
