@@ -77,8 +77,8 @@ def read(weight: torch.Tensor, want: dict) -> dict:
     weight.dequantize()
     scales = weight._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]  # valid region
     return {"rowwise_data": weight._rowwise_data.view(torch.uint8), "rowwise_scale_inv": scales}
-def forward(root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)()):
+def forward(root: torch.nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
+    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)(), amax_reduction_group=group):
         return root(x)
 def sharded(rank: int, device: torch.device, size: int, weights: dict):
     mesh, kwargs = fsdp_setup(device, size)
@@ -97,8 +97,8 @@ def saved_checkpoint(rank: int, device: torch.device) -> tuple[str, object]:
     group, loading = dist.new_group(list(range(SAVED_AT))), dist.new_group(list(range(LOADED_AT)))
     root, layers = sharded(rank, device, SAVED_AT, masters())
     if root is not None:
-        with torch.enable_grad():
-            forward(root, make_input().to(device))
+        with torch.enable_grad():  # its collectives over the saving ranks (TE's amax: `group`)
+            forward(root, make_input().to(device), group)
         dcp.save(root.state_dict(), checkpoint_id=path[0], process_group=group)
     dist.barrier()
     return path[0], loading

@@ -70,8 +70,8 @@ def layer(master: torch.Tensor, rank: int, device: torch.device, size: int, mesh
 def read(weight: torch.Tensor, want: dict) -> dict:
     weight.dequantize()
     return {"data": weight._data.view(torch.uint8), "scale_inv": weight._scale_inv.float().reshape(1)}
-def forward(root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)()):
+def forward(root: torch.nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
+    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)(), amax_reduction_group=group):
         return root(x)
 def sharded(rank: int, device: torch.device, size: int, weights: dict):
     mesh, kwargs = fsdp_setup(device, size)
@@ -90,8 +90,8 @@ def saved_checkpoint(rank: int, device: torch.device) -> tuple[str, object]:
     group, loading = dist.new_group(list(range(SAVED_AT))), dist.new_group(list(range(LOADED_AT)))
     root, layers = sharded(rank, device, SAVED_AT, masters())
     if root is not None:
-        with torch.enable_grad():
-            forward(root, make_input().to(device))
+        with torch.enable_grad():  # its collectives over the saving ranks (TE's amax: `group`)
+            forward(root, make_input().to(device), group)
         dcp.save(root.state_dict(), checkpoint_id=path[0], process_group=group)
     dist.barrier()
     return path[0], loading

@@ -75,15 +75,18 @@ def requantize_te(layer: torch.nn.Module, rows: torch.Tensor) -> None:
     layer.weight.to_local().quantize_(rows)
 
 
-def forward_te(root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """TE's forward under te.autocast with the case's recipe."""
+def forward_te(root: torch.nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
+    """TE's forward under te.autocast with the case's recipe. `group`: the ranks the module is sharded
+    over when they are not the whole launched world (a checkpoint's saving ranks), over which
+    DelayedScaling's autocast reduces its amaxes: te.autocast's default is the whole world, which the
+    ranks outside it never join (qgather saves in a world of the saving ranks alone)."""
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe
 
-    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)()):
+    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)(), amax_reduction_group=group):
         return root(x)
 
 
-def forward_module(root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The module's own forward."""
+def forward_module(root: torch.nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
+    """The module's own forward (`group`: TE's amax reduction group, which it has no use for)."""
     return root(x)
