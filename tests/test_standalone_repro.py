@@ -21,8 +21,9 @@ from qgather.model.case import CaseSpec
 from qgather.scenarios.data import make_gradient, make_weight
 from qgather.tools.standalone import UnsupportedCase, render
 from qgather.tools.standalone.findings import FINDINGS
-from qgather.tools.standalone.generate import MAX_LINES, readable_lines, template_for
+from qgather.tools.standalone.generate import MAX_LINES, readable_lines
 from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor, launch
+from qgather.tools.standalone.templates import template_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ("torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1", "te:fp8_tensor:128x64:fp32:ws4:gather:s2",

@@ -11,7 +11,8 @@ from importlib import resources
 
 from qgather.model.case import CaseSpec
 from qgather.tools.standalone.findings import FINDINGS, Finding
-from qgather.tools.standalone.generate import render, template_for
+from qgather.tools.standalone.generate import render
+from qgather.tools.standalone.templates import template_for
 
 __all__ = ["expected_files", "stale_files", "write"]
 
