@@ -29,13 +29,14 @@ _STDLIB = ("contextlib", "datetime", "hashlib", "importlib", "itertools", "math"
 _TORCH_NAMES = (("torch.distributed.device_mesh", ("DeviceMesh", "init_device_mesh")),
                 ("torch.distributed.fsdp", ("MixedPrecisionPolicy", "fully_shard")),
                 ("torch.distributed.tensor", ("Shard",)))
-def render(case_id: str, title: str = "", note: str = "") -> str:
+def render(case_id: str, title: str = "", note: str = "", *, param_class: type | None = None) -> str:
     """The standalone script of `case_id` (imports: torch, the library, the standard library).
 
     Args:
         case_id: a qgather case id a template covers (`template_for`).
         title: what the script shows (a finding's title), its docstring's first line.
         note: more of the docstring (the finding in a sentence or two).
+        param_class: a reference case's parameter class in place of the reference's (`template_for`).
 
     Example:
         >>> text = render("torchao:fp8_tensor:5x64:bf16:ws2:gather:s0")
@@ -43,7 +44,7 @@ def render(case_id: str, title: str = "", note: str = "") -> str:
         False
     """
     spec = CaseSpec.parse(case_id)
-    template = template_for(spec)
+    template = template_for(spec, param_class)
     constants = (*case_constants(spec), *template.constants,
                  ("SPAWN", str(not template.needs_cuda), "python FILE forks gloo ranks", not template.needs_cuda))
     install = "    install(SOURCES)\n" if template.sources else ""

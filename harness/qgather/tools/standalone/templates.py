@@ -57,8 +57,12 @@ class Template:
     sources: dict[str, str] | None = None  # reference: qgather's modules the script carries (bundle)
 
 
-def template_for(spec: CaseSpec) -> Template:
-    """The template of `spec`, or UnsupportedCase saying in one line why there is none."""
+def template_for(spec: CaseSpec, param_class: type | None = None) -> Template:
+    """The template of `spec`, or UnsupportedCase saying in one line why there is none. `param_class`:
+    the reference's parameter class in its place (a test hands in a deliberately broken one, a zoo
+    mutant's, to see the reference's scripts fail as `qgather case` of that mutant does)."""
+    if param_class is not None and spec.impl != "reference":
+        raise ValueError(f"{spec.id}: a parameter class replaces the reference's only")
     why = _why_not(spec)
     if why:
         raise UnsupportedCase(f"{spec.id}: no standalone script: {why}; run `qgather case {spec.id}`")
@@ -72,7 +76,7 @@ def template_for(spec: CaseSpec) -> Template:
         recipe = _TE_RECIPES[spec.impl, spec.fmt]
         return Template("transformer_engine", route, fp8_block if spec.fmt == "fp8_block" else fp8_tensor,
                         (("RECIPE", repr(recipe), "transformer_engine.common.recipe", recipe),), needs_cuda=True)
-    param_class = _param_class(spec)
+    param_class = param_class or _param_class(spec)
     route = (("install", reference.install), ("ReferenceLinear", reference.ReferenceLinear),
              ("layer", reference.layer_reference), ("read", reference.read_reference),
              ("requantize", reference.requantize_reference), ("forward", routes.forward_module))

@@ -89,6 +89,10 @@ def judge(root, layers: dict, full: dict, rank: int, label: str) -> list[tuple]:
             where += f": tp rank {rank % TP} of {TP}"
         digest = hashlib.sha256(b"".join(got[n].contiguous().view(torch.uint8).numpy().tobytes() for n in sorted(got)))
         stages.append((where, compare(got, want, tuple(weight.shape), row0), digest.hexdigest()))
+        if MP:  # FSDP2 hands the post-all-gather hook the policy's param_dtype: qgather checks it first
+            if weight.dtype != MP:
+                wrong = f"the unsharded weight is {weight.dtype}, the mixed-precision policy asks for {MP}"
+                stages[-1] = (where, [wrong], digest.hexdigest())
     root.reshard()
     if LAYERS:
         for each in layers.values():
