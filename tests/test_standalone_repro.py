@@ -12,17 +12,20 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from qgather.formats import FORMATS
 from qgather.model.case import CaseSpec
 from qgather.scenarios.data import make_gradient, make_weight
 from qgather.tools.standalone import UnsupportedCase, render
 from qgather.tools.standalone.findings import FINDINGS
-from qgather.tools.standalone.generate import MAX_LINES, readable_lines, template_for
+from qgather.tools.standalone.generate import MAX_LINES, readable_lines
 from qgather.tools.standalone.pieces import data, evidence, fp8_block, fp8_tensor, launch
+from qgather.tools.standalone.templates import template_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ("torchao:precompute:fp8_tensor:5x64:fp32:ws2:gather:s1", "te:fp8_tensor:128x64:fp32:ws4:gather:s2",
@@ -198,6 +201,47 @@ def test_verdict_names_the_verdict_and_groups_ranks_that_agree():
     assert launch.verdict([_result(0), _result(1, digest="e")])[0] == "RANK_DIVERGENCE"
     # different TP pieces hold different bytes: not a divergence
     assert launch.verdict([_result(0, "tp rank 0 of 2"), _result(1, "tp rank 1 of 2", digest="e")])[0] == "EXACT"
+
+
+class ShardAlignmentError(ValueError):
+    pass
+
+
+class NarrowerAlignmentError(ShardAlignmentError):
+    pass
+
+
+def test_a_refusal_is_a_declared_error_raised_before_any_data_moved(monkeypatch):
+    """qgather's REJECTED rule as the scripts apply it: a declared class (any class of the error) or a
+    "class: message prefix", and only until FSDP2's first all-gather (or a step) set DATA_MOVED."""
+    moved = threading.Event()
+    monkeypatch.setattr(launch, "DATA_MOVED", moved, raising=False)
+    monkeypatch.setattr(launch, "REFUSALS", (("AssertionError", "FSDP2 requires"), ("ShardAlignmentError", "")),
+                        raising=False)
+    assert launch.refusal(NarrowerAlignmentError("shard 1 starts at row 10\n  detail")) == (
+        "NarrowerAlignmentError: shard 1 starts at row 10")
+    assert launch.refusal(AssertionError("FSDP2 requires M % 16")) == "AssertionError: FSDP2 requires M % 16"
+    assert launch.refusal(AssertionError("another assertion")) == ""
+    assert launch.refusal(IndexError("list index out of range")) == ""
+    moved.set()
+    assert launch.refusal(ShardAlignmentError("shard 1 starts at row 10")) == ""
+    moved.clear()
+    monkeypatch.setattr(launch, "REFUSALS", (), raising=False)  # a case every shard of which is aligned
+    assert launch.refusal(ShardAlignmentError("shard 1 starts at row 10")) == ""
+
+
+def test_torchrun_ranks_compare_their_refusals_in_the_store(monkeypatch):
+    """Each rank that raised posts its refusal ("" for another error); REJECTED needs every rank's, alike
+    but for the numbers (each rank names its own shard)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setattr(launch, "WORLD_SIZE", 2, raising=False)
+    store.set("refused/1", "ShardAlignmentError: shard 1 of 2 has 10 rows")
+    assert launch.refused_on_every_rank(0, "ShardAlignmentError: shard 0 of 2 has 11 rows")
+    assert not launch.refused_on_every_rank(0, "FormatError: another refusal")
+    store.set("refused/1", "")  # rank 1 raised an error that is no refusal
+    assert not launch.refused_on_every_rank(0, "ShardAlignmentError: shard 0 of 2 has 11 rows")
 
 
 def test_verdict_is_the_first_unshard_that_fails():

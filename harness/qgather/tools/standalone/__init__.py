@@ -6,6 +6,7 @@ and upstream drafts of the findings in docs/ (`python -m qgather.tools.standalon
     text = render("torchao:fp8_tensor:128x64:bf16:ws4:gather:s0:tp-2x2")
 """
 
-from qgather.tools.standalone.generate import UnsupportedCase, how_to_run, render
+from qgather.tools.standalone.generate import how_to_run, render
+from qgather.tools.standalone.templates import UnsupportedCase
 
 __all__ = ["UnsupportedCase", "how_to_run", "render"]

@@ -11,7 +11,8 @@ from importlib import resources
 
 from qgather.model.case import CaseSpec
 from qgather.tools.standalone.findings import FINDINGS, Finding
-from qgather.tools.standalone.generate import render, template_for
+from qgather.tools.standalone.generate import render
+from qgather.tools.standalone.templates import template_for
 
 __all__ = ["expected_files", "stale_files", "write"]
 
@@ -62,8 +63,9 @@ def draft(finding: Finding, text: str) -> str:
         f"**Versions**: {finding.versions}", "",
         "## Reproduce", "",
         f"{command(finding, file)}. The script imports only {imported} and the standard library; it exits 1 "
-        "with its evidence while the defect is there and 0 once it is fixed, and says HANG itself at its "
-        "deadline (REPRO_TIMEOUT_S, default 30 s).", "",
+        "with its evidence while the defect is there and 0 once it is fixed (EXACT: the gathered buffers equal "
+        "the golden's; or REJECTED, where the shards may be refused: every rank raised the library's refusal "
+        "alike before any data moved), and says HANG itself at its deadline (REPRO_TIMEOUT_S, default 30 s).", "",
         f"<details><summary>{file} ({text.count(chr(10))} lines)</summary>", "",
         "```python", text.rstrip("\n"), "```", "", "</details>", "",
         "## Expected", "", finding.expected, "",

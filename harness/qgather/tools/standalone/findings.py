@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from qgather.tools.standalone.gpu_output import GPU_OUTPUT
+
 __all__ = ["FINDINGS", "Finding"]
 
 TORCHAO = "torch 2.13.0 (CPU), torchao 0.18.0; python 3.11"
@@ -344,116 +346,4 @@ FINDINGS: tuple[Finding, ...] = (
         probe=True, ranks=2),
 )
 
-#: What each TE script printed on GPUs (`bash docs/repro/run-gpu.sh`), quoted in its draft.
-GPU_OUTPUT: dict[str, str] = {
-    "te-fp8-block-tile-split": (
-        "`torchrun --nproc-per-node 2 docs/repro/te-fp8-block-tile-split.py` on 2 x H200 (sm_90), torch "
-        "2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 after "
-        "21 s, printing\n\n```\nte:fp8_block:200x256:bf16:ws2:gather:s0: SILENT_MISMATCH - ranks 0, 1: "
-        "unshard 1: rowwise_data: 32768 of 51200 valid elements differ; rowwise_scale_inv: 2 of 4 valid "
-        "elements differ; dequantized weight: 7265 elements differ, max |diff| 11.8; rows 0-127\n```"
-    ),
-    "te-fp8-tensor-uneven-shards": (
-        "`torchrun --nproc-per-node 2 docs/repro/te-fp8-tensor-uneven-shards.py` on 2 x H200 (sm_90), "
-        "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 "
-        "after 20 s, printing\n\n```\nte:fp8_tensor:31x128:bf16:ws2:gather:s0: ERROR - rank 1: "
-        "AssertionError: When a parameter is unevenly sharded by FSDP (orig size=torch.Size([31, 128]), "
-        "FSDP world size=2), fsdp_pre_all_gather must return all-gather inputs with the padded sharded "
-        "size torch.Size([16, 128]) but got [torch.Size([15, 128])]\n```"
-    ),
-    "te-fp8-block-uneven-sizes": (
-        "`torchrun --nproc-per-node 2 docs/repro/te-fp8-block-uneven-sizes.py` on 2 x H200 (sm_90), "
-        "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 "
-        "after 49 s, printing\n\n```\nte:fp8_block:255x128:bf16:ws2:gather:s0: HANG - rank 0: no result "
-        "within 30 s (REPRO_TIMEOUT_S)\n```"
-    ),
-    "te-current-scaling-own-amax": (
-        "`torchrun --nproc-per-node 2 docs/repro/te-current-scaling-own-amax.py` on 2 x H200 (sm_90), "
-        "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 "
-        "after 21 s, printing\n\n```\nte:fp8_tensor:128x64:bf16:ws2:steps:s0: RANK_DIVERGENCE - rank 0: "
-        "unshard 1: data: 4096 of 8192 valid elements differ; scale_inv: 1 of 1 valid elements differ; "
-        "dequantized weight: 8192 elements differ, max |diff| 143; rows 0-127\n  rank 1: unshard 1: data: "
-        "4096 of 8192 valid elements differ; dequantized weight: 4096 elements differ, max |diff| 143; "
-        "rows 0-63\n```"
-    ),
-    "te-shard-dim1-copy-out": (
-        "`torchrun --nproc-per-node 2 docs/repro/te-shard-dim1-copy-out.py` on 2 x H200 (sm_90), torch "
-        "2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 after "
-        "19 s, printing\n\n```\nte:fp8_block:1024x256:bf16:ws2:gather:s0:dim1: ERROR - rank 0: "
-        "RuntimeError: shape '[2048, 128]' is invalid for input of size "
-        "64\nte:fp8_block:1024x256:bf16:ws2:gather:s0:dim1: ERROR - rank 1: RuntimeError: shape '[2048, "
-        "128]' is invalid for input of size 64\n```"
-    ),
-    "te-blockwise-cannot-dequantize": (
-        "`torchrun --nproc-per-node 2 docs/repro/te-blockwise-cannot-dequantize.py` on 2 x H200 (sm_90), "
-        "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 "
-        "after 18 s, printing\n\n```\nte:fp8_block:4x64:bf16:ws2:gather:s0: ERROR - rank 0: "
-        "RuntimeError: shape '[2, 128, 1, 128]' is invalid for input of size "
-        "16384\nte:fp8_block:4x64:bf16:ws2:gather:s0: ERROR - rank 1: RuntimeError: shape '[2, 128, 1, "
-        "128]' is invalid for input of size 16384\n```"
-    ),
-    "te-tp-amax": (
-        "`torchrun --nproc-per-node 2 docs/repro/te-tp-amax.py` on 2 x H200 (sm_90), torch 2.11.0+cu130, "
-        "TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 after 19 s, "
-        "printing\n\n```\nte:fp8_tensor:128x64:fp32:ws2:reshard:s0:tp-1x2: SILENT_MISMATCH - rank 0: "
-        "unshard 1: tp rank 0 of 2: data: 4096 of 4096 valid elements differ; scale_inv: 1 of 1 valid "
-        "elements differ; dequantized weight: 4096 elements differ, max |diff| 0.141; rows 0-63\n```"
-    ),
-    "te_fp8_block_flat_view_copy": (
-        "`torchrun --nproc-per-node 2 docs/repro/te_fp8_block_flat_view_copy.py` on 2 x H200 (sm_90), "
-        "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 "
-        "after 21 s, printing\n\n```\nDEFECT: FSDP2 keeps a dequantized copy of the "
-        "Float8BlockwiseQTensor shard\n```"
-    ),
-    "te-world-size-1-post-hooks": (
-        "`torchrun --nproc-per-node 1 docs/repro/te-world-size-1-post-hooks.py` on 2 x H200 (sm_90), "
-        "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 "
-        "after 20 s, printing\n\n```\nte:fp8_block:1024x64:bf16:ws1:gather:s0: ERROR - rank 0: "
-        "ValueError: not enough values to unpack (expected 2, got 1)\n```"
-    ),
-    "te-blockwise-single-row": (
-        "`torchrun --nproc-per-node 1 docs/repro/te-blockwise-single-row.py` on 2 x H200 (sm_90), torch "
-        "2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 after "
-        "15 s, printing\n\n```\nte:fp8_block:1x512:bf16:ws1:gather:s0: ERROR - rank 0: IndexError: list "
-        "index out of range\n```"
-    ),
-    "te-delayed-dcp-extra-state": (
-        "`torchrun --nproc-per-node 4 docs/repro/te-delayed-dcp-extra-state.py` on 2 x H200 (sm_90), "
-        "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 "
-        "after 47 s, printing\n\n```\nte:delayed:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2-trained: "
-        "HANG - rank 1: no result within 30 s "
-        "(REPRO_TIMEOUT_S)\nte:delayed:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2-trained: ERROR - rank "
-        "2: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] Connection closed "
-        "by peer [127.0.0.1]:36233\n```"
-    ),
-    "te-blockwise-checkpoint-tile-split": (
-        "`torchrun --nproc-per-node 3 docs/repro/te-blockwise-checkpoint-tile-split.py` on 2 x H200 "
-        "(sm_90), torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash "
-        "docs/repro/run-gpu.sh`): exit 1 after 20 s, "
-        "printing\n\n```\nte:fp8_block:1024x64:bf16:ws2:gather:s0:dcp-ws3: SILENT_MISMATCH - ranks 0, 1: "
-        "unshard 1: rowwise_data: 64644 of 65536 valid elements differ; rowwise_scale_inv: 8 of 8 valid "
-        "elements differ; dequantized weight: 65113 elements differ, max |diff| 848; rows 0-1023\n```"
-    ),
-    "te-blockwise-checkpoint-trained": (
-        "`torchrun --nproc-per-node 4 docs/repro/te-blockwise-checkpoint-trained.py` on 2 x H200 "
-        "(sm_90), torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash "
-        "docs/repro/run-gpu.sh`): exit 1 after 19 s, "
-        "printing\n\n```\nte:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: ERROR - rank 1: "
-        "IndexError: list index out of range\nte:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: "
-        "ERROR - rank 0: IndexError: list index out of "
-        "range\nte:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: ERROR - rank 3: IndexError: list "
-        "index out of range\nte:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: ERROR - rank 2: "
-        "IndexError: list index out of range\n```"
-    ),
-    "te_refused_autocast_leaves_fp8_enabled": (
-        "`python3 docs/repro/te_refused_autocast_leaves_fp8_enabled.py` on 2 x H200 (sm_90), torch "
-        "2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 after "
-        "14 s, printing\n\n```\nDEFECT: the refused autocast left TE's FP8 state enabled\n```"
-    ),
-    "te_delayed_fused_adam_stale_transpose": (
-        "`python3 docs/repro/te_delayed_fused_adam_stale_transpose.py` on 2 x H200 (sm_90), torch "
-        "2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (`bash docs/repro/run-gpu.sh`): exit 1 after "
-        "11 s, printing\n\n```\nDEFECT: the backward's FP8 transpose is stale after FusedAdam's step\n```"
-    ),
-}
 FINDINGS = tuple(replace(f, gpu_output=f.gpu_output or GPU_OUTPUT.get(f.name, "")) for f in FINDINGS)

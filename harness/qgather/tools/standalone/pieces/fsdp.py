@@ -80,8 +80,8 @@ def saved_checkpoint(rank: int, device: torch.device) -> tuple[str, object]:
     root, layers = sharded(rank, device, SAVED_AT, masters())
     if root is not None:
         if TRAINED:
-            with torch.enable_grad():
-                forward(root, make_input().to(device))
+            with torch.enable_grad():  # its collectives over the saving ranks (TE's amax: `group`)
+                forward(root, make_input().to(device), group)
         dcp.save(root.state_dict(), checkpoint_id=path[0], process_group=group)
     dist.barrier()
     return path[0], loading

@@ -1,7 +1,13 @@
 """Running the ranks: under torchrun (NCCL on GPUs; gloo on CUDA with more ranks than GPUs), or
-`python FILE`, which forks WORLD_SIZE gloo ranks on the CPU (`spawn`; a GPU library's script says to
-use torchrun instead, `torchrun_only`) and waits for all of them under one deadline, so that a rank
-that raises, dies or hangs is reported as qgather reports it (ERROR, CRASH, HANG) instead of waited on."""
+`python FILE`, which forks WORLD_SIZE gloo ranks on the CPU (`spawn`; SPAWN False: a GPU library's
+script says in one line to use torchrun instead) and waits for all of them under one deadline, so that a rank
+that raises, dies or hangs is reported as qgather reports it (ERROR, CRASH, HANG) instead of waited on.
+
+REJECTED, under either launcher, as qgather's rule has it: every rank raised one of the library's
+declared refusals (REFUSALS, qgather's `rejection_types`) with the same message up to numbers, before
+any data moved (DATA_MOVED: set by FSDP2's first all-gather and by an optimizer step's write). Under
+torchrun each rank that raised posts its refusal in torchrun's store and waits a short grace for the
+others' (`refused_on_every_rank`); a rank waiting in a collective posts none, so that is an ERROR."""
 
 # ruff: noqa: F821 -- the script defines CASE, WORLD_SIZE, ... and the other pieces' functions (see __init__)
 
@@ -25,11 +31,12 @@ import torch.distributed as dist
 
 def main() -> int:
     """Exit status: 0 when every rank gathered the golden's bytes, 1 with the evidence otherwise."""
-    if "RANK" not in os.environ:  # python FILE
-        return report(*spawn())
-    rank, gpus = int(os.environ["RANK"]), torch.cuda.device_count()
-    if int(os.environ["WORLD_SIZE"]) != WORLD_SIZE:
+    if SPAWN:
+        if "RANK" not in os.environ:  # python FILE
+            return report(*spawn())
+    if int(os.environ.get("WORLD_SIZE", 0)) != WORLD_SIZE:  # SPAWN False: python FILE too
         sys.exit(f"this case runs at {WORLD_SIZE} ranks: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}")
+    rank, gpus = int(os.environ["RANK"]), torch.cuda.device_count()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % gpus) if gpus else None
     deadline = threading.Timer(TIMEOUT_S, lambda: (print(f"{CASE}: HANG - rank {rank}: no result within "
                                                           f"{TIMEOUT_S} s (REPRO_TIMEOUT_S)", flush=True), os._exit(1)))
@@ -38,10 +45,12 @@ def main() -> int:
     try:
         stages = run_rank(rank, device, "nccl" if gpus >= WORLD_SIZE else "gloo")
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if REFUSALS:
+            if refused_on_every_rank(rank, refusal(exc)):  # alike, before any data moved: REJECTED, exit 0
+                return report("REJECTED", [refusal(exc)]) if rank == 0 else 0
         print(f"{CASE}: ERROR - rank {rank}: {type(exc).__name__}: {exc}", flush=True)
         raise  # torchrun stops the other ranks
-    every = [None] * WORLD_SIZE
-    dist.all_gather_object(every, stages)
+    dist.all_gather_object(every := [None] * WORLD_SIZE, stages)
     status = report(*verdict(every)) if rank == 0 else int(verdict(every)[0] != "EXACT")
     dist.barrier()  # rank 0 has printed before any rank exits: torchrun stops the others at the first exit 1
     dist.destroy_process_group()
@@ -53,11 +62,35 @@ def run_rank(rank: int, device, backend: str = "gloo") -> list[dict]:
     if device is not None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    if REFUSALS:
+        for name in [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]:
+            setattr(dist, name, lambda *a, _gather=dist.__dict__[name], **k: (DATA_MOVED.set(), _gather(*a, **k))[1])
     if FLOAT8_WIRE:  # the library all-gathers float8 tensors, which gloo cannot
         if backend == "gloo":
             float8_as_bytes_on_gloo()
     return [{"rank": rank, "label": label, "lines": lines, "digest": digest}
             for label, lines, digest in gathered(rank, device or torch.device("cpu"))]
+
+
+def refusal(exc: BaseException) -> str:
+    """`Type: first line` of `exc` when it is one of REFUSALS ((class name, message prefix), matched
+    against every class of the error) raised before any data moved; else ""."""
+    if not REFUSALS:  # no error is a refusal of this case
+        return ""
+    said = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    names, message = {cls.__name__ for cls in type(exc).__mro__}, said.partition(": ")[2]
+    return said if any(n in names and message.startswith(p) for n, p in REFUSALS) and not DATA_MOVED.is_set() else ""
+
+
+def refused_on_every_rank(rank: int, refused: str) -> bool:
+    """torchrun: whether every rank refused alike (each rank's `refusal`, posted in torchrun's store;
+    a rank that posts none within a short grace is waiting in a collective: not every rank refused)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    store.set(f"refused/{rank}", refused)
+    with contextlib.suppress(RuntimeError):  # a rank posted nothing in the grace; alike: up to each rank's sizes
+        store.wait(keys := [f"refused/{r}" for r in range(WORLD_SIZE)], datetime.timedelta(seconds=5))
+        return len(alike := {re.sub(r"\d+", "N", store.get(key).decode()) for key in keys}) == 1 and "" not in alike
+    return False
 
 
 def verdict(every: list[list[dict]]) -> tuple[str, list[str]]:
@@ -87,42 +120,39 @@ def spawn() -> tuple[str, list[str]]:
         ranks.append(fork.Process(target=_rank, args=(rank, writer), daemon=True))
         ranks[-1].start(), writer.close()  # the reader sees EOF when the rank dies
         readers[reader] = rank
-    sent, deadline = {}, time.monotonic() + TIMEOUT_S
+    sent, deadline = {}, time.monotonic() + TIMEOUT_S  # rank -> (kind, stages or error, its refusal)
     while readers and time.monotonic() < deadline:
         for reader in multiprocessing.connection.wait(list(readers), deadline - time.monotonic()):
             rank = readers.pop(reader)
             with contextlib.suppress(EOFError):  # EOF: it died before it could say anything
                 sent[rank] = reader.recv()
-            sent.setdefault(rank, ("died", ""))
+            sent.setdefault(rank, ("died", "", ""))
             if sent[rank][0] != "ok":  # the others may wait for it in a collective: a short grace
                 deadline = min(deadline, time.monotonic() + 5.0)
     for process in ranks:  # a rank still waiting is killed
         process.join(0 if readers else 1.0), process.kill(), process.join()
     died = [f"rank {r} killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"rank {r} exited with "
             f"status {p.exitcode}" for r, p in enumerate(ranks) if sent.get(r, ("",))[0] == "died"]  # the root cause
-    failed = died + [f"rank {r}: {value}" for r, (kind, value) in sent.items() if kind == "error"]  # first
-    refused = len(failed) == WORLD_SIZE and not died and len({value for _, value in sent.values()}) == 1 and not (
-        re.match(r"(Attribute|Name|Type|Key|Index|Import|ModuleNotFound|UnboundLocal)Error:", failed[0]))  # a refusal
+    failed = died + [f"rank {r}: {value}" for r, (kind, value, _) in sent.items() if kind == "error"]  # first
+    if REFUSALS:  # every rank refused alike (up to each rank's sizes): rank 0's refusal, as qgather says it
+        if len(alike := {re.sub(r"\d+", "N", sent[r][2]) if r in sent else "" for r in range(WORLD_SIZE)}) == 1:
+            if "" not in alike:
+                return "REJECTED", [sent[0][2]]
     if failed or readers:
-        return ("CRASH" if died else "REJECTED" if refused else "ERROR" if failed else "HANG"), failed or [
+        return ("CRASH" if died else "ERROR" if failed else "HANG"), failed or [
             f"ranks {sorted(readers.values())} did not finish within {TIMEOUT_S} s"]
     return verdict([sent[r][1] for r in range(WORLD_SIZE)])
 
 
 def _rank(rank: int, writer) -> None:
     try:
-        writer.send(("ok", run_rank(rank, None)))
+        writer.send(("ok", run_rank(rank, None), ""))
     except BaseException as exc:  # noqa: BLE001 -- the script reports every rank's error
-        writer.send(("error", f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"))
-
-
-def torchrun_only() -> tuple[str, list[str]]:
-    """`python FILE` of a GPU library's script: it runs under torchrun."""
-    return "SKIPPED", [f"the library runs on GPUs, one rank each: torchrun --nproc-per-node {WORLD_SIZE} {sys.argv[0]}"]
+        writer.send(("error", f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}", refusal(exc)))
 
 
 def report(found: str, lines: list[str]) -> int:
     """Print the verdict and its evidence as qgather's report starts; the exit status (0: EXACT, or every
-    rank refused the case with one error; 2: not run)."""
+    rank refused the case alike where a refusal of it is acceptable: REFUSALS)."""
     print(f"{CASE}: {found}" + (f" - {lines[0]}" if lines else ""), *(f"  {line}" for line in lines[1:]), sep="\n")
-    return {"EXACT": 0, "REJECTED": 0, "SKIPPED": 2}.get(found, 1)  # REJECTED: every rank refused alike
+    return 0 if found in ("EXACT", "REJECTED") else 1

@@ -63,7 +63,7 @@ def read_te(weight: torch.Tensor, want: dict) -> dict:
     """The gathered weight's buffers (of the blockwise scales, the valid region), after TE's own
     dequantize() of it (what its forward does with it) has run."""
     weight.dequantize()
-    if RECIPE == "Float8BlockScaling":  # of the padded scales, the valid region
+    if RECIPE == "Float8BlockScaling":  # valid region
         scales = weight._rowwise_scale_inv[tuple(slice(0, n) for n in want["rowwise_scale_inv"].shape)]
         return {"rowwise_data": weight._rowwise_data.view(torch.uint8), "rowwise_scale_inv": scales}
     else:
@@ -75,15 +75,18 @@ def requantize_te(layer: torch.nn.Module, rows: torch.Tensor) -> None:
     layer.weight.to_local().quantize_(rows)
 
 
-def forward_te(root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """TE's forward under te.autocast with the case's recipe."""
+def forward_te(root: torch.nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
+    """TE's forward under te.autocast with the case's recipe. `group`: the ranks the module is sharded
+    over when they are not the whole launched world (a checkpoint's saving ranks), over which
+    DelayedScaling's autocast reduces its amaxes: te.autocast's default is the whole world, which the
+    ranks outside it never join (qgather saves in a world of the saving ranks alone)."""
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe
 
-    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)()):
+    with te.autocast(enabled=True, recipe=getattr(recipe, RECIPE)(), amax_reduction_group=group):
         return root(x)
 
 
-def forward_module(root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The module's own forward."""
+def forward_module(root: torch.nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
+    """The module's own forward (`group`: TE's amax reduction group, which it has no use for)."""
     return root(x)

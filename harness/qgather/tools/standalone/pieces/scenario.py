@@ -89,6 +89,10 @@ def judge(root, layers: dict, full: dict, rank: int, label: str) -> list[tuple]:
             where += f": tp rank {rank % TP} of {TP}"
         digest = hashlib.sha256(b"".join(got[n].contiguous().view(torch.uint8).numpy().tobytes() for n in sorted(got)))
         stages.append((where, compare(got, want, tuple(weight.shape), row0), digest.hexdigest()))
+        if MP:  # FSDP2 hands the post-all-gather hook the policy's param_dtype: qgather checks it first
+            if weight.dtype != MP:
+                wrong = f"the unsharded weight is {weight.dtype}, the mixed-precision policy asks for {MP}"
+                stages[-1] = (where, [wrong], digest.hexdigest())
     root.reshard()
     if LAYERS:
         for each in layers.values():
@@ -107,10 +111,9 @@ def gathered(rank: int, device: torch.device) -> list[tuple]:
     """The module sharded, then its first unshard judged (compile: then the compiled forward's)."""
     full = masters()
     root, layers = sharded(rank, device, WORLD_SIZE, full)
-    stages = judge(root, layers, full, rank, "unshard 1")
     if COMPILE:
-        stages += compiled(root, rank)
-    return stages
+        return judge(root, layers, full, rank, "unshard 1") + compiled(root, rank)
+    return judge(root, layers, full, rank, "unshard 1")
 
 
 def gathered_again(rank: int, device: torch.device) -> list[tuple]:
@@ -163,6 +166,8 @@ def gathered_steps(root, layers: dict, full: dict, rank: int, device: torch.devi
                 mine[name].grad, full[name].grad = local_part(grad, rank, size).clone(), grad
             optimizer.step()
         if step or REQUANTIZE_FIRST:
+            if REFUSALS:  # an optimizer step's write: a refusal after it is no REJECTED (qgather's phases)
+                DATA_MOVED.set()
             with torch.no_grad():
                 for name, each in layers.items():
                     requantize(each, mine[name].detach().to(device, DTYPE))
