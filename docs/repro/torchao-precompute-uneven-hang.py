@@ -93,7 +93,7 @@ def compare(got: dict, want: dict, shape: tuple[int, ...], row0: int) -> list[st
         if differ.any():
             lines.append(f"{name}: {int(differ.sum())} of {differ.numel()} valid elements differ")
     got_values, want_values = dequantize(got, shape), dequantize(want, shape)
-    if lines and got_values.shape == want_values.shape and want_values.numel():
+    if lines and got_values.shape == want_values.shape and bool((got_values != want_values).any()):
         differ = (got_values != want_values).reshape(-1, shape[-1])
         rows = (differ.any(1).nonzero().flatten() + row0).tolist()
         lines.append(f"dequantized weight: {int(differ.sum())} elements differ, max |diff| "

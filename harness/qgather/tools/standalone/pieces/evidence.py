@@ -1,6 +1,6 @@
 """What a rank found at one unshard: the evidence of qgather's report (which buffer, how many valid
-elements, the rows from the first to the last that differ); the verdict over every rank is
-pieces.launch.verdict."""
+elements, the rows from the first to the last that differ; no dequantized line when bytes that differ
+dequantize alike, as in qgather's report); the verdict over every rank is pieces.launch.verdict."""
 
 # ruff: noqa: F821 -- the script defines `dequantize` (a golden piece, see __init__)
 
@@ -19,7 +19,7 @@ def compare(got: dict, want: dict, shape: tuple[int, ...], row0: int) -> list[st
         if differ.any():
             lines.append(f"{name}: {int(differ.sum())} of {differ.numel()} valid elements differ")
     got_values, want_values = dequantize(got, shape), dequantize(want, shape)
-    if lines and got_values.shape == want_values.shape and want_values.numel():
+    if lines and got_values.shape == want_values.shape and bool((got_values != want_values).any()):
         differ = (got_values != want_values).reshape(-1, shape[-1])
         rows = (differ.any(1).nonzero().flatten() + row0).tolist()
         lines.append(f"dequantized weight: {int(differ.sum())} elements differ, max |diff| "
