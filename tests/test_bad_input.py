@@ -141,7 +141,11 @@ def test_golden_bad_entries_each_reported(tmp_path):
     ('{"entries": [', "not valid JSON"),
     ('{"entries": []}', "no entries"),
 ])
-def test_golden_bad_manifest(tmp_path, content, why):
+def test_golden_bad_manifest(tmp_path, capsys, content, why):
+    """Through the command line's main in this process: the check's reading of a manifest does not depend on
+    a fresh process (the exit status and no traceback of a real one: test_golden_bad_entries_each_reported)."""
+    from qgather.cli import main
+
     corpus = _corpus(tmp_path)
     path = os.path.join(corpus, "manifest.json")
     if content is None:
@@ -149,7 +153,9 @@ def test_golden_bad_manifest(tmp_path, content, why):
     else:
         with open(path, "w") as fh:
             fh.write(content)
-    assert_one_line(qgather("golden", "--check", "--dir", corpus), 1, "manifest.json", why)
+    rc = main(["golden", "--check", "--dir", corpus])
+    out, err = capsys.readouterr()
+    assert_one_line(subprocess.CompletedProcess(["qgather", "golden"], rc, out, err), 1, "manifest.json", why)
 
 
 def test_help_and_a_bad_option_start_no_torch():
