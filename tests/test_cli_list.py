@@ -33,11 +33,12 @@ def test_list_all_sections():
         assert "unavailable here" in te and "no GPU" in te
 
 
-def test_list_cases_matches_pytest_collection():
+def test_list_cases_matches_pytest_collection(capsys):
+    from qgather.cli import main
+
     selection = ["--formats", "nvfp4_2d", "--world-sizes", "8", "--scenarios", "gather,virtual"]
-    result = qgather("list", "--cases", *selection)
-    assert result.returncode == 0, result.stderr
-    listed = sorted(result.stdout.split())
+    assert main(["list", "--cases", *selection]) == 0  # in this process; pytest's collection in its own
+    listed = sorted(capsys.readouterr().out.split())
     assert listed and all(":ws8:" in c and ":nvfp4_2d:" in c for c in listed)
     collect = subprocess.run(
         [sys.executable, "-m", "pytest", "cases", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
@@ -56,21 +57,26 @@ def _is_case_id(param: str) -> bool:
 
 
 def test_list_cases_empty_selection_is_a_usage_error():
+    # a process of its own: the exit status and the one stderr line a user's shell sees
     result = qgather("list", "--cases", "--world-sizes", "5")
-    assert result.returncode == 4
+    assert result.returncode == 4 and result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.strip() == "qgather list: --world-sizes 5: no case of the suite matches this selection"
 
 
-def test_a_listed_value_that_matches_no_case_is_refused_even_beside_one_that_does():
-    result = qgather("list", "--cases", "--world-sizes", "2,5")
-    assert result.returncode == 4 and result.stdout == ""
-    assert result.stderr.strip() == "qgather list: --world-sizes 5: no case of the selection has world size 5"
-    result = qgather("list", "--cases", "--impl", "torchao", "--formats", "fp8_tensor,nvfp4_2d")
-    assert result.returncode == 4
-    assert result.stderr.strip() == "qgather list: --formats nvfp4_2d: no case of the selection has format nvfp4_2d"
-    result = qgather("list", "--cases", "--impl", "reference", "--scenarios", "model")  # te's scenario only
-    assert result.returncode == 4 and "--scenarios model" in result.stderr, result.stderr
-    assert "(reference declares formats fp8_tensor," in result.stderr and "scenarios gather," in result.stderr
+def test_a_listed_value_that_matches_no_case_is_refused_even_beside_one_that_does(capsys):
+    # the same refusal path as the subprocess above, so through main in this process
+    from qgather.cli import main
+
+    assert main(["list", "--cases", "--world-sizes", "2,5"]) == 4
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "qgather list: --world-sizes 5: no case of the selection has world size 5"
+    assert main(["list", "--cases", "--impl", "torchao", "--formats", "fp8_tensor,nvfp4_2d"]) == 4
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "qgather list: --formats nvfp4_2d: no case of the selection has format nvfp4_2d"
+    assert main(["list", "--cases", "--impl", "reference", "--scenarios", "model"]) == 4  # te's scenario only
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--scenarios model" in err, err
+    assert "(reference declares formats fp8_tensor," in err and "scenarios gather," in err
 
 
 def test_a_named_implementation_runs_alone_in_what_it_declares(capsys):

@@ -1,4 +1,5 @@
-"""Quiet by default: library noise filtered to one line, pytest's final line kept, qgather's help first."""
+"""Quiet by default: library noise filtered to one line (pytest's final line kept and qgather's help first:
+test_cli_ux)."""
 
 from __future__ import annotations
 
@@ -37,21 +38,8 @@ def test_filter_keeps_one_summary_line():
     assert f.filter(other)
 
 
-def test_run_quiet_keeps_final_line(tmp_path):
-    result = run("-m", "qgather", "run", "-q", "--formats", "nvfp4_2d", "--world-sizes", "1",
-                 "--scenarios", "gather", "-k", "alignment", "--report-dir", str(tmp_path))
-    assert result.returncode == 0, result.stdout[-2000:]
-    last = [line for line in result.stdout.splitlines() if line.strip()][-1]
-    assert " passed" in last and " in " in last, last
-
-
-def test_run_help_shows_qgather_options_first():
-    result = run("-m", "qgather", "run", "--help")
-    assert result.returncode == 0
-    lines = result.stdout.splitlines()
-    assert lines[0].startswith("usage: qgather run")
-    assert any(line.strip().startswith("--world-sizes") for line in lines[:12])
-    assert "python -m pytest --help" in lines[-1]
+# `qgather run -q` keeps pytest's final line: test_cli_ux's short-summary run passes -q and checks it.
+# `qgather run --help` shows qgather's options first: test_cli_ux's --help test of every command checks it.
 
 
 def test_rank_processes_add_no_torchao_warnings():

@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from qgather.cli import coverage as coverage_cli
 from qgather.model.case import CaseSpec
 from qgather.suite import coverage, shape_space
+from tests._shared_runs import ALIGNMENT_GROUP
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,8 +60,10 @@ def _suite(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
 
 
-def test_the_suite_summary_prints_the_coverage():
-    result = _suite("cases/test_alignment.py", "--formats", "nvfp4_2d", "--world-sizes", "2")
+@pytest.mark.xdist_group(ALIGNMENT_GROUP)
+def test_the_suite_summary_prints_the_coverage(alignment_run):
+    """Plain pytest over one module of the suite (the run tests/conftest.py shares with test_gate)."""
+    result = alignment_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     out = result.stdout
     # one line when no promise is broken; the matrix goes to the report directory (none here)

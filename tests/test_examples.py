@@ -48,6 +48,8 @@ def test_readme_shows_the_example_files_as_they_are():
 def test_the_example_adapter_runs_as_readme_says(project: Path):
     run = _run(["-m", "qgather", "run", *SELECTION, "--report-dir", "rep"], project)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    last = [line for line in run.stdout.splitlines() if line.strip()][-1]
+    assert " passed" in last and " in " in last, last  # the run's own -q (no user -q) keeps pytest's final line
     data = json.loads((project / "rep" / "verdicts.json").read_text())
     cases = data["cases"]
     # its skips are its cases': no test of the suite without a case of it is collected as one more skip

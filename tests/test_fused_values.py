@@ -31,6 +31,10 @@ FORMAT_NAMES = ("fp8_block", "nvfp4_2d", "nvfp4_1d")
 SHAPES = ((512, 384), (400, 272))  # whole programs of the kernels or not
 N_DIFFS = (0, 1, 37)
 
+# One xdist worker runs the whole module (`make test` uses --dist loadgroup): the probe's process runs once,
+# not once in each worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("fused_values")
+
 
 def _deferred_blocks(fmt_name: str, shape: tuple[int, int], seed: int = 0) -> list[Deferred]:
     """The golden's row blocks of a weight of `shape`, deferred, 128 rows each."""

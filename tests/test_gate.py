@@ -14,13 +14,13 @@ import sys
 import pytest
 
 from qgather.pytest_plugin.baseline import dumps, load, load_findings, match
+from tests._shared_runs import ALIGNMENT_GROUP, ALIGNMENT_RUN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KNOWN_ISSUES = os.path.join(REPO, "known-issues.toml")
 # One H100, TE 2.20.2: `make test-multigpu`'s te and te:delayed gates at 1 and 2 ranks (cases that ran).
 GPU_GATES = ["gate-te-h100.json", "gate-te-delayed-h100.json"]
-SELECT = ["cases/test_alignment.py", "--formats", "fp8_tensor", "--world-sizes", "2", "-p", "no:cacheprovider", "-q",
-          "--device", "cpu"]
+SELECT = ALIGNMENT_RUN
 
 
 SKIPS_ALL = "tests._skip_adapters:SkipsEverything"
@@ -47,10 +47,11 @@ def test_an_implementation_of_another_device_is_refused_before_anything_runs():
     assert "--impl te: no case of the selection (te runs on cuda only, and this run's device is cpu)" in result.stderr
 
 
-def test_the_default_selection_is_not_affected():
-    result = pytest_run()
-    assert result.returncode == 0, result.stdout[-2000:]
-    assert "was skipped" not in result.stdout
+@pytest.mark.xdist_group(ALIGNMENT_GROUP)
+def test_the_default_selection_is_not_affected(alignment_run):
+    """SELECT, without --impl: the shared run (tests/_shared_runs.py, also test_coverage's)."""
+    assert alignment_run.returncode == 0, alignment_run.stdout[-2000:]
+    assert "was skipped" not in alignment_run.stdout
 
 
 @pytest.mark.parametrize("name", GPU_GATES)

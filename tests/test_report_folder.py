@@ -105,6 +105,9 @@ def test_a_signal_while_torch_loads_is_delivered_once_it_has_loaded():
 
     seen: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: seen.append(signum))
+    # Ctrl-C's handler as a terminal's Python has it: a process started in the background by a non-interactive
+    # shell (or an xdist worker of one) inherits SIGINT ignored, and nothing would be raised to hold back.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             with signals_held_back():
@@ -115,3 +118,4 @@ def test_a_signal_while_torch_loads_is_delivered_once_it_has_loaded():
         assert seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)

@@ -11,7 +11,8 @@ import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -151,19 +152,43 @@ UNEVEN = baseline.Finding("lib: uneven shards", ("impl:f:5x64:*:ws3:*", "impl:f:
 ZERO = baseline.Finding("lib: zero rows", ("impl:f:1x16:*",), link="docs/findings.md#zero")
 
 
-def update_file(tmp_path, findings, cases: list[dict]) -> tuple[str, str, subprocess.CompletedProcess]:
-    """(the file before, after, the command's result) of `qgather baseline update` from a run of these cases."""
+@dataclass(frozen=True)
+class Updated:
+    """What `qgather baseline update` printed: its stdout and stderr."""
+
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def baseline_update(capsys) -> Callable[..., Updated]:
+    """`qgather baseline update ARGS` through the command line's own main, in this process (the update's
+    logic does not depend on a fresh process; the exit code and one-line refusal of a real process are
+    test_baseline_update_from_a_file_that_is_not_a_run_is_one_line's); asserts exit 0."""
+    from qgather.cli import main
+
+    def update(*args: str) -> Updated:
+        capsys.readouterr()
+        rc = main(["baseline", "update", *args])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        return Updated(out, err)
+
+    return update
+
+
+def update_file(tmp_path, baseline_update, findings, cases: list[dict]) -> tuple[str, str, Updated]:
+    """(the file before, after, the command's output) of `qgather baseline update` from a run of these cases."""
     known = write_findings(tmp_path / "known.toml", *findings)
     before = open(known).read()
     run_json = tmp_path / "verdicts.json"
     run_json.write_text(json.dumps({"cases": cases}))
-    result = run("baseline", "update", "--from", str(run_json), "--file", known, module="qgather")
-    assert result.returncode == 0, result.stderr
+    result = baseline_update("--from", str(run_json), "--file", known)
     return before, open(known).read(), result
 
 
-def test_baseline_update_with_every_failure_covered_changes_nothing(tmp_path):
-    before, after, result = update_file(tmp_path, [UNEVEN, ZERO], [
+def test_baseline_update_with_every_failure_covered_changes_nothing(tmp_path, baseline_update):
+    before, after, result = update_file(tmp_path, baseline_update, [UNEVEN, ZERO], [
         record("impl:f:5x64:bf16:ws3:gather:s0", "CRASH", "rank 2 killed by SIGABRT"),
         record("impl:f:5x64:fp32:ws3:steps:s0:dcp-ws1", "CRASH", "a configured variant"),  # new, covered
         record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "raised"),
@@ -175,8 +200,8 @@ def test_baseline_update_with_every_failure_covered_changes_nothing(tmp_path):
             "0 stale patterns removed") in result.stdout
 
 
-def test_baseline_update_removes_only_a_stale_pattern(tmp_path):
-    before, after, result = update_file(tmp_path, [UNEVEN, ZERO], [
+def test_baseline_update_removes_only_a_stale_pattern(tmp_path, baseline_update):
+    before, after, result = update_file(tmp_path, baseline_update, [UNEVEN, ZERO], [
         record("impl:f:5x64:bf16:ws3:gather:s0", "CRASH", "rank 2 killed by SIGABRT"),
         record("impl:f:8x64:bf16:ws2:gather:s0", "EXACT"),  # fixed upstream: its pattern matched only passing cases
     ])
@@ -187,11 +212,11 @@ def test_baseline_update_removes_only_a_stale_pattern(tmp_path):
     assert findings == [replace(UNEVEN, cases=UNEVEN.cases[:1]), ZERO]
 
 
-def test_baseline_update_adds_an_uncovered_failure_to_an_untriaged_group_at_the_end(tmp_path):
+def test_baseline_update_adds_an_uncovered_failure_to_an_untriaged_group_at_the_end(tmp_path, baseline_update):
     port_reason = ("CRASH: rank 2 killed by SIGABRT (then ranks 0,1 raised RuntimeError: Read error [127.0.0.1]:19852: "
                    "Connection reset by peer) in the collective after the all-gather of the padded shard began on pid "
                    "4242 with the store at localhost:29500\n  rank 2 traceback")
-    before, after, result = update_file(tmp_path, [UNEVEN, ZERO], [
+    before, after, result = update_file(tmp_path, baseline_update, [UNEVEN, ZERO], [
         record("impl:f:5x64:bf16:ws3:gather:s0", "CRASH", "covered"),
         record("impl:g:46x64:bf16:ws3:gather:s0", "CRASH", port_reason),
         record("impl:g:46x64:bf16:ws3:steps:s0", "CRASH", port_reason.replace("19852", "41007")),
@@ -214,13 +239,12 @@ def test_baseline_update_adds_an_uncovered_failure_to_an_untriaged_group_at_the_
     assert port_reason.startswith(reason[:-3].replace("<address>", "[127.0.0.1]:19852") + " ")  # a whole word ends it
     assert "added: impl:g:46x64:bf16:ws3:gather:s0" in result.stdout
     # A second update from the same run changes nothing.
-    result = run("baseline", "update", "--from", str(tmp_path / "verdicts.json"),
-                 "--file", str(tmp_path / "known.toml"), module="qgather")
-    assert result.returncode == 0 and open(tmp_path / "known.toml").read() == after
+    baseline_update("--from", str(tmp_path / "verdicts.json"), "--file", str(tmp_path / "known.toml"))
+    assert open(tmp_path / "known.toml").read() == after
 
 
-def test_baseline_update_files_a_known_failure_at_a_new_world_size_under_its_finding(tmp_path):
-    _, after, result = update_file(tmp_path, [UNEVEN, ZERO], [
+def test_baseline_update_files_a_known_failure_at_a_new_world_size_under_its_finding(tmp_path, baseline_update):
+    _, after, result = update_file(tmp_path, baseline_update, [UNEVEN, ZERO], [
         record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "raised"),
         record("impl:f:8x64:bf16:ws3:gather:s0", "ERROR", "raised at 3 ranks"),  # same failure, new size
         record("impl:f:8x64:bf16:ws4:gather:s0", "SILENT_MISMATCH", "rows differ"),  # another failure
@@ -234,8 +258,8 @@ def test_baseline_update_files_a_known_failure_at_a_new_world_size_under_its_fin
     assert "1 filed under their finding, 2 added as untriaged" in result.stdout
 
 
-def test_a_glob_is_not_widened_over_a_passing_case(tmp_path):
-    _, _, result = update_file(tmp_path, [UNEVEN], [
+def test_a_glob_is_not_widened_over_a_passing_case(tmp_path, baseline_update):
+    _, _, result = update_file(tmp_path, baseline_update, [UNEVEN], [
         record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "raised"),
         record("impl:f:8x64:bf16:ws3:gather:s0", "ERROR", "raised at 3 ranks"),
         record("impl:f:8x64:bf16:ws3:steps:s0", "EXACT"),  # ws[23] would list it: the exact id instead
@@ -244,8 +268,8 @@ def test_a_glob_is_not_widened_over_a_passing_case(tmp_path):
     assert findings[0].cases == (*UNEVEN.cases, "impl:f:8x64:bf16:ws3:gather:s0")
 
 
-def test_a_glob_is_not_widened_over_a_failure_of_another_verdict(tmp_path):
-    _, _, result = update_file(tmp_path, [UNEVEN], [
+def test_a_glob_is_not_widened_over_a_failure_of_another_verdict(tmp_path, baseline_update):
+    _, _, result = update_file(tmp_path, baseline_update, [UNEVEN], [
         record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "raised"),
         record("impl:f:8x64:bf16:ws3:gather:s0", "ERROR", "raised at 3 ranks"),  # filed first, in id order
         record("impl:f:8x64:bf16:ws3:steps:s0", "SILENT_MISMATCH", "rows differ"),  # ws[23] would swallow it
@@ -269,23 +293,24 @@ cases = ["impl:f:1x16:*"]
 """
 
 
-def _update_hand_written(tmp_path, cases: list[dict]) -> tuple[str, subprocess.CompletedProcess]:
+def _update_hand_written(tmp_path, baseline_update, cases: list[dict]) -> tuple[str, Updated]:
     known = tmp_path / "my.toml"
     known.write_text(HAND_WRITTEN)
     (tmp_path / "verdicts.json").write_text(json.dumps({"cases": cases}))
-    result = run("baseline", "update", "--from", str(tmp_path / "verdicts.json"), "--file", str(known),
-                 module="qgather")
-    assert result.returncode == 0, result.stderr
+    result = baseline_update("--from", str(tmp_path / "verdicts.json"), "--file", str(known))
     return known.read_text(), result
 
 
-def test_baseline_update_changes_only_the_entries_that_changed(tmp_path):
+def test_baseline_update_changes_only_the_entries_that_changed(tmp_path, baseline_update):
     failing = record("impl:f:5x64:bf16:ws3:gather:s0", "CRASH", "short rank")
-    after, _ = _update_hand_written(tmp_path, [failing, record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "x")])
+    after, _ = _update_hand_written(tmp_path, baseline_update, [
+        failing, record("impl:f:8x64:bf16:ws2:gather:s0", "ERROR", "x")])
     assert after == HAND_WRITTEN  # nothing changed: the file is not rewritten
-    after, _ = _update_hand_written(tmp_path, [failing, record("impl:f:8x64:bf16:ws2:gather:s0", "EXACT")])
+    after, _ = _update_hand_written(tmp_path, baseline_update, [
+        failing, record("impl:f:8x64:bf16:ws2:gather:s0", "EXACT")])
     assert after == HAND_WRITTEN.replace(', "impl:f:8x64:bf16:ws2:*"]', "]")  # one element out, nothing else
-    after, _ = _update_hand_written(tmp_path, [failing, record("impl:g:4x64:bf16:ws2:gather:s0", "ERROR", "boom")])
+    after, _ = _update_hand_written(tmp_path, baseline_update, [
+        failing, record("impl:g:4x64:bf16:ws2:gather:s0", "ERROR", "boom")])
     assert after.startswith(HAND_WRITTEN) and after.count("[[issue]]") == 3  # a new group appended at the end
     assert baseline.findings_of_text(after)[2].cases == ("impl:g:4x64:bf16:ws2:gather:s0",)
 
