@@ -8,13 +8,13 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-import torch
-
 
 def main(argv: Sequence[str]) -> int:
     """Print the GPUs, the backends per world size and the optional libraries' versions."""
     argparse.ArgumentParser(prog="qgather gpu-check", description=main.__doc__ + " Exit 1 without a GPU.").parse_args(
         list(argv))
+    import torch  # once the arguments are read: --help and a bad option answer without loading it
+
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         print("qgather gpu-check: no GPU found (torch.cuda.is_available() is False); "
               "run `make test` for the CPU suite", file=sys.stderr)
