@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -46,6 +47,30 @@ def test_list_cases_matches_pytest_collection(capsys):
     params = [line.split("[", 1)[1].rstrip("]") for line in collect.stdout.splitlines() if "[" in line]
     collected = sorted(p for p in params if _is_case_id(p))  # case ids, not other tests' parameters
     assert listed == collected
+
+
+def _collected(selection: list[str], cache_dir) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": REPO, "QGATHER_CACHE_DIR": str(cache_dir)}
+    collect = subprocess.run(
+        [sys.executable, "-m", "pytest", "cases", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert collect.returncode == 0, collect.stdout[-2000:] + collect.stderr[-2000:]
+    params = [line.split("[", 1)[1].rstrip("]") for line in collect.stdout.splitlines() if "[" in line]
+    return sorted(p for p in params if _is_case_id(p))
+
+
+def test_the_collection_keeps_the_generated_cases_for_the_next_one(tmp_path):
+    # each xdist worker of `qgather run` generates the covering designs (~5 s on 2 cores) unless an earlier
+    # process of the same source kept them (qgather.suite.memo)
+    selection = ["--formats", "fp8_tensor", "--world-sizes", "2", "--scenarios", "gather"]
+    cold = _collected(selection, tmp_path)
+    (memo_file,) = tmp_path.glob("cases-*.pickle")
+    with open(memo_file, "rb") as fh:
+        entries = pickle.load(fh)
+    assert any(key.startswith("('test_alignment'") for key in entries)
+    kept = {case.id for cases in entries.values() for case in cases}
+    assert cold and set(cold) <= kept
+    assert _collected(selection, tmp_path) == cold
 
 
 def _is_case_id(param: str) -> bool:

@@ -196,3 +196,12 @@ def test_broken_pair_promises_are_listed():
     assert lines == ["coverage: 0/1 promised configuration pairs hit, 1 MISSING (`qgather coverage` lists the pairs)",
                      "  MISSING mxfp8 (zero-row, mp-bf16) in the fsdp design"]
     assert config_coverage.promise_lines(config_coverage.PairCoverage()) == []
+
+
+@pytest.mark.parametrize("design", (FSDP, STEP_PATHS), ids=lambda d: d.name)
+def test_the_full_product_holds_each_case_once(design):
+    # Two rows of the space ask for two regimes of one shape: one case. Twice, pytest would run it twice
+    # under ids suffixed one by one (quadratic: ~6 s of every collection of the slow product).
+    ids = [case.id for case in ConfigSweep(design, product=True).cases(["reference"], formats=["fp8_tensor"])]
+    space = rows(design, "fp8_tensor")
+    assert len(ids) == len(set(ids)) < len(space)

@@ -134,3 +134,22 @@ def test_a_later_case_runs_the_graph_an_earlier_one_compiled():
     third = CaseForward(case, _Twice())
     assert third.counting is not first.counting and third.counting.graphs == 0
     torch._dynamo.reset()
+
+
+def test_a_new_shape_compiles_a_static_graph_whatever_ran_before():
+    """A warm rank recompiles a static graph for each new shape (automatic dynamic shapes off): a third
+    shape is traced again, where a dynamic graph made at the second would have served it."""
+    from types import SimpleNamespace
+
+    from qgather.model.config import FsdpConfig
+    from qgather.scenarios.compiled import WARM, CaseForward
+
+    case = SimpleNamespace(spec=SimpleNamespace(config=FsdpConfig(compile=True)))
+    WARM.counting = None
+    graphs = []
+    for rows in (2, 3, 5):
+        forward = CaseForward(case, _Twice())
+        forward(torch.randn(rows, 4))
+        graphs.append(forward.graphs)
+    assert graphs == [1, 1, 1]
+    torch._dynamo.reset()

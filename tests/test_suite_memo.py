@@ -114,3 +114,33 @@ def test_a_pass_over_many_sweeps_writes_the_memo_once(cache, monkeypatch):
         again.cases(module, sweep, ["reference"], formats=["nvfp4_2d"])
     again.flush()
     assert sweep.calls == 3 and writes == [3]  # all served from the file: no second write
+
+
+def test_a_value_is_computed_once_per_source_and_key(cache):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return frozenset({("a", 1)})
+
+    kept = memo.Memo()
+    first = kept.value("pairs of x", compute)
+    kept.flush()
+    _new_process()
+    again = memo.Memo()
+    assert again.value("pairs of x", compute) == first and len(calls) == 1
+    assert again.value("pairs of y", compute) == first and len(calls) == 2  # another key: computed
+
+
+def test_a_runs_coverage_takes_the_designs_pairs_from_the_memo_with_the_same_result(cache):
+    from qgather.suite import config_coverage, config_space
+
+    cases = [CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws2:gather:s0:compile+dcp-ws1")]
+    kept = memo.Memo()
+    computed = config_coverage.measure(cases, memo=kept)
+    kept.flush()
+    assert any(key.startswith("value ('impossible'") for key in kept.entries)
+    _new_process()
+    config_space.impossible.cache_clear()
+    served = config_coverage.measure(cases, memo=memo.Memo())
+    assert served == computed and served.impossible

@@ -9,16 +9,19 @@ Test modules under cases/ (qgather/cases/ of an install) declare
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import pytest
 
 from qgather.impls import UnknownImplementationError, get_impl
 from qgather.model.case import CaseSpec, CaseSpecError
+from qgather.paths import suite_dir
 from qgather.pytest_plugin.options import settings
 from qgather.pytest_plugin.role import Role, role
 from qgather.runtime.helpers import preload_compile_warmup
 from qgather.runtime.launch import default_world_sizes, detect_launch
+from qgather.suite import memo
 from qgather.suite.selection import runnable, unmatched, why_empty
 from qgather.suite.sweeps import CaseSet, Sweep
 
@@ -26,6 +29,8 @@ from qgather.suite.sweeps import CaseSet, Sweep
 sweep_sizes_key = pytest.StashKey[list[list[CaseSpec]]]()
 # Why a case module's IMPLS cannot be loaded (one line each): the session stops with the first.
 impl_problems_key = pytest.StashKey[list[str]]()
+# The generated cases of this collection, kept in qgather.suite.memo (written once, when collection ends).
+memo_key = pytest.StashKey[memo.Memo]()
 # The forkserver preload list before this session asked for the compile warm-up (set only if it did).
 preload_before_key = pytest.StashKey[str | None]()
 
@@ -52,7 +57,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if launch is not None and not options.world_sizes:
         sweep = _on_job(sweep, default_world_sizes(launch.world_size))
     selection = dict(formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
-    cases = runnable(sweep.cases(impls, **selection), named, device)
+    suite_module = None if launch is not None else _suite_module(metafunc.module)
+    if suite_module:  # as `qgather list --cases` keys them: each xdist worker skips the covering designs
+        generated = _memo(metafunc.config).cases(suite_module, sweep, impls, **selection, exhaustive=False)
+    else:
+        generated = sweep.cases(impls, **selection)
+    cases = runnable(generated, named, device)
     default = {c.id for c in cases}
     if options.exhaustive:
         cases = runnable(sweep.cases(impls, exhaustive=True, **selection), named, device)
@@ -78,11 +88,30 @@ def parametrize_companion(metafunc: pytest.Metafunc, name: str, cases: CaseSet, 
     (a named run gets its cases from the module's SWEEP)."""
     options = settings(metafunc.config)
     chosen = [] if options.impls_named else list(impls)
-    specs = cases.cases(chosen, formats=options.formats, world_sizes=options.world_sizes,
-                        scenarios=options.scenarios)
+    selection = dict(formats=options.formats, world_sizes=options.world_sizes, scenarios=options.scenarios)
+    suite_module = _suite_module(metafunc.module) if chosen else None
+    if suite_module:
+        specs = _memo(metafunc.config).cases(f"{suite_module} (companions)", cases, chosen, **selection)
+    else:
+        specs = cases.cases(chosen, **selection)
     specs = runnable(specs, None, options.run.device_type())  # what each implementation declares
     marks = [getattr(pytest.mark, m) for m in cases.marks]
     metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=marks) for c in specs])
+
+
+def _memo(config: pytest.Config) -> memo.Memo:
+    if memo_key not in config.stash:
+        config.stash[memo_key] = memo.Memo()
+    return config.stash[memo_key]
+
+
+def _suite_module(module: object) -> str | None:
+    """The name qgather.suite.modules gives a case module of the suite's own directory (whose bytes key
+    qgather.suite.memo), None for any other test file (a library's own, a test's): its cases are computed."""
+    path = getattr(module, "__file__", None) or ""
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(suite_dir()):
+        return None
+    return os.path.basename(path)[:-3]
 
 
 def _loadable(config: pytest.Config, impls: list[str]) -> bool:
@@ -130,6 +159,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """A selection (--formats, --world-sizes, --scenarios) that matches no case of the sweeps
     collected would otherwise pass green with nothing run: a usage error. In every process that runs
     cases: compiled cases among them have the forkserver warm torch.compile up for the ranks."""
+    if memo_key in session.config.stash:
+        session.config.stash[memo_key].flush()
     compiles = any(c.config.compile for cases in session.config.stash.get(sweep_sizes_key, None) or [] for c in cases)
     if compiles and preload_before_key not in session.config.stash:
         session.config.stash[preload_before_key] = preload_compile_warmup()  # restored at pytest_unconfigure

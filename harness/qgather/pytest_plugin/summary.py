@@ -17,6 +17,7 @@ from qgather.model.verdict import Verdict
 from qgather.pytest_plugin import placement
 from qgather.pytest_plugin.results import RunResults
 from qgather.suite.coverage import Coverage, measure, promise_lines
+from qgather.suite.memo import Memo
 
 FAILURES_SHOWN = 20
 
@@ -95,4 +96,9 @@ def coverage_of(results: RunResults) -> Coverage | None:
             specs.append(CaseSpec.parse(record.case))  # coverage reads the shape, which only the spec holds
         except CaseSpecError:
             continue
-    return measure(specs) if specs else None
+    if not specs:
+        return None
+    kept = Memo()  # the designs' pairs, the same for every run of this source
+    cov = measure(specs, memo=kept)
+    kept.flush()
+    return cov

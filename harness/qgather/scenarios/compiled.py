@@ -87,7 +87,12 @@ class WarmCompiles:
     Dynamo allows a code object `recompile_limit` cache entries (8) before it runs it eagerly, which a
     case would report as "ran no compiled graph"; a warm rank sees many shape classes, so the limit is
     raised to RECOMPILE_LIMIT and the caches are reset every RESET_EVERY cases (a case compiles a few
-    entries at most: its first forward, a step's new guards), and whenever the backend changes."""
+    entries at most: its first forward, a step's new guards), and whenever the backend changes.
+
+    Automatic dynamic shapes are off: a guard that fails on a shape recompiles a static graph, as a
+    case's first compile does, so that what a case compiles does not depend on the cases its rank ran
+    before (a dynamic recompile, which Dynamo would otherwise make after a second shape, traces a
+    different graph and costs more)."""
 
     RECOMPILE_LIMIT = 64
     RESET_EVERY = 16
@@ -101,6 +106,7 @@ class WarmCompiles:
         if self.counting is None or self.counting.name != name or self.cases >= self.RESET_EVERY:
             torch._dynamo.reset()
             torch._dynamo.config.recompile_limit = self.RECOMPILE_LIMIT
+            torch._dynamo.config.automatic_dynamic_shapes = False
             self.counting, self.cases = CountingBackend(name), 0
         self.cases += 1
         return self.counting

@@ -15,13 +15,15 @@ on a missing pair; the pytest plugin prints `promise_lines` at the end of a sess
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from qgather.model.case import CaseSpec
 from qgather.suite.config_regimes import DESCRIPTIONS, REGIMES
 from qgather.suite.config_space import REGIME, Design, Pair, achievable, case_labels, impossible, pairs_of
 from qgather.suite.config_sweep import DESIGNS
+from qgather.suite.memo import Memo
 
 Key = tuple[str, str, Pair]  # design name, format, pair
 
@@ -39,23 +41,33 @@ class PairCoverage:
         return sorted((k for k in self.promised if not self.hits[k]), key=repr)
 
 
-def measure(cases: Iterable[CaseSpec], designs: Iterable[Design] = DESIGNS) -> PairCoverage:
-    """The pairs `cases` hold in each design, and those promised (see the module docstring)."""
+def measure(cases: Iterable[CaseSpec], designs: Iterable[Design] = DESIGNS, memo: Memo | None = None) -> PairCoverage:
+    """The pairs `cases` hold in each design, and those promised (see the module docstring); `memo`:
+    each design's achievable and impossible pairs from qgather.suite.memo where this source computed
+    them before (a run's reports; a caller that patches the design's rules computes)."""
     cov = PairCoverage(designs=tuple(designs))
     cases = list(cases)
     for design in cov.designs:
         ran = _count_hits(cov, design, cases)
         everywhere = {(ws, s) for ws in design.world_sizes for s in design.scenarios}
         for fmt, places in sorted(ran.items()):
-            cov.impossible.update({(design.name, fmt, p): why for p, why in impossible(design, fmt).items()})
+            cannot = _kept(memo, impossible, design, fmt)
+            cov.impossible.update({(design.name, fmt, p): why for p, why in cannot.items()})
             if places == everywhere:
-                cov.promised |= {(design.name, fmt, p) for p in achievable(design, fmt)}
+                cov.promised |= {(design.name, fmt, p) for p in _kept(memo, achievable, design, fmt)}
                 continue
             left = sorted(everywhere - places)
             cov.not_promised[(design.name, fmt)] = (
                 "the run has no configured case at " + ", ".join(f"ws{ws} {s}" for ws, s in left[:4])
                 + (f" and {len(left) - 4} more" if len(left) > 4 else ""))
     return cov
+
+
+def _kept(memo: Memo | None, pairs: Callable[[Design, str], Any], design: Design, fmt: str) -> Any:
+    """`pairs(design, fmt)`, through `memo` when there is one (keyed by the design's whole repr)."""
+    if memo is None:
+        return pairs(design, fmt)
+    return memo.value(repr((pairs.__name__, design, fmt)), lambda: pairs(design, fmt))
 
 
 def _count_hits(cov: PairCoverage, design: Design, cases: list[CaseSpec]) -> dict[str, set[tuple[int, str]]]:

@@ -167,12 +167,16 @@ class ConfigSweep(SuiteSweep):
         if impls == ["reference"]:
             leave_out.update(self.companions)
         sizes, scens = set(narrow(self.world_sizes, world_sizes)), set(narrow(self.scenarios, scenarios))
-        out = []
+        # Two rows of the space may ask for two regimes of one case (one shape holds both): one case,
+        # once (pytest would run it twice, under ids it suffixes one by one, quadratic in the ids).
+        out: dict[str, CaseSpec] = {}
         for fmt in narrow(FORMATS, formats):
             chosen = rows(self.design, fmt) if self.product or exhaustive else covering_rows(self.design, fmt)
             chosen = [r for r in chosen if r.spec.world_size in sizes and r.spec.scenario in scens]
             for impl, left_out in leave_out.items():
                 if fmt in IMPL_FORMATS.get(impl, FORMATS):
-                    out += [replace(r.spec, impl=impl) for r in chosen
-                            if not {v for d, v in r.labels if d == REGIME} & left_out]
-        return out
+                    for r in chosen:
+                        if not {v for d, v in r.labels if d == REGIME} & left_out:
+                            spec = replace(r.spec, impl=impl)
+                            out.setdefault(spec.id, spec)
+        return list(out.values())

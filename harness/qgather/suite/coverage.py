@@ -55,10 +55,12 @@ class Coverage:
         return bool(self.missing or self.pairs.missing)
 
 
-def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAULT_CONFIG,)) -> Coverage:
-    """The cells `cases` hit, and those promised for the (format, world size, scenario, config) they run."""
+def measure(cases: Iterable[CaseSpec], promised_configs: Iterable[str] = (DEFAULT_CONFIG,),
+            memo: _memo.Memo | None = None) -> Coverage:
+    """The cells `cases` hit, and those promised for the (format, world size, scenario, config) they run
+    (`memo`: the configuration designs' pairs through it, qgather.suite.config_coverage.measure)."""
     cases = list(cases)
-    cov = Coverage(pairs=config_coverage.measure(cases))
+    cov = Coverage(pairs=config_coverage.measure(cases, memo=memo))
     primary = set(promised_configs)
     seen: set[tuple[str, int, str, str]] = set()
     for spec in cases:

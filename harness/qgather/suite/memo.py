@@ -9,6 +9,10 @@ list is computed from:
   - the Python and torch versions (FSDP2's rules depend on torch's: qgather.model.fsdp_rules);
   - the sweep's module and the call's arguments.
 
+The same file keeps other pure functions of the source that a run computes each time (`Memo.value`):
+the configuration designs' achievable and impossible pairs, which every run's coverage.md reports
+(about 3 s of the controller after the last case).
+
 Format plugins (entry points of `qgather.formats`, and formats an adapter or `--formats` loads) add code
 outside the package that sweeps read through FORMATS, so with any of them the memo is not used. One file
 per key's source part under `$QGATHER_CACHE_DIR`, else `$XDG_CACHE_HOME/qgather`, else
@@ -27,7 +31,7 @@ import os
 import pickle
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
@@ -61,6 +65,17 @@ class Memo:
         if self.path:
             self.entries[key], self.added = generated, True
         return generated
+
+    def value(self, key: str, compute: Callable[[], Any]) -> Any:
+        """`compute()`, from the memo when this source has computed it under `key` before (`key` must
+        name everything the value depends on beside the source: a design by its repr, not its name)."""
+        key = f"value {key}"
+        if key in self.entries:
+            return self.entries[key]
+        found = compute()
+        if self.path:
+            self.entries[key], self.added = found, True
+        return found
 
     def flush(self) -> None:
         """Write what this pass computed (nothing when it computed nothing)."""
@@ -124,7 +139,7 @@ def _modules_under(root: str) -> list[str]:
 
 
 @cache
-def _entries(path: str) -> dict[str, list[CaseSpec]]:
+def _entries(path: str) -> dict[str, Any]:
     """The memo file's entries, read once per process until this process writes it (Memo copies them)."""
     try:
         with open(path, "rb") as fh:
@@ -134,7 +149,7 @@ def _entries(path: str) -> dict[str, list[CaseSpec]]:
     return entries if isinstance(entries, dict) else {}
 
 
-def _store(path: str, entries: dict[str, list[CaseSpec]]) -> None:
+def _store(path: str, entries: dict[str, Any]) -> None:
     """Write atomically (a concurrent reader sees the old file or the new one), then keep only the
     KEEP newest files: each edit of the package makes a new one (several checkouts share the folder)."""
     folder = os.path.dirname(path)

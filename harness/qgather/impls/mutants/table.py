@@ -31,7 +31,6 @@ ZOO: tuple[MutantSpec, ...] = (
                doc="the buffer of a dropped (rowwise) usage goes on the wire as None"),
     MutantSpec("columnwise_not_transposed", 5, wire.ColumnwiseNotTransposedParam, V.SILENT_MISMATCH,
                ("nvfp4_1d:128x64:bf16:ws2:gather:s0",), formats=("nvfp4_1d",),
-               also=frozenset({V.ERROR}),  # a 2-row weight: its untransposed copy overlaps its source and raises
                doc="gathered columnwise data reshaped into TE's transposed slot instead of transposed"),
     MutantSpec("per_rank_amax", 6, QuantizedParam, V.RANK_DIVERGENCE,
                ("nvfp4_2d:128x64:bf16:ws2:steps:s0",), also=frozenset({V.SILENT_MISMATCH}),
@@ -60,7 +59,9 @@ ZOO: tuple[MutantSpec, ...] = (
                doc="an optimizer step refreshes the rowwise buffers only: the columnwise copy goes stale"),
     MutantSpec("ignores_param_dtype", 15, wire.IgnoresParamDtypeParam, V.SILENT_MISMATCH,
                ("nvfp4_2d:128x64:fp32:ws2:gather:s0:mp-bf16",),
-               also=frozenset({V.ERROR}),  # a module's forward: bf16 activations against the fp32 weight raise
+               # a module's forward: the policy's bf16 activations against the fp32 weight raise, and the error
+               # names the two dtypes (the defect itself; docs/mutation-mode.md, "What counts as a kill")
+               also=frozenset({V.ERROR}),
                doc="the post-hook ignores the mixed-precision policy's param_dtype"),
     MutantSpec("assumes_dim0", 16, wire.AssumesDim0Param, V.SILENT_MISMATCH,
                ("fp8_tensor:128x64:bf16:ws2:gather:s0:dim1", "fp8_tensor_e5m2:128x64:bf16:ws2:gather:s0:dim1"),

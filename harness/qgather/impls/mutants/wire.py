@@ -61,7 +61,10 @@ class ColumnwiseNotTransposedParam(QuantizedParam):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         result = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
         param = out if out is not None else result[0]
-        stacked = param._rows["columnwise_data"]  # (M/2, K), the shards stacked along dim 0
+        # (M/2, K), the shards stacked along dim 0; a copy, as a library's gathered buffer is its own memory
+        # (the reference's transposed slot views these rows: an overlapping copy would raise, a crash the bug
+        # does not have; at M/2 = 1 a reshape is a transpose, and the bug does not show)
+        stacked = param._rows["columnwise_data"].clone()
         # BUG: reshaped into the (K, M/2) slot instead of transposed back (stacked.t()).
         param._te["columnwise_data"].copy_(stacked.reshape(param._te["columnwise_data"].shape))
         return result
