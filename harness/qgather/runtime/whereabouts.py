@@ -73,6 +73,8 @@ def serve(conn: Connection) -> threading.Thread:
 def ask(conn: Connection, timeout: float) -> Whereabouts:
     """The runner's side: where a rank's case is now, as `serve` answers (empty if no answer in `timeout` s)."""
     try:
+        while conn.poll(0):  # the late answer to an earlier ask that timed out: not where the rank is now
+            conn.recv_bytes()
         conn.send_bytes(encode(WhereQuery()))
         if not conn.poll(timeout):
             return Whereabouts()
