@@ -12,6 +12,9 @@ process sentinels together, always with a deadline:
 Aborting sends SIGTERM, which makes each rank dump all its threads' Python stacks (faulthandler)
 into a per-rank file before it dies, then SIGKILL for anything left; the stacks go into the
 outcome, for a CRASH as for a HANG. The next case respawns.
+
+One job, a little over 400 lines: what decides when to stop waiting lives beside it (replies.py,
+stall.py, whereabouts.py); the rest is spawning, exchanging and tearing down one pool's ranks.
 """
 
 from __future__ import annotations
