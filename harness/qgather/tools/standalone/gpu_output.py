@@ -110,18 +110,14 @@ GPU_OUTPUT: dict[str, str] = {
         " dequantized weight: 65113 elements differ, max |diff| 848; rows 0-1023\n```"
     ),
     "te-blockwise-checkpoint-trained": (
-        "`torchrun --nproc-per-node 4 docs/repro/te-blockwise-checkpoint-trained.py` on 4 x H200 (sm_90), "
-        "torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28 (the commands of `docs/repro/run-gpu.sh`, "
-        "all fifteen at once on one host): exit 1 after 23 s, printing\n\n```\n"
-        "te:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: ERROR - rank 0: IndexError: list index out "
-        "of range\nte:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: ERROR - rank 1: IndexError: list "
-        "index out of range\nte:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: ERROR - rank 2: "
-        "IndexError: list index out of range\nte:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: ERROR -"
-        " rank 3: IndexError: list index out of range\n```\n\nThe IndexError was the script's own: its evidence "
-        "line indexed the rows whose dequantized values differ, and there were none. It is reached only when "
-        "a gathered buffer differs from the golden, so on every rank some buffer's bytes differed while the "
-        "dequantized weight agreed. The evidence piece now names the buffers alone in that case, as qgather's"
-        " report does (SILENT_MISMATCH, Actual above); the script as now generated has not run on GPUs since."
+        "`CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 4 docs/repro/te-blockwise-checkpoint-trained.py` on "
+        "4 x H200 (sm_90; the 4 ranks on one GPU, gloo), torch 2.11.0+cu130, TransformerEngine 2.20.2, "
+        "2026-11-28, late: exit 1 after 20 s, printing\n\n```\n"
+        "te:fp8_block:1024x64:bf16:ws4:gather:s0:dcp-ws2-trained: SILENT_MISMATCH - ranks 0, 1, 2, 3: unshard 1: "
+        "rowwise_data: 8192 of 65536 valid elements differ; rowwise_scale_inv: 1 of 8 valid elements differ\n```\n\n"
+        "An earlier run (all fifteen scripts at once, the same day) ended in the script's own IndexError: its "
+        "evidence line indexed the rows whose dequantized values differ when there were none. The evidence "
+        "piece now names the differing buffers, as qgather's report does."
     ),
     "te_refused_autocast_leaves_fp8_enabled": (
         "`python3 docs/repro/te_refused_autocast_leaves_fp8_enabled.py` on 4 x H200 (sm_90), torch "
