@@ -14,6 +14,7 @@ difference, on a launched rank's non-zero exit code, or when one of the runs did
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import signal
@@ -62,9 +63,16 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def pool_run(pytest_args: list[str], json_path: Path, timeout: float, env: dict[str, str]) -> tuple[int | None, str]:
     """The cases as a plain pytest: (exit code or None on timeout, output)."""
+    return finish_pool_run(start_pool_run(pytest_args, json_path, env), timeout)
+
+
+def start_pool_run(pytest_args: list[str], json_path: Path, env: dict[str, str]) -> subprocess.Popen:
     command = [sys.executable, "-m", "pytest", *pytest_args, "--qgather-json", str(json_path)]
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def finish_pool_run(proc: subprocess.Popen, timeout: float) -> tuple[int | None, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
@@ -183,7 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    return _demo(args, pytest_args or ["cases/test_alignment.py", "--formats", "nvfp4_2d"])
+    started = time.monotonic()
+    try:
+        return _demo(args, pytest_args or ["cases/test_alignment.py", "--formats", "nvfp4_2d"])
+    except KeyboardInterrupt:
+        # The runs' process groups are gone by now (each run's finally); say so in one line.
+        print(f"external_demo: interrupted after {time.monotonic() - started:.0f} s, before its comparison; "
+              "no verdicts compared", file=sys.stderr)
+        return 2
 
 
 def _demo(args: argparse.Namespace, suite: list[str]) -> int:
@@ -201,9 +216,18 @@ def _demo(args: argparse.Namespace, suite: list[str]) -> int:
         names = names[:args.nnodes * args.nproc_per_node]
         per = args.nproc_per_node
         gpus = [",".join(names[i * per:(i + 1) * per]) for i in range(args.nnodes)]
-    pool_code, pool_out = pool_run(common, out / "pool.json", args.timeout, env)
-    run = launch([*common, "--qgather-json", str(out / "launched.json")], out, args.nnodes, args.nproc_per_node,
-                 args.timeout, env, gpus)
+    # Both runs at once: they share the GPUs as the suite's own pools do (one communicator's ranks on
+    # distinct GPUs), and the comparison then waits for the longer run, not for the sum of both.
+    proc = start_pool_run(common, out / "pool.json", env)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as background:
+        try:
+            pooled = background.submit(finish_pool_run, proc, args.timeout)
+            run = launch([*common, "--qgather-json", str(out / "launched.json")], out, args.nnodes,
+                         args.nproc_per_node, args.timeout, env, gpus)
+            print(f"launched run: ended in {run.seconds:.0f} s", flush=True)
+            pool_code, pool_out = pooled.result()
+        finally:
+            _kill_group(proc)  # an interrupt: the pool run's processes go too, and the wait for it ends
     pool, launched = verdicts(out / "pool.json"), verdicts(out / "launched.json")
     kinds = sorted(set(placements(out / "launched.json").values()))
     diffs = compare(pool, launched)
