@@ -127,7 +127,8 @@ class OutcomeStatus(str, enum.Enum):
 
     - ``OK``: every rank returned; `CaseOutcome.results` holds each rank's value.
     - ``ERROR``: some rank raised and no rank died; `errors` holds what each rank raised, and
-      `unfinished` the ranks that never answered (seen waiting for it in a collective, or out of time).
+      `unfinished` the ranks that never answered (seen waiting for it in a collective, or out of time)
+      or that left the case before a collective it would never join (`held_back`).
     - ``HANG``: the deadline passed with no rank raising or dying and some rank not returning;
       `unfinished` names those ranks and `stacks` holds their stack dumps (on a pool: every rank's).
     - ``CRASH``: a rank's process died (`exit_codes`: its exit code, or minus the signal), or a
@@ -159,6 +160,9 @@ class CaseOutcome:
     lease_wait_s: float = 0.0
     case_id: str = ""
     unfinished: tuple[int, ...] = ()  # ranks that neither returned, raised nor died
+    #: of those, the ranks that left their case before a collective the failed rank would never join,
+    #: by that collective's name (qgather.runtime.agreement): the pool stays warm
+    held_back: dict[int, str] = field(default_factory=dict)
     note: str = ""
     notes: dict[int, dict[str, str]] = field(default_factory=dict)  # per rank: what its case noted (whereabouts)
     # Under a launcher (ExternalPool): "intra-node" | "cross-node", and per group rank its job rank and host.
@@ -268,7 +272,10 @@ def _others(outcome: CaseOutcome) -> str:
     """Group the ranks that did not report by where they were stuck."""
     by_place: dict[str, list[int]] = {}
     for rank in outcome.unfinished:
-        place = where_blocked(outcome.stacks[rank]) if rank in outcome.stacks else "did not report"
+        if rank in outcome.held_back:
+            place = f"held before a collective ({outcome.held_back[rank]})"
+        else:
+            place = where_blocked(outcome.stacks[rank]) if rank in outcome.stacks else "did not report"
         by_place.setdefault(place, []).append(rank)
     return "; ".join(f"{_ranks_word(ranks)} {_were(ranks)} {place}" for place, ranks in by_place.items())
 

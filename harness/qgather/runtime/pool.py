@@ -5,7 +5,9 @@ process sentinels together, always with a deadline:
 
 * every rank replies                   -> OK, or ERROR (the pool stays warm after a health check)
 * a rank raises, another never replies -> ERROR once the others are seen waiting for it in a
-                                          collective (or at the deadline), then the pool is aborted
+                                          collective (or at the deadline), then the pool is aborted;
+                                          where they wait at a held collective (agreement.py), the
+                                          ranks that answered release them and the pool stays warm
 * a rank process dies                  -> CRASH with its exit code or signal, then aborted
 * the deadline passes                  -> HANG, then aborted
 
@@ -14,7 +16,7 @@ into a per-rank file before it dies, then SIGKILL for anything left; the stacks 
 outcome, for a CRASH as for a HANG. The next case respawns.
 
 One job, a little over 400 lines: what decides when to stop waiting lives beside it (replies.py,
-stall.py, whereabouts.py); the rest is spawning, exchanging and tearing down one pool's ranks.
+stall.py, whereabouts.py, agreement.py); the rest is spawning, exchanging and tearing down one pool's ranks.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ class RankPool:
     """`world_size` rank processes in one process group, spawned on first use and reused."""
 
     def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None,
-                 before_lease_wait: Callable[[], None] | None = None) -> None:
+                 before_lease_wait: Callable[[], None] | None = None, hold_collectives: bool | None = None) -> None:
         """`before_lease_wait`: called once before a CUDA pool waits for GPU seats that other pools hold
-        (the registry stops this process's idle GPU pools there, so no process waits holding idle seats)."""
+        (the registry stops this process's idle GPU pools there, so no process waits holding idle seats).
+        `hold_collectives`: runtime/agreement.py (None: the spec's choice, PoolSpec.holds_collectives)."""
         self.spec = spec.validate()
+        self.hold_collectives = spec.holds_collectives if hold_collectives is None else hold_collectives
         self.extra_env = dict(env or {})  # on top of rank_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
         self.spawn_count = 0
         self.before_lease_wait = before_lease_wait
@@ -202,6 +206,7 @@ class RankPool:
                     device=self.spec.device, store_path=os.path.join(self._tmpdir, "store"),
                     stacks_path=self._stacks_path(rank), env=env, threads=threads, pg_timeout_s=PG_TIMEOUT_S,
                     cpus=cpus[rank], runner_pid=runner_pid, runner_start=runner_start, pool_dir=self._tmpdir,
+                    hold_collectives=self.hold_collectives,
                 )
                 parent_conn, child_conn = context.Pipe(duplex=True)
                 where_parent, where_child = context.Pipe(duplex=True)
@@ -238,7 +243,8 @@ class RankPool:
             owners[r.process.sentinel] = r
         while replies.pending:
             if replies.first_failure_at is not None and self._all_pending_wait_in_collectives(replies):
-                break
+                if not self._release_held(replies):
+                    break
             if watch is not None and replies.first_failure_at is None and watch.stalled(
                     replies.pending, lambda rank: self._where(self._ranks[rank])):
                 replies.stalled = True
@@ -266,13 +272,33 @@ class RankPool:
         for r in self._ranks:
             if r.rank not in replies.pending:
                 continue
-            frame = whereabouts.in_collective(self._where(r).frames)
+            frames = self._where(r).frames
+            frame = whereabouts.in_collective(frames)
+            if whereabouts.at_agreement(frames):
+                replies.held.add(r.rank)
+            else:
+                replies.held.discard(r.rank)
             if frame is None:
                 replies.waiting.pop(r.rank, None)
             elif r.rank not in replies.waiting:
                 replies.waiting[r.rank] = (frame, now)
         return all(rank in replies.waiting and now - replies.waiting[rank][1] >= WAIT_EVIDENCE_S
                    for rank in replies.pending)
+
+    def _release_held(self, replies: Replies) -> bool:
+        """Every rank still in the case waits at a held collective (runtime/agreement.py) and every
+        other rank is alive: have those join the wait once, so the waiting ranks leave (HeldBack)
+        instead of being killed. False where that cannot be (the pool is then aborted, as before)."""
+        answered = [r for r in self._ranks if r.rank not in replies.pending]
+        if not self.hold_collectives or replies.exit_codes or set(replies.held) != replies.pending \
+                or not all(r.process.is_alive() for r in answered):
+            return False
+        for r in answered:
+            send(r.conn, encode(protocol.Release()))
+        replies.releases += 1
+        replies.waiting.clear()
+        replies.held.clear()
+        return True
 
     def _where(self, r: _Rank) -> protocol.Whereabouts:
         """Where the rank's case is (its innermost frames, what it noted); empty if it does not say."""
@@ -305,6 +331,8 @@ class RankPool:
             case protocol.Raised(error=error) | protocol.StartFailed(error=error):
                 replies.errors[r.rank] = error
                 replies.failed()
+            case protocol.HeldBack(collective=collective):
+                replies.held_back[r.rank] = collective
             case other:
                 raise protocol.ProtocolError(f"rank {r.rank} sent {type(other).__qualname__}: the pool cannot file it")
 
@@ -343,12 +371,14 @@ class RankPool:
                 notes = {r.rank: facts for r in self._ranks
                          if (facts := whereabouts.evidence(self._where(r), left_behind=r.rank in replies.pending
                                                            and r.process.is_alive(), asked_for=WHERE_REPLY_S))}
+            notes.update(whereabouts.held_back_notes(replies.held_back))
             if left_behind or not self._healthy():
                 stacks = self._abort()
         return CaseOutcome(
             status=status, results=replies.results, errors=replies.errors, stacks=stacks,
             exit_codes=replies.exit_codes, duration_s=duration, case_id=case_id,
-            unfinished=tuple(sorted(replies.pending)), note=note, notes=notes,
+            unfinished=tuple(sorted(replies.pending | set(replies.held_back))), held_back=replies.held_back,
+            note=note, notes=notes,
         )
 
     def _healthy(self) -> bool:

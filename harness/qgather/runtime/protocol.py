@@ -71,6 +71,12 @@ class Stop:
     """Leave the process group and exit (a graceful shutdown)."""
 
 
+@dataclass(frozen=True)
+class Release:
+    """To a rank that answered its case while others still wait at a held collective
+    (qgather.runtime.agreement): join that wait once, saying it will not come."""
+
+
 # -- rank -> runner ---------------------------------------------------------------------------
 
 
@@ -100,6 +106,14 @@ class Raised:
     """The case (or health check) raised on this rank; the rank keeps serving."""
 
     error: RankError
+
+
+@dataclass(frozen=True)
+class HeldBack:
+    """The case left this rank before `collective`, which another rank that failed would never join
+    (qgather.runtime.agreement). The rank keeps serving."""
+
+    collective: str
 
 
 # -- the whereabouts side channel -------------------------------------------------------------
@@ -154,13 +168,13 @@ class RankReport:
     stacks: str = ""
 
 
-RunnerMessage = RunCase | HealthCheck | Stop
-RankMessage = Ready | StartFailed | Returned | Raised
+RunnerMessage = RunCase | HealthCheck | Stop | Release
+RankMessage = Ready | StartFailed | Returned | Raised | HeldBack
 
 # The families each channel accepts.
-RUNNER_TO_RANK: tuple[type, ...] = (RunCase, HealthCheck, Stop)
+RUNNER_TO_RANK: tuple[type, ...] = (RunCase, HealthCheck, Stop, Release)
 RANK_STARTING: tuple[type, ...] = (Ready, StartFailed)
-RANK_REPLYING: tuple[type, ...] = (Returned, Raised)
+RANK_REPLYING: tuple[type, ...] = (Returned, Raised, HeldBack)
 WHERE_QUERIES: tuple[type, ...] = (WhereQuery,)
 WHERE_REPLIES: tuple[type, ...] = (Whereabouts,)
 JOB_REPORTS: tuple[type, ...] = (RankReport,)

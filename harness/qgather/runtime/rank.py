@@ -1,11 +1,13 @@
 """The rank side of a pool: one process per rank, serving the cases sent down its pipe.
 
 A rank joins the process group, says Ready (or StartFailed, then exits), and then answers each
-RunCase or HealthCheck with Returned or Raised until Stop or EOF (runtime/protocol.py).
+RunCase or HealthCheck with Returned or Raised (or HeldBack: runtime/agreement.py) until Stop or EOF,
+and joins a held collective once on Release (runtime/protocol.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -25,14 +27,17 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from qgather.quiet import quiet_torchao
 from qgather.runtime import whereabouts
+from qgather.runtime.agreement import Agreement, HeldBackError
 from qgather.runtime.lifeline import drop_inherited_helper_fds, watch_runner
 from qgather.runtime.outcome import RankError
 from qgather.runtime.protocol import (
     RUNNER_TO_RANK,
     HealthCheck,
+    HeldBack,
     ProtocolError,
     Raised,
     Ready,
+    Release,
     Returned,
     RunCase,
     StartFailed,
@@ -91,6 +96,7 @@ class RankConfig:
     runner_pid: int = 0  # the process that owns the pool: this rank ends when it is gone
     runner_start: int = 0  # its start time (clock ticks), so a reused pid is not mistaken for it
     pool_dir: str = ""  # removed by this rank if the runner dies first
+    hold_collectives: bool = False  # qgather.runtime.agreement: where a new pool costs more than a hold
 
 
 @dataclass
@@ -101,6 +107,7 @@ class _RankState:
     meshes: dict[str, Any] = field(default_factory=dict)
     token: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
     kept: dict[str, Any] = field(default_factory=dict)  # CaseContext.kept
+    agreement: Agreement | None = None  # holds the case's collectives (config.hold_collectives)
 
     def barrier(self) -> None:
         """The rank's own barrier before each case (whereabouts.OWN_BARRIER: not a case's collective)."""
@@ -197,7 +204,8 @@ def _join_group(config: RankConfig) -> _RankState:
         device_id=device if config.backend == "nccl" else None,
     )
     dist.barrier()
-    return _RankState(config, device, dist.group.WORLD)
+    agreement = Agreement(config.world_size) if config.hold_collectives else None
+    return _RankState(config, device, dist.group.WORLD, agreement=agreement)
 
 
 def _serve(state: _RankState, conn: Connection) -> None:
@@ -214,6 +222,9 @@ def _serve(state: _RankState, conn: Connection) -> None:
                 reply = run_case_on_rank(state, message)
             case HealthCheck(sequence=sequence):
                 reply = _health_check(state, sequence)
+            case Release():
+                _release(state)
+                continue  # the case was answered already: a release has no reply of its own
             case other:
                 raise ProtocolError(f"rank {state.config.rank} cannot serve {type(other).__qualname__}")
         if not send(conn, reply):
@@ -233,7 +244,10 @@ def run_case_on_rank(state: _RankState, message: RunCase) -> bytes:
         random.seed(message.seed)
         ctx = CaseContext(config.rank, config.world_size, config.backend, state.device, state.group,
                           message.seed, message.case_id, state.mesh, state.kept)
-        result = to_cpu(fn(ctx, *args))
+        with state.agreement.holding() if state.agreement is not None else contextlib.nullcontext():
+            result = to_cpu(fn(ctx, *args))
+    except HeldBackError as held:  # another rank failed: this one left its case instead of waiting
+        return encode(HeldBack(held.collective))
     except BaseException as exc:  # the case's failure is data: report it, keep serving
         return encode(Raised(RankError.from_exception(config.rank, exc)))
     finally:
@@ -252,6 +266,15 @@ def _release_device_memory(device: torch.device) -> None:
     case. CPU ranks leave it to Python's own collector (a collection per case costs the suite time)."""
     if device.type == "cuda":
         gc.collect()
+
+
+def _release(state: _RankState) -> None:
+    """Join the held collective the ranks still in the case wait at. Should it fail, the health check
+    that follows every failed case finds the pool out of step, and the pool is replaced."""
+    if state.agreement is None:
+        return
+    with contextlib.suppress(Exception):
+        state.agreement.release()
 
 
 def _health_check(state: _RankState, sequence: int) -> bytes:

@@ -43,6 +43,15 @@ class PoolSpec:
         return self
 
     @property
+    def holds_collectives(self) -> bool:
+        """Whether a case's collectives are held until every rank is there (runtime/agreement.py): on
+        CUDA, where replacing a pool whose ranks a failed rank left waiting costs seconds (contexts,
+        communicators); on the CPU a new pool costs a fraction of a second, less than the holds.
+        QGATHER_HOLD_COLLECTIVES=1 or 0 decides instead (e.g. to compare verdicts with and without)."""
+        chosen = os.environ.get("QGATHER_HOLD_COLLECTIVES", "")
+        return chosen == "1" if chosen in ("0", "1") else self.device == "cuda"
+
+    @property
     def key(self) -> tuple[str, str]:
         """(backend, device): what the default timeouts depend on."""
         return (self.backend, self.device)

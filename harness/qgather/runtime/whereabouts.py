@@ -12,12 +12,15 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 
 from qgather.runtime.protocol import WHERE_QUERIES, WHERE_REPLIES, Whereabouts, WhereQuery, decode, encode
 
 FRAMES = 12  # innermost frames sent back
+# A held collective's wait (runtime/agreement.py): the rank is outside the library's collective.
+AGREEMENT_FILE = "runtime/agreement.py"
+AGREEMENT_WAIT = "_wait_for_every_rank"
 # Frames of these files mean: inside a torch.distributed collective (c10d, FSDP2's collectives).
 COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
                     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "torch/distributed/c10d_logger.py")
@@ -112,6 +115,17 @@ def in_collective(frames: Sequence[str]) -> str | None:
 def _in_native_collective(frame: str) -> bool:
     location, _, function = frame.replace("\\", "/").rpartition(" ")
     return any(path in location and function in functions for path, functions in NATIVE_COLLECTIVES)
+
+
+def at_agreement(frames: Sequence[str]) -> bool:
+    """Whether the main thread waits at a held collective (runtime/agreement.py), not inside one."""
+    return any(AGREEMENT_FILE in f.replace("\\", "/") and f.endswith(f" {AGREEMENT_WAIT}") for f in frames)
+
+
+def held_back_notes(held_back: Mapping[int, str]) -> dict[int, dict[str, str]]:
+    """Where each rank a failed rank's release let go had waited (as `evidence` says of a rank left behind)."""
+    return {rank: {"main thread at": f"{collective} (held there by qgather until the failed rank released it)"}
+            for rank, collective in held_back.items()}
 
 
 def evidence(where: Whereabouts, left_behind: bool, asked_for: float) -> dict[str, str]:

@@ -1,0 +1,101 @@
+"""Held collectives (qgather.runtime.agreement): a rank that raised releases the ranks waiting for it.
+
+Real ranks on gloo. The pool's pids tell whether it stayed warm: with holds, a rank that raised before
+a collective of every rank costs no new pool; without them (the CPU's default) it does, and a wait
+the hold cannot cover (a collective of some ranks only, a rank that died) is ended as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qgather.runtime import PoolSpec, RankPool
+
+SPEC = PoolSpec("gloo", 3, "cpu")
+CASE_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def held():
+    pool = RankPool(SPEC, hold_collectives=True)
+    yield pool
+    pool.shutdown()
+
+
+def everyone(ctx):
+    """Nested (all_gather_object gathers through all_gather) and async collectives, all held."""
+    objects = [None] * ctx.world_size
+    dist.all_gather_object(objects, ctx.rank)
+    mine = torch.tensor([ctx.rank])
+    gathered = torch.zeros(ctx.world_size, dtype=mine.dtype)
+    dist.all_gather_into_tensor(gathered, mine, async_op=True).wait()
+    return objects, gathered.tolist()
+
+
+def last_rank_raises_before_an_all_reduce(ctx):
+    if ctx.rank == ctx.world_size - 1:
+        raise ValueError("block size 16 does not divide 136")
+    dist.all_reduce(torch.ones(1))
+
+
+def rank1_raises_before_a_pair_all_reduce(ctx):
+    pair = dist.new_group([0, 1])  # every rank makes it; only ranks 0 and 1 reduce over it
+    if ctx.rank == 1:
+        raise ValueError("rank 1 refuses")
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(1), group=pair)
+
+
+def rank1_dies_before_an_all_reduce(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_held_collectives_give_the_same_results(held):
+    out = held.run(everyone, timeout=CASE_TIMEOUT_S)
+    assert out.status == "ok", out.summary()
+    assert out.results == [([0, 1, 2], [0, 1, 2])] * 3
+
+
+def test_a_rank_that_raised_releases_the_others_and_the_pool_stays_warm(held):
+    pids = held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S) and held.pids
+    out = held.run(last_rank_raises_before_an_all_reduce, timeout=CASE_TIMEOUT_S)
+    assert out.status == "error"
+    assert list(out.errors) == [2] and out.errors[2].message == "block size 16 does not divide 136"
+    assert out.unfinished == (0, 1) and out.held_back == {0: "all_reduce", 1: "all_reduce"}
+    assert out.summary() == ("rank 2 raised ValueError: block size 16 does not divide 136 "
+                             "(ranks 0,1 were held before a collective (all_reduce))")
+    assert "held there by qgather" in out.notes[0]["main thread at"]
+    assert held.pids == pids  # no rank was killed
+    assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+    assert held.pids == pids
+
+
+def test_without_holds_the_same_failure_costs_the_pool():
+    pool = RankPool(SPEC, hold_collectives=False)
+    try:
+        pool.start()
+        pids = pool.pids
+        out = pool.run(last_rank_raises_before_an_all_reduce, timeout=CASE_TIMEOUT_S)
+        assert out.status == "error" and out.unfinished == (0, 1) and not out.held_back
+        assert "ranks 0,1 were waiting in a collective (all_reduce)" in out.summary()
+        assert pool.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+        assert set(pool.pids).isdisjoint(pids)
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("case, status", [(rank1_raises_before_a_pair_all_reduce, "error"),
+                                          (rank1_dies_before_an_all_reduce, "crash")])
+def test_a_wait_the_hold_does_not_cover_ends_as_before(held, case, status):
+    pids = held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S) and held.pids
+    out = held.run(case, timeout=CASE_TIMEOUT_S)
+    assert out.status == status, out.summary()
+    assert not out.held_back
+    assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+    assert set(held.pids).isdisjoint(pids)  # the ranks left waiting were replaced
