@@ -28,6 +28,10 @@ def wait_for_a_peer_that_never_comes() -> None:
         pass
 
 
+class EndsWell(ReferenceImplementation):
+    """The reference itself, under this module's name: what warms a pool's imports before a hang test."""
+
+
 class HangsInAdapter(ReferenceImplementation):
     """Every rank spins in its own code, outside any collective."""
 
