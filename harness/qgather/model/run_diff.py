@@ -100,7 +100,8 @@ class CaseEntry:
 # Stacks and tracebacks go whole: where a waiting rank stood when another died is timing, and a
 # traceback's line numbers move with every release of the library (its error itself is a line of its own).
 _BLOCK_HEAD = re.compile(r"(stack \(innermost first\)|traceback \(last lines\)):$")
-_WHERE_WAITING = re.compile(r"^rank \d+: main thread at: ")
+# A rank sampled between Python frames (waiting in C, or exiting) has "no Python stack": timing, as a stack is.
+_WHERE_WAITING = re.compile(r"^rank \d+: (main thread at: |no Python stack$)")
 _DEATH = re.compile(r"rank (\d+) (?:killed by|exited)")
 _AFTER_A_CRASH = re.compile(r" \(then ranks? [\d,]+ .*$")  # what the others raised once a rank died: timing
 _VENV_PATH = re.compile(r"\S*/(?:site|dist)-packages/")
