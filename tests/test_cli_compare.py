@@ -126,6 +126,19 @@ def test_run_specific_text_is_not_evidence(tmp_path, capsys):
     assert rc == 0 and changes(data) == {B: "evidence-changed"}
 
 
+def test_a_compiled_case_reusing_warm_graphs_is_unchanged(tmp_path):
+    """How many graphs a compiled case compiles itself depends on what ran before it on the same pool (the
+    reference suite on torch 2.13.0 and 2.15.0 differed so in 3 case ids): not evidence; the output is."""
+    def compiled(graphs: int, output: str = "output: EXACT") -> dict:
+        note = (f"compiled forward: torch.compile backend aot_eager, {graphs} graph(s) compiled for the case "
+                "(others warm), FSDP2 hooks eager")
+        return record(C, details=[note, output])
+    rc, data = compared(tmp_path, [compiled(1)], [compiled(0)])
+    assert rc == 0 and changes(data) == {C: "unchanged"}
+    rc, data = compared(tmp_path, [compiled(1)], [compiled(1, "output: 3 of 8192 elements differ")])
+    assert changes(data) == {C: "evidence-changed"}
+
+
 def test_different_selections_compare_on_common_ids(tmp_path, capsys):
     rc, data = compared(tmp_path, [record(A), record(B)], [record(A), record(C)])
     assert rc == 0 and changes(data) == {A: "unchanged", B: "only-before", C: "only-after"}

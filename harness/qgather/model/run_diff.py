@@ -109,13 +109,15 @@ _SOCKET = re.compile(r"\[?\d{1,3}(?:\.\d{1,3}){3}\]?:\d+")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _PID = re.compile(r"\b(pid|process) \d+")
 _SECONDS = re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms)\b")
+# how many graphs a compiled case compiled itself: those an earlier case on the same pool left warm it reuses
+_GRAPHS = re.compile(r"\b\d+ graph\(s\) compiled for the case")
 
 
 def evidence(reason: str, report: str) -> tuple[str, ...]:
     """What a case's report says happened, comparable across runs: the reason, then the report's
     evidence lines (per-rank errors, differing buffers and counts, bytes sent) without its head (the
     id, verdict and reason again), its `reproduce:` line, its stacks and tracebacks, and with paths into
-    a venv, sockets, addresses, pids and durations masked."""
+    a venv, sockets, addresses, pids, durations and a compiled case's count of graphs masked."""
     kept, block_indent = [], None
     for line in report.splitlines()[1:]:
         indent = len(line) - len(line.lstrip())
@@ -145,6 +147,7 @@ def _normalized(line: str) -> str:
     line = _SOCKET.sub("<socket>", line)
     line = _ADDRESS.sub("0x<address>", line)
     line = _PID.sub(r"\1 <pid>", line)
+    line = _GRAPHS.sub("<n> graph(s) compiled for the case", line)
     return _SECONDS.sub("<seconds>", line)
 
 
