@@ -195,13 +195,15 @@ def _run_refusals() -> list[list[str]]:
             ["run", "--baseline", os.path.join(REPO, "README.md")],
             ["run", "--report-dir", "/proc/qgather-x"], ["run", "--junitxml", "/proc/x.xml"],
             ["run", "--qgather-json", "/proc/x.json"], ["run", "--impl", "nosuchpkg.adapters:Impl"],
-            ["case", "nosuchpkg.adapters:Impl:fp8_tensor:128x64:bf16:ws2:gather:s0"], *gpu]
+            ["case", "nosuchpkg.adapters:Impl:fp8_tensor:128x64:bf16:ws2:gather:s0"],
+            ["run", "--formats", "nosuchpkg.format:Fmt"], *gpu]
 
 
 def test_a_runs_files_gpu_and_adapter_are_refused_before_torch_is_imported(tmp_path):
-    """A bad --baseline, an output that cannot be written, a GPU on a host without one, an adapter that cannot
-    be imported from here: one line `qgather <command>: <the option or case as typed>: why`, exit 4, before
-    torch loads (well under a second on a loaded host; checked in the process, not timed)."""
+    """A bad --baseline, an output that cannot be written, a GPU on a host without one, an adapter or a format
+    of one's own that cannot be imported from here: one line `qgather <command>: <the option or case as
+    typed>: why`, exit 4, before torch loads (well under a second on a loaded host; checked in the process,
+    not timed)."""
     argvs = _run_refusals()
     code = ("import sys; from qgather.cli import main; "
             f"rcs = [main(argv) for argv in {argvs!r}]; print(rcs, 'torch' in sys.modules)")
@@ -211,8 +213,8 @@ def test_a_runs_files_gpu_and_adapter_are_refused_before_torch_is_imported(tmp_p
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == len(argvs), lines
     for argv, line in zip(argvs, lines):
-        typed = argv[1] if argv[0] == "case" else f"{argv[1]} {argv[2]}" if argv[1] != "--impl" else argv[2]
-        assert line.startswith(f"qgather {argv[0]}: ") and typed in line, (argv, line)
+        typed = argv[1] if argv[0] == "case" else argv[2] if argv[1] in ("--impl", "--formats") else " ".join(argv[1:])
+        assert line.startswith(f"qgather {argv[0]}: ") and typed in line and argv[1] in line, (argv, line)
     assert "--impl" not in lines[6], lines  # a case id names no option
 
 

@@ -197,6 +197,19 @@ def test_an_interrupted_run_exits_2_and_says_what_ran(tmp_path, signum):
     assert "coverage: not judged, the run was interrupted after" in stdout and "promised cells hit" not in stdout
 
 
+def test_an_interrupt_while_collecting_says_so_rather_than_a_count_of_cases(tmp_path):
+    """pytest's collection-finish hook runs on an interrupt too, with the items collected so far, not yet
+    deselected: a run interrupted there says so, not "after 0 of 13288 cases" of a suite of 2466."""
+    out = tmp_path / "reports"
+    result = qgather("run", "--formats", "fp8_tensor", "--world-sizes", "2", "-p", "tests._interrupt_collection",
+                     "--report-dir", str(out), cwd=str(tmp_path))
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "qgather: interrupted while collecting the cases, before any ran" in result.stdout + result.stderr
+    data = json.loads((out / "verdicts.json").read_text())
+    assert data["incomplete"] is True and data["collected_cases"] is None and data["cases"] == []
+    assert "**incomplete (interrupted)** while collecting the cases" in (out / "verdicts.md").read_text()
+
+
 def test_a_marker_selection_that_collects_nothing_is_a_usage_error_and_leaves_the_last_reports(tmp_path):
     """A -m (or -k: the same exit of pytest's, 5) that collects nothing: one line, exit 4, and a run that ran
     nothing leaves the last reports as they were."""

@@ -72,7 +72,7 @@ def test_wheel_carries_every_module_the_suite_and_the_golden_corpus(wheel: Path)
         assert zf.read("qgather/golden_data/manifest.json") == (REPO / "golden" / "manifest.json").read_bytes()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         text = zf.read(entry_points).decode()
-    assert "qgather = qgather.cli:main" in text and "qgather = qgather.pytest_plugin" in text
+    assert "qgather = qgather.__main__:main" in text and "qgather = qgather.pytest_plugin" in text
 
 
 def _run(args: list[str], cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:

@@ -98,6 +98,36 @@ def test_an_interrupt_at_any_point_leaves_reports_that_say_incomplete(tmp_path, 
     assert _left_of_the_earlier_run(folder) == [], os.listdir(folder)
 
 
+INTERRUPTED_WHILE_THE_COMMAND_LINE_LOADS = """
+import importlib.abc, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):  # Ctrl-C the moment qgather.cli's own modules load
+    def find_spec(self, name, path, target=None):
+        if name == "qgather.cli.common":
+            signal.raise_signal(signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["qgather", "run", "--report-dir", "rep"]
+from qgather.__main__ import main
+sys.exit(main())
+"""
+
+
+def test_an_interrupt_while_the_command_line_loads_leaves_reports_that_say_incomplete(tmp_path):
+    """The `qgather` script's first line holds Ctrl-C back until `qgather run` can say it was interrupted:
+    loading the command line takes 0.2 s, over 3 s on a loaded 2-core host, and a Ctrl-C in it ended
+    the process by the signal or in a bare traceback, without reports. Deterministic: the signal is raised
+    while qgather.cli loads, not timed."""
+    _earlier_run(tmp_path / "rep")
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED_WHILE_THE_COMMAND_LINE_LOADS], capture_output=True,
+                         text=True, cwd=tmp_path, env=ENV, timeout=120, preexec_fn=_ctrl_c_as_a_terminal_gives_it)
+    assert run.returncode == 2 and run.stderr.strip() == "qgather run: interrupted", (run.returncode, run.stderr)
+    data = json.loads((tmp_path / "rep" / "verdicts.json").read_text())
+    assert data["incomplete"] is True and data["cases"] == []
+    assert _left_of_the_earlier_run(tmp_path / "rep") == []
+
+
 def test_a_signal_while_torch_loads_is_delivered_once_it_has_loaded():
     """The interrupts held back during torch's import (qgather.cli.interrupts) arrive after it, once each:
     inside the block the signal raises nothing, after it the process's own handler sees it."""

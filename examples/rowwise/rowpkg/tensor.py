@@ -2,7 +2,9 @@
 
 FSDP2 shards the weight by rows, so each rank's shard carries its own rows' scales: both the data
 and the scales are gathered (no all-reduce: a row's scale needs no other rank's rows). Rows of at
-least 4 elements (the scales ride in a byte plane of the shard's shape).
+least 4 elements (the scales ride in a byte plane of the shard's shape). Where FSDP2 shards over one
+rank (world size 1, or HSDP's shard groups of one) it hands the post-hook only the first all-gather
+input (qgather's docs/findings.md, "the world-size-1 path"), so there the two planes travel as one.
 """
 
 import math
@@ -102,16 +104,20 @@ class RowwiseFP8Tensor(torch.Tensor):
         data[: self._data.shape[0]].copy_(self._data)
         plane = self._data.new_zeros(padded)
         plane.view(-1, padded[-1])[: self._scale_inv.numel(), :4].copy_(self._scale_inv.view(torch.uint8).view(-1, 4))
+        if mesh.size() == 1:  # FSDP2 hands a one-rank shard group's post-hook only the first input: send one
+            return (torch.cat([data, plane]),), (orig_size[0],)
         return (data, plane), (orig_size[0],)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        (data, plane), (rows,) = outputs, metadata
+        # a shard group of one rank: the data and the scale plane came as one input, which is then the
+        # one tensor FSDP2 frees and reallocates (whole: a view's size would shrink its storage)
+        (data, plane), (rows,) = outputs[0].chunk(2) if len(outputs) == 1 else outputs, metadata
         kept = data[:rows]
         scale_inv = plane.view(-1, plane.shape[-1])[: rows_of(kept.shape), :4].contiguous().view(torch.float32).view(-1)
         if out is not None:  # FSDP2 gathered into the same storage again: the bits are new, the scales copied
             out._scale_inv.copy_(scale_inv)
             return None
-        return RowwiseFP8Tensor(kept, scale_inv, param_dtype), (data, plane)
+        return RowwiseFP8Tensor(kept, scale_inv, param_dtype), tuple(outputs)
 
 
 def _dim(func, args, kwargs):

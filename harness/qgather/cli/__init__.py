@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from qgather.cli.common import USAGE_ERROR, OptionRefused, usage, with_cleanup_on_signals
+from qgather.cli.interrupts import release_start_up
 from qgather.errors import UsageError
 from qgather.quiet import quiet_torchao
 
@@ -46,6 +47,8 @@ class Command:
     load: Callable[[], CommandMain]
     help: str
     runs_cases: bool = False  # SIGTERM and Ctrl-C unwind through the pools' cleanup
+    # its main raises the start-up's held interrupts itself, inside its own handling (run: the reports)
+    releases_start_up: bool = False
     # where the command's module imports torch: a check of its arguments that imports nothing heavy
     check: Callable[[list[str]], None] | None = None
 
@@ -55,9 +58,11 @@ class Command:
         torch loads)."""
         if self.check is not None:
             self.check(list(argv))
+        command_main = self.load()  # a Ctrl-C while it loads is held (qgather.__main__) and raised below
         if self.runs_cases:  # from here on an interrupt ends in the pools' cleanup and exit 2, never a traceback
-            return with_cleanup_on_signals(self.name, lambda rest: self.load()(rest), argv)
-        return int(self.load()(list(argv)) or 0)
+            return with_cleanup_on_signals(self.name, command_main, argv, release=not self.releases_start_up)
+        release_start_up()
+        return int(command_main(list(argv)) or 0)
 
 
 # One check per command that has one: each imports only its parser's light module, when it runs.
@@ -138,7 +143,8 @@ def _compare() -> CommandMain:
 
 
 COMMANDS = {c.name: c for c in (
-    Command("run", _run, "run the case suite (extra arguments go to pytest)", runs_cases=True),
+    Command("run", _run, "run the case suite (extra arguments go to pytest)", runs_cases=True,
+            releases_start_up=True),
     Command("case", _case, "run cases by id and print their reports", runs_cases=True),
     Command("list", _list, "list implementations, formats, scenarios, mutants; --cases: a selection's case ids"),
     Command("repro", _repro, "run one case; print its report, the environment and the command to rerun it",

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from qgather.cli.interrupts import release_start_up
 from qgather.errors import QgatherError
 from qgather.suite.options import RUN_OPTIONS, SELECTION_OPTIONS, OptionError, OptionSpec, gpu_problem, joined_impls
 
@@ -129,13 +130,15 @@ def shutdown_pools() -> None:
     shutdown()
 
 
-def with_cleanup_on_signals(command: str, run: Callable[[Sequence[str]], int], rest: Sequence[str]) -> int:
+def with_cleanup_on_signals(command: str, run: Callable[[Sequence[str]], int], rest: Sequence[str],
+                            release: bool = True) -> int:
     """SIGTERM and Ctrl-C unwind through the pools' own cleanup (their `finally`s stop every rank
     and helper), then exit 2 (pytest's "interrupted"; the pytest session of `qgather run` has
     printed how many cases ran).
 
     SIGTERM is raised as KeyboardInterrupt, which an in-process pytest session (`qgather run`)
-    treats as the end of the session, where a SystemExit would only fail the running test.
+    treats as the end of the session, where a SystemExit would only fail the running test. With `release`,
+    an interrupt held since the command line started (qgather.cli.interrupts) is raised here first.
     """
     received: list[int] = []
 
@@ -146,6 +149,8 @@ def with_cleanup_on_signals(command: str, run: Callable[[Sequence[str]], int], r
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
+        if release:
+            release_start_up()
         rc = run(rest)
     except KeyboardInterrupt:
         print(f"qgather {command}: interrupted", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 HELD_BACK = (signal.SIGINT, signal.SIGTERM)
 
@@ -36,3 +37,31 @@ def load_torch() -> None:
     """Import torch (a no-op once loaded) with the interrupts held back (see the module's docstring)."""
     with signals_held_back():
         import torch  # noqa: F401
+
+
+# The start-up's recorded signals (qgather.__main__), until the command raises them where it handles them.
+# Process state, as the signal handlers themselves are; None once released, or where main() runs in-process.
+_start_up: tuple[list[int], dict[int, Any], Any] | None = None
+
+
+def hold_start_up(received: list[int], saved: dict[int, Any], record: Any) -> None:
+    """Take over the start-up's recording handler `record`: `received` fills until release_start_up;
+    `saved` holds the handlers it replaced."""
+    global _start_up
+    _start_up = (received, saved, record)
+
+
+def release_start_up() -> None:
+    """Give SIGINT and SIGTERM back their own handlers (where the recording one is still in place: a
+    command's own, e.g. the pools' cleanup on SIGTERM, stays) and raise each signal recorded since the
+    command line started, once, here: where the command handles it. A no-op after the first call."""
+    global _start_up
+    if _start_up is None:
+        return
+    received, saved, record = _start_up
+    _start_up = None
+    for signum, handler in saved.items():
+        if signal.getsignal(signum) is record:
+            signal.signal(signum, handler)
+    for signum in dict.fromkeys(received):
+        signal.raise_signal(signum)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from qgather.cli.common import add_run_options, add_selection_options, refusing_in_one_line, selection_problem, usage
-from qgather.cli.interrupts import load_torch
+from qgather.cli.interrupts import load_torch, release_start_up
 from qgather.model.known_issues import BaselineError, load
 from qgather.model.report_folder import write_interrupted
 from qgather.paths import checkout_root, suite_dir
@@ -35,6 +35,7 @@ def main(extra: Sequence[str]) -> int:
         return _help()
     started = time.time()
     try:
+        release_start_up()  # a Ctrl-C since the command line started: the reports say so (below)
         rc = _run(extra)
     except KeyboardInterrupt:
         _say_interrupted(extra, started)

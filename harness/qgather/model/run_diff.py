@@ -100,7 +100,8 @@ class CaseEntry:
 # Stacks and tracebacks go whole: where a waiting rank stood when another died is timing, and a
 # traceback's line numbers move with every release of the library (its error itself is a line of its own).
 _BLOCK_HEAD = re.compile(r"(stack \(innermost first\)|traceback \(last lines\)):$")
-_WHERE_WAITING = re.compile(r"^rank \d+: main thread at: ")
+# A rank sampled between Python frames (waiting in C, or exiting) has "no Python stack": timing, as a stack is.
+_WHERE_WAITING = re.compile(r"^rank \d+: (main thread at: |no Python stack$)")
 _DEATH = re.compile(r"rank (\d+) (?:killed by|exited)")
 _AFTER_A_CRASH = re.compile(r" \(then ranks? [\d,]+ .*$")  # what the others raised once a rank died: timing
 _VENV_PATH = re.compile(r"\S*/(?:site|dist)-packages/")
@@ -108,13 +109,15 @@ _SOCKET = re.compile(r"\[?\d{1,3}(?:\.\d{1,3}){3}\]?:\d+")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _PID = re.compile(r"\b(pid|process) \d+")
 _SECONDS = re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms)\b")
+# how many graphs a compiled case compiled itself: those an earlier case on the same pool left warm it reuses
+_GRAPHS = re.compile(r"\b\d+ graph\(s\) compiled for the case")
 
 
 def evidence(reason: str, report: str) -> tuple[str, ...]:
     """What a case's report says happened, comparable across runs: the reason, then the report's
     evidence lines (per-rank errors, differing buffers and counts, bytes sent) without its head (the
     id, verdict and reason again), its `reproduce:` line, its stacks and tracebacks, and with paths into
-    a venv, sockets, addresses, pids and durations masked."""
+    a venv, sockets, addresses, pids, durations and a compiled case's count of graphs masked."""
     kept, block_indent = [], None
     for line in report.splitlines()[1:]:
         indent = len(line) - len(line.lstrip())
@@ -144,6 +147,7 @@ def _normalized(line: str) -> str:
     line = _SOCKET.sub("<socket>", line)
     line = _ADDRESS.sub("0x<address>", line)
     line = _PID.sub(r"\1 <pid>", line)
+    line = _GRAPHS.sub("<n> graph(s) compiled for the case", line)
     return _SECONDS.sub("<seconds>", line)
 
 

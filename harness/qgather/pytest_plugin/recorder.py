@@ -72,7 +72,9 @@ class Recorder:
         self._json_written = 0.0
         self.ran_nothing: dict[str, str] = {}
         self.unplaced: list[CaseRecord] = []  # a GPU job's cases skipped for want of GPUs (placement)
-        self.collected_cases = 0  # case tests collected (M of "interrupted after N of M cases")
+        # the case tests to run (M of "interrupted after N of M cases"), known once collection finished
+        # (deselection included): None while collecting, when an interrupt leaves M unknown
+        self.collected_cases: int | None = None
         self._started = time.time()  # a report file older than this is an earlier run's
 
     # ------------------------------------------------------------------ hooks
@@ -104,14 +106,20 @@ class Recorder:
         elif report.skipped:
             self._count(Row.OTHER, "skipped", report.nodeid, False)
 
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        """How many case tests this process collected (without xdist: all of them)."""
-        self.collected_cases = sum(1 for item in session.items if is_case_test(item.nodeid))
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection(self, session: pytest.Session) -> Generator[None, object, object]:
+        """How many case tests this process collected (without xdist: all of them), counted only once the
+        collection finished: pytest's collection-finish hook runs on an interrupt too, with the items
+        collected so far or not yet deselected (13288 where the run had 2466)."""
+        result = yield
+        if not session.config.pluginmanager.has_plugin("dsession"):  # xdist's controller collects nothing
+            self.collected_cases = sum(1 for item in session.items if is_case_test(item.nodeid))
+        return result
 
     @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown where xdist is not loaded
     def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
         """Under xdist: every worker collects the whole session; the first one's count is the session's."""
-        if not self.collected_cases:
+        if self.collected_cases is None:
             self.collected_cases = sum(1 for nodeid in ids if is_case_test(nodeid))
 
     @pytest.hookimpl(wrapper=True)
@@ -158,6 +166,8 @@ class Recorder:
         if not self.interrupted:
             return ""
         ran = len(self._checked)
+        if self.collected_cases is None:
+            return "qgather: interrupted while collecting the cases, before any ran"
         return f"qgather: interrupted after {ran} of {max(self.collected_cases, ran)} cases"
 
     def report_files(self) -> list[str]:

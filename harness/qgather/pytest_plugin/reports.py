@@ -163,7 +163,9 @@ def _headline(data: dict[str, Any]) -> str:
     red = session.get("exit_status", 0) or outcomes["failed"] or outcomes["xpassed"]
     verdict = "**red**" if red else "**green**"
     if data.get("incomplete"):  # the cases that did not run are counted nowhere above
-        verdict = f"**incomplete (interrupted)** after {total} of {data.get('collected_cases') or total} cases"
+        collected = data.get("collected_cases")
+        verdict = ("**incomplete (interrupted)** while collecting the cases, before any ran" if collected is None
+                   else f"**incomplete (interrupted)** after {total} of {collected or total} cases")
     return f"{verdict}: {total} cases - {', '.join(parts)} ({where}{baseline})"
 
 

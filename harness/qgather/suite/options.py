@@ -82,7 +82,13 @@ def refuse_unknown_impl(name: str, option: str = "--impl") -> None:
 
 def refuse_unknown_formats(names: Sequence[str], option: str = "--formats") -> None:
     """OptionError naming the first of `names` that no built-in or plugin format has (no torch); a
-    `package.module:Class` is a format of the user's own, checked by loading it."""
+    `package.module:Class` is a format of the user's own, checked by loading it (a module nothing here
+    could import is refused now, as an adapter's is)."""
+    for name in names:
+        module = name.partition(":")[0] if ":" in name else ""
+        missing = module and missing_user_module(module)
+        if missing:
+            raise OptionError(f"{option} {name!r}: {missing}")
     names = [name for name in names if ":" not in name]
     unknown = unknown_names(names, FORMAT_NAMES, "qgather.formats")
     registry = sys.modules.get("qgather.formats.registry")  # an adapter loaded already may have added some
