@@ -92,6 +92,18 @@ def test_every_pair_of_the_universe_is_achievable_or_explained():
                 assert why and "no shape of the space" not in why and "no row of the design" not in why, (pair, why)
 
 
+def test_a_compiled_row_runs_at_up_to_two_ranks_or_its_hsdp_mesh():
+    """Every rank traces the compiled graph: a compiled row runs at 1-2 ranks, or at the 4 hsdp-2x2 needs."""
+    for design in (CHECKPOINT, STEP_PATHS):
+        for fmt in ("fp8_tensor", "nvfp4_2d"):
+            compiled = [row.spec for row in rows(design, fmt) if row.spec.config.compile]
+            assert compiled and {s.world_size for s in compiled} & {1, 2}
+            assert all(s.world_size <= 2 or s.config.hsdp is not None for s in compiled), design.name
+    assert any(s.world_size == 4 for s in (row.spec for row in rows(STEP_PATHS, "fp8_tensor"))
+               if s.config.compile and s.config.hsdp is not None)
+    assert "each rank traces the same graph" in _why(CHECKPOINT, "mxfp8", ("compile", "compile"), ("ws", 4))
+
+
 def _why(design, fmt, a, b) -> str:
     return impossible(design, fmt)[next(pairs_of(frozenset({a, b})))]
 

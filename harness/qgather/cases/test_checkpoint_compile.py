@@ -7,7 +7,9 @@ forward bit for bit against the eager one). See qgather.scenarios.checkpoint, qg
 The default run is the checkpoint design of qgather.suite.config_sweep (`CHECKPOINT`): per format, a
 covering design in which every pair of a checkpoint token (dcp-ws1..4, dcp-ws2-trained), compile,
 a loading world size B (1..4) and a shape regime (judged where the checkpoint was saved and where
-it is loaded: qgather.suite.config_regimes) occurs, plus the cases of two TE findings (`FINDINGS`).
+it is loaded: qgather.suite.config_regimes) occurs, compile at B = 1 or 2 only (each rank traces the
+same graph: qgather.suite.config_space.compile_world_size_problem), plus the cases of two TE findings
+(`FINDINGS`).
 torchao (and its precomputed scales) runs its own sets unless --impl names the implementations.
 `-m slow` adds the full product of A, B in 1..8 on an aligned and an uneven shape, and compile with
 the hand-picked shapes.

@@ -192,7 +192,7 @@ def _config_problem(design: Design, tokens: tuple[str, ...], ws: int, dtype: str
         return str(exc)
     if design.configured_only and config.is_default:
         return "the default configuration belongs to the shape sweeps (qgather.suite.sweeps)"
-    reason = config.check_world_size(ws)
+    reason = config.check_world_size(ws) or compile_world_size_problem(config, ws)
     if reason:
         return reason
     saved = config.saved_at_world_size
@@ -202,6 +202,22 @@ def _config_problem(design: Design, tokens: tuple[str, ...], ws: int, dtype: str
         return (f"mp-{dtype} on {dtype} masters casts nothing: FSDP2 drops a param_dtype equal to the "
                 "parameter's dtype, the gather is FSDP2's default one")
     return fsdp_skip_reason(_probe(config, ws))  # a shape every rule accepts: what remains holds for any shape
+
+
+#: the most ranks a compiled case of a design runs at, unless its mesh needs more (hsdp-2x2: 4)
+COMPILE_MAX_WORLD_SIZE = 2
+
+
+def compile_world_size_problem(config: FsdpConfig, ws: int) -> str | None:
+    """Why a compiled row does not run at `ws` ranks: every rank traces the same graph (Dynamo and
+    AOTAutograd, ~0.25 s of CPU per rank on the 2-core CI machine), so a compiled case costs its world
+    size in traces, while the graph sees the unsharded weight, the same at every world size; the
+    gathers that differ by world size are eager (FSDP2's hooks) and judged at every size by the
+    uncompiled rows. A compiled row runs at 1 or 2 ranks, or at the ranks its HSDP mesh needs."""
+    if not config.compile or ws <= COMPILE_MAX_WORLD_SIZE or config.hsdp is not None:
+        return None
+    return (f"compile runs at up to {COMPILE_MAX_WORLD_SIZE} ranks (or an HSDP mesh's): each rank traces "
+            "the same graph of the unsharded weight")
 
 
 def _probe(config: FsdpConfig, ws: int) -> CaseSpec:
