@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from qgather.runtime import PoolSpec, RankPool
+from qgather.runtime.agreement import Agreement
+from qgather.runtime.whereabouts import AGREEMENT_WAIT
 
 SPEC = PoolSpec("gloo", 3, "cpu")
 CASE_TIMEOUT_S = 60.0
@@ -54,6 +56,10 @@ def rank1_dies_before_an_all_reduce(ctx):
     if ctx.rank == 1:
         os._exit(3)
     dist.all_reduce(torch.ones(1))
+
+
+def test_the_parent_knows_the_held_wait_by_its_function_name():
+    assert Agreement._wait_for_every_rank.__name__ == AGREEMENT_WAIT
 
 
 def test_held_collectives_give_the_same_results(held):

@@ -1,4 +1,4 @@
-"""Loading torch with Ctrl-C and SIGTERM held back until it has loaded.
+"""Ctrl-C and SIGTERM held back while torch loads, and while the command line itself loads.
 
 A KeyboardInterrupt raised inside torch's import lands in its pybind11 code, where it is not an
 exception Python can handle: measured on CPU with torch 2.13, a Ctrl-C at 0.3-0.5 s into
@@ -7,6 +7,8 @@ exception Python can handle: measured on CPU with torch 2.13, a Ctrl-C at 0.3-0.
 caught by qgather and still ended the process by SIGINT (CPython remembers a KeyboardInterrupt seen
 in code run through `PyRun_String` and re-raises the signal at exit). Held back, the signal is
 delivered the moment torch is loaded (about a second), and the command's own handling runs.
+The command line's own start-up is held the same way from qgather.__main__'s first line until the
+command raises what came (`release_start_up`), where it can write its reports.
 """
 
 from __future__ import annotations
@@ -27,10 +29,17 @@ def signals_held_back() -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in saved.items():
+        _give_back(saved, received)
+
+
+def _give_back(saved: dict[int, Any], received: list[int], only_from: Any = None) -> None:
+    """Each saved handler back in place (with `only_from`: only where that recording handler still is),
+    then each recorded signal raised once under it."""
+    for signum, handler in saved.items():
+        if only_from is None or signal.getsignal(signum) is only_from:
             signal.signal(signum, handler)
-        for signum in dict.fromkeys(received):
-            signal.raise_signal(signum)
+    for signum in dict.fromkeys(received):
+        signal.raise_signal(signum)
 
 
 def load_torch() -> None:
@@ -60,8 +69,4 @@ def release_start_up() -> None:
         return
     received, saved, record = _start_up
     _start_up = None
-    for signum, handler in saved.items():
-        if signal.getsignal(signum) is record:
-            signal.signal(signum, handler)
-    for signum in dict.fromkeys(received):
-        signal.raise_signal(signum)
+    _give_back(saved, received, only_from=record)

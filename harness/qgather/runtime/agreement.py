@@ -28,8 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qgather.runtime.whereabouts import AGREEMENT_WAIT
-
 # torch.distributed's functions that are collectives over a group (the group argument's name).
 # (all_gather_single and reduce_scatter_single: what FSDP2 calls on newer torch; absent names are skipped)
 HELD = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_reduce", "reduce_scatter_tensor",
@@ -57,12 +55,13 @@ class Agreement:
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._inside = threading.local()  # a collective that calls others (all_gather_object) holds once
         self._originals = {name: getattr(dist, name) for name in HELD if hasattr(dist, name)}
+        self._wrappers = {name: self._held(name, original) for name, original in self._originals.items()}
 
     @contextmanager
     def holding(self) -> Iterator[None]:
         """While the case runs: torch.distributed's collectives are held (and released on the way out)."""
-        for name, original in self._originals.items():
-            setattr(dist, name, self._held(name, original))
+        for name, wrapper in self._wrappers.items():
+            setattr(dist, name, wrapper)
         try:
             yield
         finally:
@@ -96,10 +95,7 @@ class Agreement:
 
     def _wait_for_every_rank(self, flag: int) -> bool:
         """The side all-reduce (MAX): True when some rank came with 1 (it failed). whereabouts finds a
-        rank waiting here by this function's name (AGREEMENT_WAIT)."""
+        rank waiting here by this function's name (whereabouts.AGREEMENT_WAIT; tests/test_runtime_hold.py checks it)."""
         self._flag.fill_(flag)
         self._originals["all_reduce"](self._flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(self._flag.item())
-
-
-assert Agreement._wait_for_every_rank.__name__ == AGREEMENT_WAIT

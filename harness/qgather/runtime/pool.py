@@ -290,12 +290,10 @@ class RankPool:
         other rank is alive: have those join the wait once, so the waiting ranks leave (HeldBack)
         instead of being killed. False where that cannot be (the pool is then aborted, as before)."""
         answered = [r for r in self._ranks if r.rank not in replies.pending]
-        if not self.hold_collectives or replies.exit_codes or set(replies.held) != replies.pending \
-                or not all(r.process.is_alive() for r in answered):
+        if replies.exit_codes or replies.held != replies.pending or not all(r.process.is_alive() for r in answered):
             return False
         for r in answered:
             send(r.conn, encode(protocol.Release()))
-        replies.releases += 1
         replies.waiting.clear()
         replies.held.clear()
         return True
