@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from qgather.engine.classify import classify_outcome
+from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, RankPool
 from qgather.runtime.agreement import Agreement
 from qgather.runtime.whereabouts import AGREEMENT_WAIT
@@ -105,3 +107,37 @@ def test_a_wait_the_hold_does_not_cover_ends_as_before(held, case, status):
     assert not out.held_back
     assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
     assert set(held.pids).isdisjoint(pids)  # the ranks left waiting were replaced
+
+
+def short_last_rank_all_gathers(ctx):
+    """The last rank's shard is one row short and not padded (TE's blockwise uneven shards, torchao's)."""
+    rows = 3 if ctx.rank == ctx.world_size - 1 else 4
+    shard = torch.ones(rows, 2)
+    gathered = torch.zeros(ctx.world_size * rows, 2)
+    dist.all_gather_into_tensor(gathered, shard)
+
+
+def test_unequal_sizes_are_stopped_on_every_rank_and_the_pool_stays_warm(held):
+    pids = held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S) and held.pids
+    out = held.run(short_last_rank_all_gathers, timeout=CASE_TIMEOUT_S)
+    assert out.status == "error" and sorted(out.errors) == [0, 1, 2] and not out.unfinished
+    assert {e.type_name for e in out.errors.values()} == {"UnequalCollectiveSizes"}
+    assert ("the ranks handed all_gather_into_tensor different sizes (rank 0: 32 bytes, rank 1: 32 bytes, "
+            "rank 2: 24 bytes)") in out.errors[0].message
+    verdict = classify_outcome(out, SPEC.world_size)
+    assert verdict.verdict is Verdict.ERROR  # the same error on every rank, and still no rejection
+    assert held.pids == pids
+    assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+
+
+def test_a_started_pool_says_where_its_start_went():
+    fresh = RankPool(PoolSpec("gloo", 2, "cpu"))
+    try:
+        out = fresh.run(everyone, timeout=CASE_TIMEOUT_S)
+        phases = dict(out.startup_phases)
+        assert {"forkserver", "spawn", "ranks starting", "rank: rank set-up", "rank: process group",
+                "rank: first barrier"} <= phases.keys(), phases
+        assert sum(phases[p] for p in ("forkserver", "spawn", "ranks starting")) <= out.startup_s
+        assert fresh.run(everyone, timeout=CASE_TIMEOUT_S).startup_phases == ()  # warm: no start
+    finally:
+        fresh.shutdown()

@@ -2,7 +2,7 @@
 
 import itertools
 
-from qgather.engine.run import LEASE_WAIT, POOL_START, step_seconds
+from qgather.engine.run import LEASE_WAIT, POOL_START, POOL_START_PHASE, step_seconds
 from qgather.model.case_record import CaseRecord
 from qgather.model.phases import Phase, PhaseTracker, Step
 from qgather.model.records import RankResult
@@ -142,6 +142,19 @@ def test_timings_page_sums_steps_and_lists_the_slowest_first():
     assert "| (outside the steps: dispatch, skips, evidence) | 2 | 0.75 | 18.8% |" in page
     slowest = page.split("slowest cases")[1]
     assert slowest.index("| b |") < slowest.index("| a |")
+
+
+def test_a_pool_starts_phases_are_its_breakdown_not_steps_of_their_own():
+    started = CaseOutcome(OutcomeStatus.OK, [RankResult(0, (), seconds=(("golden", 1.0),))], startup_s=3.0,
+                          startup_phases=(("spawn", 0.5), ("rank: CUDA context", 2.0)))
+    steps = dict(step_seconds(started))
+    assert steps[POOL_START] == 3.0 and steps[POOL_START_PHASE + "rank: CUDA context"] == 2.0
+    page = render([_record("a", 4.0, steps), _record("b", 5.0, {POOL_START: 4.0, POOL_START_PHASE + "spawn": 1.5})])
+    assert "| pool start | 2 | 7.00 | 77.8% |" in page
+    assert "| (outside the steps: dispatch, skips, evidence) | 2 | 1.00 | 11.1% |" in page  # phases not counted twice
+    phases = page.split("Pool starts, phase by phase (2 starts)")[1].split("slowest cases")[0]
+    assert "| spawn | 2.00 | 1.00 |" in phases and "| rank: CUDA context | 2.00 | 1.00 |" in phases
+    assert "spawn" not in page.split("slowest cases")[1]
 
 
 def test_step_seconds_survive_the_record_round_trip():

@@ -165,6 +165,8 @@ def _run_on_pool(spec: CaseSpec, impl: Implementation, options: RunOptions,
 
 POOL_START = "pool start"
 LEASE_WAIT = "GPU lease wait"
+#: a pool start's phases ("pool start: ranks starting"): a breakdown of POOL_START, not steps of their own
+POOL_START_PHASE = POOL_START + ": "
 
 
 def step_seconds(outcome: CaseOutcome) -> Seconds:
@@ -178,4 +180,5 @@ def step_seconds(outcome: CaseOutcome) -> Seconds:
     head = ((LEASE_WAIT, outcome.lease_wait_s),) if outcome.lease_wait_s else ()
     if outcome.startup_s:
         head += ((POOL_START, outcome.startup_s - outcome.lease_wait_s),)
+        head += tuple((POOL_START_PHASE + phase, seconds) for phase, seconds in outcome.startup_phases)
     return head + tuple(slowest.items())

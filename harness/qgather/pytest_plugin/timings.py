@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from qgather.engine.run import POOL_START_PHASE
 from qgather.model.case_record import CaseRecord
 
 SLOWEST_SHOWN = 25
@@ -18,8 +19,12 @@ def render(records: Iterable[CaseRecord], slowest: int = SLOWEST_SHOWN) -> str:
     ran = [r for r in records if r.seconds or r.step_seconds]
     totals: Counter = Counter()
     cases_with: Counter = Counter()
+    phases: Counter = Counter()  # the pool starts' phases: a breakdown of "pool start", shown apart
     for record in ran:
         for step, seconds in record.step_seconds.items():
+            if step.startswith(POOL_START_PHASE):
+                phases[step.removeprefix(POOL_START_PHASE)] += seconds
+                continue
             totals[step] += seconds
             cases_with[step] += 1
     wall = sum(r.seconds for r in ran)
@@ -31,10 +36,26 @@ def render(records: Iterable[CaseRecord], slowest: int = SLOWEST_SHOWN) -> str:
     unmeasured = wall - sum(totals.values())
     out.append(f"| (outside the steps: dispatch, skips, evidence) | {len(ran)} | {unmeasured:.2f} | "
                f"{100 * unmeasured / wall:.1f}% |" if wall else "| (outside the steps) | 0 | 0 | - |")
+    out += _start_phases(phases, cases_with[POOL_START_PHASE.removesuffix(": ")])
     out += ["", f"## The {min(slowest, len(ran))} slowest cases", "",
             "| case | verdict | seconds | steps |", "| --- | --- | ---: | --- |"]
     for record in sorted(ran, key=lambda r: -r.seconds)[:slowest]:
         steps = ", ".join(f"{step} {seconds:.2f}" for step, seconds in
-                          sorted(record.step_seconds.items(), key=lambda kv: -kv[1])[:5])
+                          sorted(_steps(record), key=lambda kv: -kv[1])[:5])
         out.append(f"| {record.case} | {record.verdict.value} | {record.seconds:.2f} | {steps} |")
     return "\n".join(out) + "\n"
+
+
+def _steps(record: CaseRecord) -> list[tuple[str, float]]:
+    return [(step, s) for step, s in record.step_seconds.items() if not step.startswith(POOL_START_PHASE)]
+
+
+def _start_phases(phases: Counter, starts: int) -> list[str]:
+    """The pool starts' seconds phase by phase, summed over the starts (the ranks' phases as long as the
+    slowest rank of each start took: they run inside "ranks starting")."""
+    if not phases:
+        return []
+    out = ["", f"## Pool starts, phase by phase ({starts} starts)", "", "| phase | seconds | per start |",
+           "| --- | ---: | ---: |"]
+    out += [f"| {phase} | {seconds:.2f} | {seconds / starts:.2f} |" for phase, seconds in phases.items()]
+    return out

@@ -158,6 +158,8 @@ class CaseOutcome:
     startup_s: float = 0.0
     #: of those, seconds an NCCL pool waited for its GPUs (qgather.runtime.gpu_lease) before spawning
     lease_wait_s: float = 0.0
+    #: the start's seconds phase by phase (RankPool.start_phases; empty when the pool was warm)
+    startup_phases: tuple[tuple[str, float], ...] = ()
     case_id: str = ""
     unfinished: tuple[int, ...] = ()  # ranks that neither returned, raised nor died
     #: of those, the ranks that left their case before a collective the failed rank would never join,

@@ -76,6 +76,7 @@ class RankPool:
         self._tmpdir: str | None = None
         self._lifeline: Connection | None = None  # the write end; closing it ends the ranks
         self._checks = 0
+        self.start_phases: tuple[tuple[str, float], ...] = ()  # the last start's, phase by phase
         # Held while a case (or the start) uses the ranks: another thread stops the pool only between cases.
         self.in_use = threading.Lock()
 
@@ -131,7 +132,7 @@ class RankPool:
             replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit, StallWatch(len(self._ranks)))
             note = STALL_NOTE if replies.stalled else ""
             return replace(self._conclude(replies, time.monotonic() - start, case_id, note), startup_s=startup,
-                           lease_wait_s=lease_wait)
+                           lease_wait_s=lease_wait, startup_phases=self.start_phases if startup else ())
         except BaseException:
             # Interrupted mid-case (Ctrl-C, a bug here): the ranks' late replies would be read as
             # the next case's, so this pool's ranks cannot be trusted any more.
@@ -149,13 +150,19 @@ class RankPool:
             return None
         start = time.monotonic()
         mp_context()  # the forkserver boots (seconds, TE preloaded) before this pool holds any GPU seat
+        booted = time.monotonic()
         refused = self._take_lease(case_id)
         if refused is not None:
             return refused
         try:
+            leased = time.monotonic()
             self._spawn()
+            spawned = time.monotonic()
             replies = self._collect(Replies(self.spec.world_size, protocol.RANK_STARTING),
                                     start + self.spec.startup_timeout_s)
+            self.start_phases = (("forkserver", booted - start), ("spawn", spawned - leased),
+                                 ("ranks starting", time.monotonic() - spawned),
+                                 *_slowest_rank_phases(replies.start_phases))
             if replies.status is OutcomeStatus.OK:
                 return None
             replies.results = [None] * self.spec.world_size  # the pids of the ranks that did start
@@ -324,8 +331,9 @@ class RankPool:
         match message:
             case protocol.Returned(value=value):
                 replies.results[r.rank] = value
-            case protocol.Ready(pid=pid):
+            case protocol.Ready(pid=pid, phases=phases):
                 replies.results[r.rank] = pid
+                replies.start_phases[r.rank] = phases
             case protocol.Raised(error=error) | protocol.StartFailed(error=error):
                 replies.errors[r.rank] = error
                 replies.failed()
@@ -427,6 +435,15 @@ class RankPool:
 def _signal_all(ranks: list[_Rank], signum: int) -> None:
     for r in ranks:
         signal_pid(r.process.pid, signum)
+
+
+def _slowest_rank_phases(phases: dict[int, tuple[tuple[str, float], ...]]) -> tuple[tuple[str, float], ...]:
+    """Each phase of the ranks' start as long as its slowest rank took ("rank: <phase>")."""
+    slowest: dict[str, float] = {}
+    for rank_phases in phases.values():
+        for phase, seconds in rank_phases:
+            slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+    return tuple((f"rank: {phase}", seconds) for phase, seconds in slowest.items())
 
 
 def _wait_dead(ranks: list[_Rank], timeout: float) -> None:

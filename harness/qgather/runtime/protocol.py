@@ -82,9 +82,11 @@ class Release:
 
 @dataclass(frozen=True)
 class Ready:
-    """The rank joined the process group and serves cases."""
+    """The rank joined the process group and serves cases; `phases`: the seconds its start took, step
+    by step (("process group", 1.2), ...), for the pool's start to be read phase by phase."""
 
     pid: int
+    phases: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

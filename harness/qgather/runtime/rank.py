@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -135,16 +136,31 @@ def rank_main(config: RankConfig, conn: Connection, lifeline: Connection | None 
     `lifeline` is the read end of a pipe only the runner can write to: EOF means it died.
     `where` answers the parent's "where is your case now?" (qgather.runtime.whereabouts).
     """
+    phases = _StartPhases()
     _prepare_process(config, lifeline)
     if where is not None:
         whereabouts.serve(where)
+    phases.lap("rank set-up")
     try:
-        state = _join_group(config)
+        state = _join_group(config, phases)
     except BaseException as exc:  # report, then exit: the parent treats it as a failed start
         send(conn, encode(StartFailed(RankError.from_exception(config.rank, exc))))
         return
-    send(conn, encode(Ready(os.getpid())))
+    send(conn, encode(Ready(os.getpid(), tuple(phases.seconds))))
     _serve(state, conn)
+
+
+class _StartPhases:
+    """The seconds of a rank's start, phase by phase (Ready.phases)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[tuple[str, float]] = []
+        self._since = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds.append((phase, now - self._since))
+        self._since = now
 
 
 def _prepare_process(config: RankConfig, lifeline: Connection | None) -> None:
@@ -195,16 +211,22 @@ def _bind_device(config: RankConfig) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _join_group(config: RankConfig) -> _RankState:
+def _join_group(config: RankConfig, phases: _StartPhases) -> _RankState:
     device = _bind_device(config)
+    if device.type == "cuda":
+        torch.zeros(1, device=device)  # the CUDA context, timed apart from the process group
+    phases.lap("CUDA context")
     store = dist.FileStore(config.store_path, config.world_size)
     dist.init_process_group(
         config.backend, store=store, rank=config.rank, world_size=config.world_size,
         timeout=datetime.timedelta(seconds=config.pg_timeout_s),
         device_id=device if config.backend == "nccl" else None,
     )
+    phases.lap("process group")
     dist.barrier()
+    phases.lap("first barrier")
     agreement = Agreement(config.world_size) if config.hold_collectives else None
+    phases.lap("side group")
     return _RankState(config, device, dist.group.WORLD, agreement=agreement)
 
 
