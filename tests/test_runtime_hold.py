@@ -79,6 +79,11 @@ def test_a_rank_that_raised_releases_the_others_and_the_pool_stays_warm(held):
     assert out.summary() == ("rank 2 raised ValueError: block size 16 does not divide 136 "
                              "(ranks 0,1 were held before a collective (all_reduce))")
     assert "held there by qgather" in out.notes[0]["main thread at"]
+    found = classify_outcome(out, SPEC.world_size)
+    assert found.verdict is Verdict.ERROR
+    assert ("ranks 0,1 did not raise: held before all_reduce, which the failed rank would never join, they left "
+            "the case") in found.details
+    assert not any("would wait" in line for line in found.details)
     assert held.pids == pids  # no rank was killed
     assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
     assert held.pids == pids

@@ -62,7 +62,7 @@ def classify_outcome(outcome: CaseOutcome, world_size: int,
     if outcome.status is OutcomeStatus.OK:
         return classify_results(outcome.results)
     if outcome.status is OutcomeStatus.ERROR:
-        found = classify_errors(outcome.errors, world_size, refusal_problem)
+        found = classify_errors(outcome.errors, world_size, refusal_problem, held=outcome.held_back)
         if not outcome.unfinished:
             return found
         # the ranks that never answered: where they were when the pool gave up on them
@@ -73,11 +73,14 @@ def classify_outcome(outcome: CaseOutcome, world_size: int,
 
 
 def classify_errors(errors: Mapping[int, RankError], world_size: int,
-                    refusal_problem: RefusalCheck = no_declared_rejections) -> Classification:
+                    refusal_problem: RefusalCheck = no_declared_rejections,
+                    held: Mapping[int, str] | None = None) -> Classification:
     """Some ranks raised. REJECTED only when every rank raised the same error (up to numbers: each
     rank may name its own shard size), before any data moved, of a type the implementation declares
     as its rejection (`refusal_problem` returns ""), and no internal fault (INTERNAL_ERRORS,
-    INTERNAL_MESSAGES). Anything else is an ERROR with each rank's own message."""
+    INTERNAL_MESSAGES). Anything else is an ERROR with each rank's own message. `held`: the ranks that
+    did not raise but left the case before a collective the failed rank would never join (rank -> that
+    collective; qgather.runtime.agreement)."""
     lines = {rank: e.first_line(limit=None) for rank, e in errors.items()}
     internal = any(INTERNAL_ERRORS & set(e.type_names or (e.type_name,)) for e in errors.values()) \
         or any(INTERNAL_MESSAGES.match(m) for m in lines.values())
@@ -93,7 +96,7 @@ def classify_errors(errors: Mapping[int, RankError], world_size: int,
         reason += f" (in the {errors[rank].phase})"
     details = [f"rank {r}: {m}" for r, m in sorted(lines.items())]
     if waiting:
-        details.append(f"ranks {_ranks(waiting)} did not raise (they would wait in the collective)")
+        details.extend(_waiting_lines(waiting, held or {}))
     elif internal and same:
         details.append(f"every rank raised {errors[rank].type_name}: an internal fault of the "
                        "implementation, not a rejection naming a constraint")
@@ -103,6 +106,20 @@ def classify_errors(errors: Mapping[int, RankError], world_size: int,
         details.append(f"rank {rank} traceback (last lines):")
         details.extend("  " + line for line in errors[rank].traceback_text.strip().splitlines()[-TRACEBACK_LINES:])
     return Classification(Verdict.ERROR, reason, tuple(details))
+
+
+def _waiting_lines(waiting: list[int], held: Mapping[int, str]) -> list[str]:
+    """What the ranks that did not raise did: left the case at a held collective, or would wait in one."""
+    released = [r for r in waiting if r in held]
+    left = [r for r in waiting if r not in held]
+    lines = []
+    if released:
+        collectives = ", ".join(sorted({held[r] for r in released}))
+        lines.append(f"ranks {_ranks(released)} did not raise: held before {collectives}, which the failed rank "
+                     "would never join, they left the case")
+    if left:
+        lines.append(f"ranks {_ranks(left)} did not raise (they would wait in the collective)")
+    return lines
 
 
 def _refusal(errors: Mapping[int, RankError], refusal_problem: RefusalCheck) -> str:
