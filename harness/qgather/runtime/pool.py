@@ -127,7 +127,8 @@ class RankPool:
             outcome = self._run(fn, args, timeout, case_id, seed)
         if waited and not outcome.startup_s:  # the case waited for the restart: that was its pool start
             outcome = replace(outcome, startup_s=waited, startup_phases=((RESTART_WAIT, waited),))
-        if self.restarts_in_background and not self._ranks and self._last_start_ok:
+        if self.restarts_in_background and not self._ranks and self._last_start_ok \
+                and mp_context().get_start_method() == "forkserver":  # spawned ranks die with the thread that spawned them
             self._restart_in_background()
         return outcome
 
