@@ -42,3 +42,12 @@ class CorruptsThePlainNorm(ReferenceImplementation):
     def after_step(self, module, group):
         block = getattr(module, "block", module)
         local_shard(block.parts["norm"]).zero_()
+
+
+class TwinInFloat32(MaterializedAfterSharding):
+    """The same layers with a one-device twin that returns its output widened to float32, as TE's
+    single_device_output does (TE's te.Linear itself returns the activations' dtype): the block's
+    bias must be added to the twin's output as the sharded layer returns it, not in float32."""
+
+    def single_device_output(self, spec, weight, x):
+        return super().single_device_output(spec, weight, x).float()

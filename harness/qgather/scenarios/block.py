@@ -254,6 +254,9 @@ def _twin_outputs(case: RankCase, layers: list[Layer], plains: dict[str, Plain])
                     if y is None:
                         return (f"outputs not compared with a one-device model: {impl.name} builds "
                                 f"{layer.weight.title} itself and has no single_device_output")
+                    # the sharded layer hands the bias its output in the activations' dtype; a twin may
+                    # widen it (TE's returns float32), and a bias added in float32 rounds differently
+                    y = y.to(n.dtype)
                 else:
                     y = harness_module(impl, layer.weight.spec.fmt, weight)(n)
             outputs.append(y + value["bias"] if layer.weight.name == "aligned" else y)
