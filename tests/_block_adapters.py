@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from qgather.impls.reference import ReferenceImplementation
@@ -42,3 +44,31 @@ class CorruptsThePlainNorm(ReferenceImplementation):
     def after_step(self, module, group):
         block = getattr(module, "block", module)
         local_shard(block.parts["norm"]).zero_()
+
+
+class TwinInFloat32(MaterializedAfterSharding):
+    """The same layers with a one-device twin that returns its output widened to float32, as TE's
+    single_device_output does (TE's te.Linear itself returns the activations' dtype): the block's
+    bias must be added to the twin's output as the sharded layer returns it, not in float32."""
+
+    def single_device_output(self, spec, weight, x):
+        return super().single_device_output(spec, weight, x).float()
+
+
+class StateOnGradForward(MaterializedAfterSharding):
+    """A recipe with state, as TE's DelayedScaling: leaving its forward context with autograd enabled
+    updates a scale that every later forward reads (TE updates the amax history's scales at te.autocast's
+    exit only under grad). The block runs no backward: its forward, like the one-device twin's, runs
+    without autograd, so the state never changes and every point compares with the twin and the golden."""
+
+    updated = False
+
+    @contextlib.contextmanager
+    def forward_context(self, spec):
+        yield
+        if torch.is_grad_enabled():
+            type(self).updated = True
+
+    def forward(self, param, x):
+        y = super().forward(param, x)
+        return y * 2 if type(self).updated else y

@@ -27,6 +27,21 @@ class WrongBytesThenRaisingForward(NibbleSwap):
         raise RuntimeError("GEMM needs M % 16 == 0")
 
 
+class RaisingDequantize(ReferenceImplementation):
+    """Gathers the right bytes; its own dequantize of the gathered weight raises on every rank, as TE's
+    Float8BlockwiseQTensor.dequantize does where shards split its 128-row tiles."""
+
+    def own_dequantize(self, param):
+        raise RuntimeError("shape '[2, 128, 1, 128]' is invalid for input of size 16384")
+
+
+class WrongBytesThenRaisingDequantize(NibbleSwap):
+    """Gathers wrong bytes, then its own dequantize raises: the ERROR must still say which buffers differ."""
+
+    bug = name = ""  # an external adapter, not a zoo member
+    own_dequantize = RaisingDequantize.own_dequantize
+
+
 class AlwaysRaisingMakeParam(ReferenceImplementation):
     """make_param raises a RuntimeError on every rank, whatever the shape: not a rejection."""
 

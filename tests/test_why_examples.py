@@ -34,6 +34,17 @@ def test_wrong_bytes_are_judged_although_the_forward_raises(scenario):
     assert any("the forward then raised RuntimeError: GEMM needs M % 16 == 0" in d for d in report.details)
 
 
+@pytest.mark.parametrize(("adapter", "evidence"), [
+    ("WrongBytesThenRaisingDequantize", "qgather: the gathered buffers against the golden: rowwise_data: "),
+    ("RaisingDequantize", "qgather: the gathered buffers against the golden: every buffer bit-identical"),
+])
+def test_a_library_dequantize_that_raises_still_reports_the_gathered_bytes(adapter, evidence):
+    # issue 41: TE's dequantize of a gathered Float8BlockwiseQTensor raised and the report held only TE's error
+    report = run(f"{A}{adapter}:nvfp4_2d:128x64:bf16:ws2:gather:s0")
+    assert report.verdict is Verdict.ERROR and "(in the inspection)" in report.reason, report.render()
+    assert evidence in report.render(), report.render()
+
+
 @pytest.mark.parametrize("adapter", ["AlwaysRaisingMakeParam", "OutOfMemory"])
 def test_an_error_that_names_no_declared_constraint_is_an_error(adapter):
     # was REJECTED on every misaligned case (here 68-row shards of a 16-row block format)

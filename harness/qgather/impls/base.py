@@ -284,9 +284,11 @@ class Implementation(abc.ABC):
 
     def single_device_output(self, spec: CaseSpec, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """The same module and recipe on this rank's device alone, holding the full `weight`
-        (spec.torch_dtype): its forward on `x`. `x` is on the rank's device; `weight` too, except a
-        large one (qgather.check.host.PARK_BYTES), which waits in pinned host memory while the
-        module holds its own copy: copy from it into the module rather than moving it whole."""
+        (spec.torch_dtype): its forward on `x`, in x's dtype or widened to float32 (the block scenario
+        rounds it to x's dtype, as the sharded layer returns it). `x` is on the rank's device;
+        `weight` too, except a large one (qgather.check.host.PARK_BYTES), which waits in pinned host
+        memory while the module holds its own copy: copy from it into the module rather than moving
+        it whole."""
         return None
 
     def gather_context(self, group) -> contextlib.AbstractContextManager:

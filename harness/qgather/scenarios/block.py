@@ -20,9 +20,10 @@ block's first unshard, alone: every parameter judged against its own golden
 mixed-precision policy asks for), and the group's one collective against the sum of what each
 parameter may move (DEGRADED above it). Then, before the first step and after each of STEPS
 optimizer steps (SGD on the full masters, each shard re-quantized or copied from its rows): the
-model's forward (each parameter judged where its module receives it), the outputs and loss against
-the same model on one device, the backward's unshard of the block from whatever the forward left,
-judged again, and the reshard. Under `compile` the forward is `torch.compile(model)`'s.
+model's forward without autograd, as the one-device twin's (each parameter judged where its module
+receives it), the outputs and loss against the same model on one device, the backward's unshard
+of the block from whatever the forward left, judged again, and the reshard. Under `compile` the
+forward is `torch.compile(model)`'s.
 
 Each quantized layer is the implementation's `make_block_layer` (the library's own layer, built
 unsharded, e.g. TE's te.Linear on meta; materialized by `materialize_block_layer` once the block is
@@ -254,6 +255,9 @@ def _twin_outputs(case: RankCase, layers: list[Layer], plains: dict[str, Plain])
                     if y is None:
                         return (f"outputs not compared with a one-device model: {impl.name} builds "
                                 f"{layer.weight.title} itself and has no single_device_output")
+                    # the sharded layer hands the bias its output in the activations' dtype; a twin may
+                    # widen it (TE's returns float32), and a bias added in float32 rounds differently
+                    y = y.to(n.dtype)
                 else:
                     y = harness_module(impl, layer.weight.spec.fmt, weight)(n)
             outputs.append(y + value["bias"] if layer.weight.name == "aligned" else y)
@@ -343,7 +347,10 @@ class _BlockRun:
         by_module = self._by_module(goldens)
         stages: list[Stage] = []
         judged = self._judged_modules()  # the root's scale too: the root's pre-forward gathers it
-        with phases.at(Phase.FORWARD), hooks_moving_phase(phases, self.param_types), \
+        # Without autograd, as the one-device twin runs: no backward follows, and a grad-enabled exit of
+        # TE's te.autocast updates DelayedScaling's scales (quantization.py autocast_exit), which would
+        # re-quantize the next point's shards and inputs at scales neither the golden nor a twin holds.
+        with phases.at(Phase.FORWARD), torch.no_grad(), hooks_moving_phase(phases, self.param_types), \
                 impl.gather_context(case.ctx.group), impl.forward_context(case.spec), \
                 judged_in_forward(judged, lambda m: self._judge(m, by_module, point, f"{when}, the forward"),
                                   phases, stages, compiled=self.forward.compiled):

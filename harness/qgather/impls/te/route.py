@@ -38,7 +38,7 @@ from qgather.impls.te.environment import has_nvfp4_kernels, recipe_unavailable_r
 from qgather.impls.te.model import run_model_case
 from qgather.impls.te.recipes import NOT_ON_THIS_ROUTE, RECIPES, make_recipe
 from qgather.impls.te.tensors import read_te_buffers
-from qgather.model.case import CaseSpec
+from qgather.model.case import CaseSpec, saved_spec, tensor_parallel_layout
 from qgather.model.records import RankResult
 from qgather.model.tp_rank import TensorParallelRank
 
@@ -93,7 +93,8 @@ class TransformerEngineRoute(TEAdapter):
             return (f"{self.name}: te.Linear's forward runs with torch._dynamo disabled (TE 2.20's @no_torch_dynamo, "
                     "transformer_engine/pytorch/jit.py): torch.compile captures no graph of it")
         if spec.config.saved_after_forward:
-            reason = recipe_unavailable_reason(make_recipe(spec.fmt, self.recipes))
+            reason = fp8_forward_refusal(saved_spec(spec)) or recipe_unavailable_reason(
+                make_recipe(spec.fmt, self.recipes))
             if reason:
                 return f"{self.name}: the training forward before the save cannot run here: TE: {reason}"
         return None
@@ -147,6 +148,19 @@ class TransformerEngineRoute(TEAdapter):
         if spec.fmt in NVFP4 and not has_nvfp4_kernels():
             _install_reference_bits_quantizer(module, spec.fmt)
         return module
+
+
+def fp8_forward_refusal(spec: CaseSpec) -> str | None:
+    """Why te.Linear's forward under te.autocast refuses the case's weight (any recipe), or None: TE
+    2.20's assert_dim_for_fp8_exec (module/linear.py, `if fp8:`) wants the weight's rows a multiple of 8
+    and its K a multiple of 16 (the input's rows, qgather's 8, always are). The weight the forward
+    receives is the unsharded one, a TP rank's piece under tensor parallelism."""
+    tp = tensor_parallel_layout(spec)
+    rows, cols = tp.piece_shape() if tp is not None else (spec.shape[0], spec.shape[-1])
+    if rows % 8 == 0 and cols % 16 == 0:
+        return None
+    return (f"te.Linear's FP8 forward refuses a {rows}x{cols} weight (assert_dim_for_fp8_exec: rows a multiple "
+            f"of 8, K a multiple of 16)")
 
 
 def _tensor_parallel_kwargs(tp: TensorParallelRank | None) -> dict:
