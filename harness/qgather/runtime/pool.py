@@ -127,8 +127,9 @@ class RankPool:
             outcome = self._run(fn, args, timeout, case_id, seed)
         if waited and not outcome.startup_s:  # the case waited for the restart: that was its pool start
             outcome = replace(outcome, startup_s=waited, startup_phases=((RESTART_WAIT, waited),))
+        # not under plain spawn: spawned ranks die with the thread that spawned them
         if self.restarts_in_background and not self._ranks and self._last_start_ok \
-                and mp_context().get_start_method() == "forkserver":  # spawned ranks die with the thread that spawned them
+                and mp_context().get_start_method() == "forkserver":
             self._restart_in_background()
         return outcome
 
@@ -317,9 +318,10 @@ class RankPool:
         return replies
 
     def _all_pending_wait_in_collectives(self, replies: Replies) -> bool:
-        """Evidence, not a timer: every rank that has not answered has been inside a collective of
-        its case for WAIT_EVIDENCE_S without a break, so it waits for a rank that already failed
-        and will never return (a rank merely slow to leave a collective is seen outside it)."""
+        """Evidence, not a timer: every rank that has not answered waits at a held collective
+        (runtime/agreement.py), or has been inside a collective of its case for WAIT_EVIDENCE_S
+        without a break, so it waits for a rank that already failed and will never return (a rank
+        merely slow to leave a collective is seen outside it)."""
         now = time.monotonic()
         for r in self._ranks:
             if r.rank not in replies.pending:
@@ -334,6 +336,10 @@ class RankPool:
                 replies.waiting.pop(r.rank, None)
             elif r.rank not in replies.waiting:
                 replies.waiting[r.rank] = (frame, now)
+        if replies.held == replies.pending and not replies.released:
+            # At a held collective a rank waits for every rank, and one that already answered comes
+            # back to this case only when released: no need to watch the wait for WAIT_EVIDENCE_S.
+            return True
         return all(rank in replies.waiting and now - replies.waiting[rank][1] >= WAIT_EVIDENCE_S
                    for rank in replies.pending)
 
@@ -342,8 +348,10 @@ class RankPool:
         other rank is alive: have those join the wait once, so the waiting ranks leave (HeldBack)
         instead of being killed. False where that cannot be (the pool is then aborted, as before)."""
         answered = [r for r in self._ranks if r.rank not in replies.pending]
-        if replies.exit_codes or replies.held != replies.pending or not all(r.process.is_alive() for r in answered):
-            return False
+        if replies.released or replies.exit_codes or replies.held != replies.pending \
+                or not all(r.process.is_alive() for r in answered):
+            return False  # once only: ranks still waiting after a release are left behind
+        replies.released = True
         for r in answered:
             send(r.conn, encode(protocol.Release()))
         replies.waiting.clear()

@@ -38,6 +38,7 @@ class Replies:
     stalled: bool = False  # ended on a stall's evidence (qgather.runtime.stall), not at the deadline
     held: set[int] = field(default_factory=set)  # ranks last seen waiting at a held collective (agreement)
     held_back: dict[int, str] = field(default_factory=dict)  # rank -> the collective it left its case before
+    released: bool = False  # the answered ranks were asked once to join the held ranks' wait (Release)
     start_phases: dict[int, tuple[tuple[str, float], ...]] = field(default_factory=dict)  # rank -> Ready.phases
 
     def __post_init__(self) -> None:
