@@ -202,3 +202,35 @@ def test_the_dequantization_op_never_returns_a_view_of_its_inputs():
     out = dequantized(fmt, {"data": data}, {"scale_inv": torch.ones(1)}, (2, 4))
     assert torch.equal(out, data.view(torch.float32))
     assert out.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+
+
+def test_a_compiled_case_forward_leaves_the_guards_untimed_and_the_patch_undone():
+    """qgather.instruments.patches.guard_latency_unmeasured: inside a compiled case's call Dynamo builds
+    its guards but does not time them (torch's cache-flushing measurement, a log line's worth); outside
+    it, torch's own function is back."""
+    from types import SimpleNamespace
+
+    import torch._dynamo.guards as guards
+
+    from qgather.model.config import FsdpConfig
+    from qgather.scenarios.compiled import CaseForward
+
+    original, timed = guards.profile_guard_manager, []
+
+    def spy(*args):
+        timed.append(args)
+        return original(*args)
+
+    guards.profile_guard_manager = spy
+    try:
+        case = SimpleNamespace(spec=SimpleNamespace(config=FsdpConfig(compile=True)))
+        torch._dynamo.reset()
+        forward = CaseForward(case, _Twice())
+        assert torch.equal(forward(torch.ones(3, 2)), torch.full((3, 2), 2.0)) and forward.graphs == 1
+        assert timed == [] and guards.profile_guard_manager is spy
+        torch._dynamo.reset()
+        torch.compile(_Twice(), backend="eager")(torch.ones(3, 2))  # outside a case's call: timed as ever
+        assert len(timed) == 1
+    finally:
+        guards.profile_guard_manager = original
+        torch._dynamo.reset()
