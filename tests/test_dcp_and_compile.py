@@ -188,7 +188,7 @@ def test_the_dequantization_op_never_returns_a_view_of_its_inputs():
     """A format of one's own may dequantize to a view of its storage; a custom op's output may not alias
     its inputs, so the op copies it."""
     from qgather.formats import FORMATS
-    from qgather.impls.reference.traced import dequantized
+    from qgather.impls.reference.traced import dequantized, through_op
 
     class Plain(type(FORMATS["fp8_tensor"])):
         def _dequantize_row_layout(self, rows, glob, shape):
@@ -199,9 +199,10 @@ def test_the_dequantization_op_never_returns_a_view_of_its_inputs():
 
     fmt = Plain("plain_view", torch.float8_e4m3fn, 448.0)
     data = torch.arange(32, dtype=torch.uint8).reshape(2, 16)
-    out = dequantized(fmt, {"data": data}, {"scale_inv": torch.ones(1)}, (2, 4))
+    out = through_op(fmt, {"data": data}, {"scale_inv": torch.ones(1)}, (2, 4))
     assert torch.equal(out, data.view(torch.float32))
     assert out.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+    assert torch.equal(dequantized(fmt, {"data": data}, {"scale_inv": torch.ones(1)}, (2, 4)), out)  # eager: direct
 
 
 def test_a_compiled_case_forward_leaves_the_guards_untimed_and_the_patch_undone():

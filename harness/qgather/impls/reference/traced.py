@@ -15,6 +15,7 @@ the graph around it.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from qgather.formats import Format
 
@@ -26,7 +27,18 @@ _SEP = ","
 
 def dequantized(fmt: Format, rows: dict[str, torch.Tensor], glob: dict[str, torch.Tensor],
                 shape: tuple[int, ...]) -> torch.Tensor:
-    """`fmt.dequantize_row_layout(rows, glob, shape)`, through the custom op."""
+    """`fmt.dequantize_row_layout(rows, glob, shape)`: through the custom op while a tracer's tensors or
+    dispatch mode are in play, else called directly (the op's first eager call in a process without
+    torch._dynamo loaded imports it: about a second)."""
+    tensors = [*rows.values(), *glob.values()]
+    if _get_current_dispatch_mode() is None and all(type(t) is torch.Tensor for t in tensors):
+        return fmt.dequantize_row_layout(rows, glob, shape)
+    return through_op(fmt, rows, glob, shape)
+
+
+def through_op(fmt: Format, rows: dict[str, torch.Tensor], glob: dict[str, torch.Tensor],
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """`fmt.dequantize_row_layout(rows, glob, shape)` as one call of the custom op."""
     key = f"{fmt.name}@{id(fmt)}"
     _FORMATS[key] = fmt
     return _dequantize_row_layout(key, _SEP.join([*rows, *glob]), [*rows.values(), *glob.values()], len(rows),
