@@ -153,3 +153,85 @@ def test_a_new_shape_compiles_a_static_graph_whatever_ran_before():
         graphs.append(forward.graphs)
     assert graphs == [1, 1, 1]
     torch._dynamo.reset()
+
+
+def test_the_reference_dequantization_is_one_node_of_a_compiled_graph():
+    """qgather.impls.reference.traced: torch.compile traces the reference's dequantization as one op
+    (not its dozen tensor ops, once per trace pass), and the compiled output is the eager one bit for bit."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from qgather.impls import get_impl
+    from qgather.scenarios.module import QuantizedLinear
+
+    impl = get_impl("reference")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for fmt in ("nvfp4_2d", "fp8_block"):
+        module = QuantizedLinear(impl, impl.make_param(fmt, torch.randn(3, 128, 64).to(torch.bfloat16)))
+        x = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+        torch._dynamo.reset()
+        out = torch.compile(module, backend=aot_autograd(fw_compiler=backend))(x)
+        assert torch.equal(out.view(torch.int16), module(x).view(torch.int16)), fmt
+        targets = [str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"]
+        assert targets.count("qgather.dequantize_row_layout.default") == 1, targets
+        inputs = [n for n in graphs[-1].graph.nodes if n.op == "placeholder"]
+        readers = {str(user.target) for n in inputs[:-1] for user in n.users}  # the weight's inner tensors
+        assert readers == {"qgather.dequantize_row_layout.default"}, readers
+    torch._dynamo.reset()
+
+
+def test_the_dequantization_op_never_returns_a_view_of_its_inputs():
+    """A format of one's own may dequantize to a view of its storage; a custom op's output may not alias
+    its inputs, so the op copies it."""
+    from qgather.formats import FORMATS
+    from qgather.impls.reference.traced import dequantized, through_op
+
+    class Plain(type(FORMATS["fp8_tensor"])):
+        def _dequantize_row_layout(self, rows, glob, shape):
+            return rows["data"].view(torch.float32)  # four uint8 bytes a float32: a view, not a copy
+
+        def row_specs(self, shape):
+            return {"data": ((shape[0], shape[1] * 4), torch.uint8)}
+
+    fmt = Plain("plain_view", torch.float8_e4m3fn, 448.0)
+    data = torch.arange(32, dtype=torch.uint8).reshape(2, 16)
+    out = through_op(fmt, {"data": data}, {"scale_inv": torch.ones(1)}, (2, 4))
+    assert torch.equal(out, data.view(torch.float32))
+    assert out.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+    assert torch.equal(dequantized(fmt, {"data": data}, {"scale_inv": torch.ones(1)}, (2, 4)), out)  # eager: direct
+
+
+def test_a_compiled_case_forward_leaves_the_guards_untimed_and_the_patch_undone():
+    """qgather.instruments.patches.guard_latency_unmeasured: inside a compiled case's call Dynamo builds
+    its guards but does not time them (torch's cache-flushing measurement, a log line's worth); outside
+    it, torch's own function is back."""
+    from types import SimpleNamespace
+
+    import torch._dynamo.guards as guards
+
+    from qgather.model.config import FsdpConfig
+    from qgather.scenarios.compiled import CaseForward
+
+    original, timed = guards.profile_guard_manager, []
+
+    def spy(*args):
+        timed.append(args)
+        return original(*args)
+
+    guards.profile_guard_manager = spy
+    try:
+        case = SimpleNamespace(spec=SimpleNamespace(config=FsdpConfig(compile=True)))
+        torch._dynamo.reset()
+        forward = CaseForward(case, _Twice())
+        assert torch.equal(forward(torch.ones(3, 2)), torch.full((3, 2), 2.0)) and forward.graphs == 1
+        assert timed == [] and guards.profile_guard_manager is spy
+        torch._dynamo.reset()
+        torch.compile(_Twice(), backend="eager")(torch.ones(3, 2))  # outside a case's call: timed as ever
+        assert len(timed) == 1
+    finally:
+        guards.profile_guard_manager = original
+        torch._dynamo.reset()

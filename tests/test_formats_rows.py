@@ -176,6 +176,40 @@ def test_from_rows_rejects_wrong_keys_dtypes_and_shapes(name):
         fmt.from_rows(rows, {**glob, "extra": torch.zeros(1)}, shape)
 
 
+def _arbitrary_rows(rows, seed):
+    """Row buffers of the same keys, dtypes and shapes with arbitrary contents (uint8: any byte;
+    float scales: any positive value): what a broken gather could hand over."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randint(0, 256, v.shape, dtype=torch.uint8, generator=g) if v.dtype == torch.uint8
+            else torch.rand(v.shape, generator=g).add_(0.5) for k, v in rows.items()}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_dequantize_row_layout_is_dequantize_of_from_rows(name):
+    """Read from the row layout directly, the values are those of the rebuilt TE layout, bit for bit,
+    for quantized rows and for arbitrary bytes (nvfp4_2d reads each tile's first row, as from_rows)."""
+    fmt = FORMATS[name]
+    for i, shape in enumerate(SHAPES[name]):
+        rows, glob = fmt.to_rows(fmt.quantize(rand(shape, seed=i)))
+        for buffers in (rows, _arbitrary_rows(rows, i)):
+            want = fmt.dequantize(fmt.from_rows(buffers, glob, shape))
+            got = fmt.dequantize_row_layout(buffers, glob, shape)
+            assert got.dtype == torch.float32 and got.shape == want.shape == shape
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (name, shape)
+
+
+@pytest.mark.parametrize("name", ["fp8_tensor", "nvfp4_1d"])
+def test_dequantize_row_layout_checks_like_from_rows(name):
+    fmt = FORMATS[name]
+    shape = SHAPES[name][0]
+    rows, glob = fmt.to_rows(fmt.quantize(rand(shape)))
+    key = next(iter(rows))
+    with pytest.raises(FormatError, match=rf"^{name}: rows\['{key}'\]"):
+        fmt.dequantize_row_layout({**rows, key: rows[key][1:]}, glob, shape)
+    with pytest.raises(FormatError, match="glob keys"):
+        fmt.dequantize_row_layout(rows, {**glob, "extra": torch.zeros(1)}, shape)
+
+
 # ----------------------------------------------------------------------------- columnwise derivations
 
 

@@ -75,3 +75,44 @@ def test_a_run_with_compiled_cases_has_the_forkserver_warm_torch_compile_up(monk
 
     torch = __import__("torch")
     assert compile_warmup.warm_up() is (torch.version.cuda is None and getattr(torch.version, "hip", None) is None)
+
+
+def test_a_cpu_run_has_its_forkserver_import_the_scenarios_and_its_libraries_once(monkeypatch):
+    """qgather.pytest_plugin.collection.rank_preloads: on a CPU build the forkserver imports the case
+    functions' module and what the run's implementations import on use (torchao's float8 API, through a
+    module that leaves a failing torchao to the cases), compiled cases add the warm-up; nothing to
+    preload without cases, and only the warm-up on a CUDA build."""
+    import sys
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from qgather.model.case import CaseSpec
+    from qgather.pytest_plugin import collection
+
+    def preloads(sweeps, companions=()):
+        stash = pytest.Stash()
+        stash[collection.sweep_sizes_key] = [[CaseSpec.parse(c) for c in cases] for cases in sweeps]
+        stash[collection.companion_cases_key] = [CaseSpec.parse(c) for c in companions]
+        return collection.rank_preloads(SimpleNamespace(stash=stash))
+
+    plain = "reference:fp8_tensor:128x64:bf16:ws2:gather:s0"
+    compiled = f"{plain}:compile"
+    torchao = "torchao:fp8_tensor:128x64:bf16:ws2:gather:s0"
+    assert preloads([]) == []
+    assert preloads([[plain]]) == [collection.SCENARIOS_MODULE]
+    assert preloads([[compiled], []], [torchao]) == [helpers.COMPILE_WARMUP, collection.SCENARIOS_MODULE,
+                                                     "qgather.impls.torchao.rank_import"]
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert preloads([[compiled]], [torchao]) == [helpers.COMPILE_WARMUP]
+    monkeypatch.setitem(sys.modules, "torchao", None)  # a torchao that does not import
+    monkeypatch.delitem(sys.modules, "qgather.impls.torchao.rank_import", raising=False)
+    __import__("qgather.impls.torchao.rank_import")  # leaves it to the cases: no error here
+
+
+def test_preload_for_run_adds_each_module_once_after_the_environments(monkeypatch):
+    monkeypatch.setenv(helpers.PRELOAD_ENV, "json")
+    assert helpers.preload_for_run(["a.b", "json"]) == "json"
+    assert helpers.preload_for_run(["a.b", "c"]) == "json,a.b"
+    assert os.environ[helpers.PRELOAD_ENV] == "json,a.b,c"

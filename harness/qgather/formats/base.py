@@ -313,6 +313,20 @@ class Format:
         self._check_layout("glob", glob, self.glob_specs())
         return self._from_rows(rows, glob, shape)
 
+    def dequantize_row_layout(self, rows: dict[str, torch.Tensor], glob: dict[str, torch.Tensor],
+                              shape) -> torch.Tensor:
+        """float32 tensor of `shape` from to_rows()'s output: `dequantize(from_rows(rows, glob, shape))`
+        bit for bit, checked alike, without rebuilding the buffers the rowwise dequantization does not
+        read where the format says how (`_dequantize_row_layout`). A subclass parameter dequantizes
+        this way for every op it does not handle, so each of torch.compile's traces of it records only
+        the dequantization's own ops (the TE layout's padding, transposes and columnwise copies were
+        most of them)."""
+        shape = tuple(int(s) for s in shape)
+        self.check(shape, torch.float32)
+        self._check_layout("rows", rows, self.row_specs(shape))
+        self._check_layout("glob", glob, self.glob_specs())
+        return self._dequantize_row_layout(rows, glob, shape).reshape(shape)
+
     def derived_views(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The buffers of q whose bytes the format lays out as another buffer's, rearranged: each as
         a view of that buffer (e.g. fp8_block's columnwise data, its rowwise data transposed), so
@@ -387,6 +401,11 @@ class Format:
 
     def _dequantize_columnwise(self, q: QuantizedTensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _dequantize_row_layout(self, rows, glob, shape) -> torch.Tensor:
+        """float32 (M, K) of the row layout: `_dequantize(_from_rows(...))` unless a format reads its
+        rowwise buffers from the row layout itself (every built-in one does)."""
+        return self._dequantize(self._from_rows(rows, glob, shape))
 
     def _to_rows(self, q: QuantizedTensor):
         raise NotImplementedError

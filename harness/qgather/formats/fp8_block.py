@@ -41,6 +41,14 @@ def _tiles_dequantized(data: torch.Tensor, tile_scale_inv: torch.Tensor) -> torc
     return vals.view(rt * BLOCK, ct * BLOCK)[:rows, :cols]
 
 
+def _rows_dequantized(data: torch.Tensor, sinv: torch.Tensor) -> torch.Tensor:
+    """float32 (M, K) of fp8 codes `data` (M, K) times their 1x128 block's scale_inv, `sinv` (M, Kb)."""
+    m, k = data.shape
+    kb = sinv.shape[1]
+    vals = nx.pad2d(nx.fp8_values(data, FP8), m, kb * BLOCK)
+    return (vals.reshape(m, kb, BLOCK) * sinv.reshape(m, kb, 1)).view(m, kb * BLOCK)[:, :k]
+
+
 class Fp8Block2DFormat(Format):
     name = "fp8_block"
     row_block = BLOCK
@@ -96,6 +104,9 @@ class Fp8Block2DFormat(Format):
     def _dequantize_parts(self, q):
         scale_inv = q.buffers["rowwise_scale_inv"][q.valid["rowwise_scale_inv"]]
         return _tiles_dequantized, (q.buffers["rowwise_data"], scale_inv)
+
+    def _dequantize_row_layout(self, rows, glob, shape):
+        return _tiles_dequantized(rows["rowwise_data"], rows["rowwise_scale_inv"])
 
     def _dequantize_columnwise(self, q):
         v = q.valid
@@ -170,10 +181,11 @@ class Fp8Block1DFormat(Format):
         return self._assemble(shape, row_data, r_sinv, col_data, c_sinv)
 
     def _dequantize(self, q):
-        m, k, mb, kb = _block_counts(q.shape)
         sinv = q.buffers["rowwise_scale_inv"][q.valid["rowwise_scale_inv"]].t()  # (M, Kb)
-        vals = nx.pad2d(nx.fp8_values(q.buffers["rowwise_data"], FP8), m, kb * BLOCK)
-        return (vals.reshape(m, kb, BLOCK) * sinv.reshape(m, kb, 1)).view(m, kb * BLOCK)[:, :k]
+        return _rows_dequantized(q.buffers["rowwise_data"], sinv)
+
+    def _dequantize_row_layout(self, rows, glob, shape):
+        return _rows_dequantized(rows["rowwise_data"], rows["rowwise_scale_inv"])
 
     def _dequantize_columnwise(self, q):
         m, k, mb, kb = _block_counts(q.shape)

@@ -47,6 +47,9 @@ class Fp8TensorFormat(Format):
     def _dequantize(self, q):
         return nx.fp8_values(q.buffers["data"], self.fp8_dtype) * q.buffers["scale_inv"]
 
+    def _dequantize_row_layout(self, rows, glob, shape):
+        return nx.fp8_values(rows["data"], self.fp8_dtype) * glob["scale_inv"]
+
     def _to_rows(self, q):
         return {"data": q.buffers["data"]}, {"scale_inv": q.buffers["scale_inv"]}
 

@@ -23,6 +23,13 @@ BLOCK = 32
 FP8 = torch.float8_e4m3fn
 
 
+def _blocks_dequantized(data: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """float32 (M, K) of E4M3 `data` (M, K) times the value of each 1x32 block's E8M0 code (M, K/32)."""
+    m, k = data.shape
+    vals = nx.fp8_values(data, FP8).view(m, k // BLOCK, BLOCK)
+    return (vals * nx.e8m0_value(codes).reshape(m, k // BLOCK, 1)).view(m, k)
+
+
 class Mxfp8Format(Format):
     name = "mxfp8"
     row_block = BLOCK
@@ -77,10 +84,11 @@ class Mxfp8Format(Format):
         return self._assemble(shape, row_data, r_codes, col_data, c_codes)
 
     def _dequantize(self, q):
-        m, k = flat_dims(q.shape)
         codes = q.buffers["rowwise_scale_inv"][q.valid["rowwise_scale_inv"]]
-        vals = nx.fp8_values(q.buffers["rowwise_data"], FP8).view(m, k // BLOCK, BLOCK)
-        return (vals * nx.e8m0_value(codes).reshape(m, k // BLOCK, 1)).view(m, k)
+        return _blocks_dequantized(q.buffers["rowwise_data"], codes)
+
+    def _dequantize_row_layout(self, rows, glob, shape):
+        return _blocks_dequantized(rows["rowwise_data"], rows["rowwise_scale_inv"])
 
     def _dequantize_columnwise(self, q):
         m, k = flat_dims(q.shape)

@@ -95,6 +95,15 @@ class _Nvfp4Base(Format):
         return _blocks_dequantized, (packed, b["rowwise_scale_inv"][v["rowwise_scale_inv"]], b["amax_rowwise"],
                                      nx.e2m1_pair_table(packed))
 
+    def _dequantize_row_layout(self, rows, glob, shape):
+        packed = rows["rowwise_data"]
+        return _blocks_dequantized(packed, self._row_scales(rows["rowwise_scale_inv"], shape), glob["amax_rowwise"],
+                                   nx.e2m1_pair_table(packed))
+
+    def _row_scales(self, scales: torch.Tensor, shape) -> torch.Tensor:
+        """The rowwise scale bits (M, K/16) `from_rows` lays out from the row layout's."""
+        return scales
+
     def _dequantize_columnwise(self, q):
         m, k, mb, kb = self._dims(q.shape)
         b, v = q.buffers, q.valid
@@ -184,6 +193,10 @@ class Nvfp4_2DFormat(_Nvfp4Base):
         return ({"rowwise_data": b["rowwise_data"],
                  "rowwise_scale_inv": b["rowwise_scale_inv"][v["rowwise_scale_inv"]]},
                 {"amax_rowwise": b["amax_rowwise"], "amax_columnwise": b["amax_columnwise"]})
+
+    def _row_scales(self, scales, shape):
+        m = flat_dims(tuple(shape))[0]
+        return scales[::BLOCK].repeat_interleave(BLOCK, dim=0)[:m]  # each tile's first row, as _from_rows reads it
 
     def _from_rows(self, rows, glob, shape):
         codes = nx.unpack_nibbles(rows["rowwise_data"])  # (M, K)

@@ -93,6 +93,10 @@ class Implementation(abc.ABC):
     #: False (the default): the full master is read, as the harness's route does (make_param quantizes
     #: the FULL weight: a tensor-wise amax, say, reads every row).
     reads_own_rows_only: bool = False
+    #: modules a rank imports on its first case of this implementation (a library's, imported on use):
+    #: a run's forkserver on a CPU build of torch imports them once for every rank it forks
+    #: (qgather.runtime.helpers.preload_for_run)
+    rank_imports: tuple[str, ...] = ()
 
     def refusal_problem(self, error: object) -> str:
         """Whether `error` is one of this implementation's declared refusals (`rejection_types`).

@@ -154,3 +154,23 @@ def float8_all_gathers_as_bytes() -> Iterator[None]:
 
     with _all_gathers_wrapped(wrap):
         yield
+
+
+@contextlib.contextmanager
+def guard_latency_unmeasured() -> Iterator[None]:
+    """While active, Dynamo does not time the guards of a graph it compiles. torch evaluates a new
+    graph's guards once after flushing the CPU caches, for a log line and a compile metric alone (the
+    guards themselves are built and checked as ever): a quarter of the CPU time of compiling a small
+    linear layer on the 2-core CI machine, paid by every rank for every graph. Nothing is patched where
+    this torch has no such step."""
+    import torch._dynamo.guards as guards  # a compiled case's rank has torch._dynamo loaded already
+
+    if not callable(getattr(guards, "profile_guard_manager", None)):
+        yield
+        return
+    with _replaced(guards, "profile_guard_manager", _guard_latency_not_measured):
+        yield
+
+
+def _guard_latency_not_measured(*args: Any) -> float:
+    return 0.0

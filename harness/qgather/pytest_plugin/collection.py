@@ -13,13 +13,14 @@ import os
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from qgather.impls import UnknownImplementationError, get_impl
 from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.paths import suite_dir
 from qgather.pytest_plugin.options import settings
 from qgather.pytest_plugin.role import Role, role
-from qgather.runtime.helpers import preload_compile_warmup
+from qgather.runtime.helpers import COMPILE_WARMUP, preload_for_run
 from qgather.runtime.launch import default_world_sizes, detect_launch
 from qgather.suite import memo
 from qgather.suite.selection import runnable, unmatched, why_empty
@@ -31,8 +32,12 @@ sweep_sizes_key = pytest.StashKey[list[list[CaseSpec]]]()
 impl_problems_key = pytest.StashKey[list[str]]()
 # The generated cases of this collection, kept in qgather.suite.memo (written once, when collection ends).
 memo_key = pytest.StashKey[memo.Memo]()
-# The forkserver preload list before this session asked for the compile warm-up (set only if it did).
+# The cases of the companion sets (e.g. torchao's own beside the default run's) this collection yielded.
+companion_cases_key = pytest.StashKey[list[CaseSpec]]()
+# The forkserver preload list before this session added to it (set only if it did).
 preload_before_key = pytest.StashKey[str | None]()
+#: the module of every case function a rank runs (qgather.scenarios.registry.run_on_rank)
+SCENARIOS_MODULE = "qgather.scenarios.registry"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -95,6 +100,7 @@ def parametrize_companion(metafunc: pytest.Metafunc, name: str, cases: CaseSet, 
     else:
         specs = cases.cases(chosen, **selection)
     specs = runnable(specs, None, options.run.device_type())  # what each implementation declares
+    metafunc.config.stash.setdefault(companion_cases_key, []).extend(specs)
     marks = [getattr(pytest.mark, m) for m in cases.marks]
     metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=marks) for c in specs])
 
@@ -150,6 +156,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if not _parametrized_with_nothing(item)]
 
 
+def rank_preloads(config: pytest.Config) -> list[str]:
+    """What the forkserver of this run imports once for all its ranks: the compile warm-up where cases
+    compile; on a CPU build of torch also the scenarios (each rank's first case imports them) and the
+    modules the run's implementations import on use (`rank_imports`: torchao's float8 API). Not on a
+    CUDA build: a module imported there must leave CUDA usable in the ranks forked from it, which the
+    GPU job checks for the modules it names itself (qgather.runtime.helpers.fork_safe)."""
+    cases = [c for cases in config.stash.get(sweep_sizes_key, None) or [] for c in cases]
+    cases += config.stash.get(companion_cases_key, None) or []
+    preloads = [COMPILE_WARMUP] if any(c.config.compile for c in cases) else []
+    if not cases or torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None:
+        return preloads
+    preloads.append(SCENARIOS_MODULE)
+    for name in sorted({c.impl for c in cases}):
+        try:
+            preloads += [m for m in get_impl(name).rank_imports if m not in preloads]
+        except UnknownImplementationError:
+            continue  # reported on its own (impl_problems_key)
+    return preloads
+
+
 def _parametrized_with_nothing(item: pytest.Item) -> bool:
     return any(mark.name == "skip" and str(mark.kwargs.get("reason", "")).startswith(EMPTY_PARAMETER_SET)
                for mark in item.iter_markers())
@@ -161,9 +187,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     cases: compiled cases among them have the forkserver warm torch.compile up for the ranks."""
     if memo_key in session.config.stash:
         session.config.stash[memo_key].flush()
-    compiles = any(c.config.compile for cases in session.config.stash.get(sweep_sizes_key, None) or [] for c in cases)
-    if compiles and preload_before_key not in session.config.stash:
-        session.config.stash[preload_before_key] = preload_compile_warmup()  # restored at pytest_unconfigure
+    preloads = rank_preloads(session.config)
+    if preloads and preload_before_key not in session.config.stash:
+        session.config.stash[preload_before_key] = preload_for_run(preloads)  # restored at pytest_unconfigure
     if role(session.config) is Role.XDIST_WORKER:
         return  # an xdist worker cannot stop the session cleanly; `qgather run` checks before pytest starts
     problems = session.config.stash.get(impl_problems_key, None)

@@ -73,14 +73,20 @@ COMPILE_WARMUP = "qgather.runtime.compile_warmup"
 
 def preload_compile_warmup() -> str | None:
     """Have the next forkserver this process starts warm torch.compile up for its ranks
-    (qgather.runtime.compile_warmup): for a run that has compiled cases, called before its first pool.
-    Through PRELOAD_ENV, which the forkserver reads when it starts. Returns the variable's previous
-    value, for `restore_preload` when the run ends (a later run in this process, or a subprocess,
-    starts without it)."""
+    (qgather.runtime.compile_warmup): for a run that has compiled cases, called before its first pool."""
+    return preload_for_run([COMPILE_WARMUP])
+
+
+def preload_for_run(modules: list[str]) -> str | None:
+    """Have the next forkserver this process starts preload `modules` too (what each of the run's ranks
+    would otherwise import on its first case), before the run's first pool. Through PRELOAD_ENV, which
+    the forkserver reads when it starts. Returns the variable's previous value, for `restore_preload`
+    when the run ends (a later run in this process, or a subprocess, starts without them)."""
     previous = os.environ.get(PRELOAD_ENV)
     names = _preload_names()
-    if COMPILE_WARMUP not in names:
-        os.environ[PRELOAD_ENV] = ",".join([*names, COMPILE_WARMUP])
+    missing = [name for name in modules if name not in names]
+    if missing:
+        os.environ[PRELOAD_ENV] = ",".join([*names, *missing])
     return previous
 
 

@@ -21,6 +21,7 @@ from qgather.errors import Refusal
 from qgather.formats import FORMATS, Format
 from qgather.impls.reference.hooks import AllGatherHooks
 from qgather.impls.reference.ops import HANDLERS, ShardingOps
+from qgather.impls.reference.traced import dequantized
 from qgather.model.layout import column_block
 
 __all__ = ["QuantizedParam", "ShardAlignmentError"]
@@ -210,10 +211,10 @@ class QuantizedParam(AllGatherHooks, ShardingOps, torch.Tensor):
         return self._fmt.from_rows(self._rows, self._glob, self._shape)
 
     def dequantize(self) -> torch.Tensor:
-        """The values this piece holds, in float32."""
+        """The values this piece holds, in float32 (one op under torch.compile: qgather.impls.reference.traced)."""
         if self._shape[0] == 0:
             return torch.zeros(self._shape, dtype=torch.float32, device=self.device)
-        return self._fmt.dequantize(self.quantized_tensor())
+        return dequantized(self._fmt, self._rows, self._glob, self._shape)
 
     # ----------------------------------------------------------------- writing into the storage, and dispatch
     def _copy_from(self, src: torch.Tensor) -> None:

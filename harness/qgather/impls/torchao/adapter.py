@@ -118,6 +118,7 @@ class TorchaoFloat8(Implementation):
 
     name = "torchao"
     formats = (FORMAT,)
+    rank_imports = ("qgather.impls.torchao.rank_import",)
     scenarios = ("gather", "steps", "reshard", "layers", "block")
     #: whether precompute_float8_dynamic_scale_for_fsdp runs before each unshard (as a training
     #: loop calls it after each optimizer step)
