@@ -43,12 +43,14 @@ def adapters(tmp_path):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("target,why", [
-    ("bad_syntax:Adapter", "SyntaxError"),
-    ("bad_import:Adapter", "adapter exploded at import"),
-    ("bad_ctor:Adapter", "constructor exploded"),
+# Each breakage through `case`, and `run` through one of them: both commands load the adapter with
+# qgather.impls.get_impl, which words each breakage (the run x breakage product once spent two more processes).
+@pytest.mark.parametrize("command,target,why", [
+    ("case", "bad_syntax:Adapter", "SyntaxError"),
+    ("case", "bad_import:Adapter", "adapter exploded at import"),
+    ("case", "bad_ctor:Adapter", "constructor exploded"),
+    ("run", "bad_ctor:Adapter", "constructor exploded"),
 ])
-@pytest.mark.parametrize("command", ["run", "case"])
 def test_broken_adapter(adapters, target, why, command):
     if command == "run":
         result = qgather("run", "--impl", target, "-q", "--formats", "nvfp4_2d", pythonpath=adapters)

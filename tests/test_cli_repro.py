@@ -9,6 +9,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASE = "reference:nvfp4_2d:64x64:bf16:ws2:gather:s0"
+# A configured case: its repro (test_repro_prints_report_environment_and_command) must name it, token and all.
+CONFIGURED = "reference:fp8_tensor:128x64:bf16:ws2:gather:s0:mp-bf16"
 
 
 def qgather(*args: str, pythonpath: str = REPO, cwd: str = REPO) -> subprocess.CompletedProcess:
@@ -29,19 +31,21 @@ def _reproduce_line(stdout: str) -> str:
 
 
 def test_repro_prints_report_environment_and_command(tmp_path):
-    result = qgather("repro", CASE)
+    """On a configured case (its id ends with the configuration token): the command names the configured
+    case, not its default-configuration twin, and reruns it from a fresh shell."""
+    result = qgather("repro", CONFIGURED)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert f"{CASE}: EXACT" in out
+    assert f"{CONFIGURED}: EXACT" in out
     for key in ("python: ", "torch: ", "transformer_engine: ", "torchao: ", "gpu: ", "backend: gloo"):
         assert key in out
     command = _reproduce_line(out)
-    assert command == f"qgather case {CASE}"  # the plain command, as every report prints it
+    assert command == f"qgather case {CONFIGURED}"  # the plain command, as every report prints it
     env = activated_env()
     rerun = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=str(tmp_path), env=env,
                            timeout=300)
     assert rerun.returncode == 0, rerun.stderr
-    assert f"{CASE}: EXACT" in rerun.stdout
+    assert f"{CONFIGURED}: EXACT" in rerun.stdout
 
 
 def test_repro_external_adapter_command_works_from_fresh_shell(tmp_path):
@@ -72,10 +76,3 @@ def test_repro_bad_input_exits_4():
     assert result.returncode == 4
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("qgather repro:")
-
-
-def test_repro_of_a_configured_case_names_the_configured_case():
-    case = "reference:fp8_tensor:128x64:bf16:ws2:gather:s0:mp-bf16"
-    result = qgather("repro", case)
-    assert result.returncode == 0, result.stderr
-    assert f"{case}: EXACT" in result.stdout and _reproduce_line(result.stdout).endswith(case)

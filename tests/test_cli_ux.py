@@ -21,6 +21,7 @@ from qgather.model.case_record import CaseRecord
 from qgather.pytest_plugin.results import RunResults
 from qgather.pytest_plugin.summary import coverage_lines, coverage_of
 from qgather.suite.coverage import Coverage, promise_lines
+from tests.test_report_folder import _earlier_run, _left_of_the_earlier_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO}
@@ -170,9 +171,12 @@ def _ctrl_c_as_a_terminal_gives_it() -> None:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_exits_2_and_says_what_ran(tmp_path, signum):
     """The run is interrupted while a case is certainly running: after the reference's cases, an
-    adapter's first case hangs until the signal (a run of quick cases alone once ended before it)."""
+    adapter's first case hangs until the signal (a run of quick cases alone once ended before it).
+    The report folder holds an earlier run's files: none of them survives (test_report_folder's claim
+    for an interrupt during the session, made here where the signal's moment is known)."""
     out, marks = tmp_path / "reports", tmp_path / "marks"
     marks.mkdir()
+    _earlier_run(out)
     proc = subprocess.Popen([sys.executable, "-m", "qgather", "run", "--formats", "fp8_tensor", "--scenarios", "gather",
                              "--world-sizes", "2", "--impl", "reference,tests._hang_adapters:HangsInAdapter",
                              "--case-timeout", "600", "--report-dir", str(out)],
@@ -195,12 +199,14 @@ def test_an_interrupted_run_exits_2_and_says_what_ran(tmp_path, signum):
     # a JUnit reader takes it: every testcase named (pytest writes a nameless one for the test cut short)
     assert all(case.get("name") for case in ET.parse(out / "junit.xml").getroot().iter("testcase"))
     assert "coverage: not judged, the run was interrupted after" in stdout and "promised cells hit" not in stdout
+    assert _left_of_the_earlier_run(out) == [], sorted(os.listdir(out))
 
 
 def test_an_interrupt_while_collecting_says_so_rather_than_a_count_of_cases(tmp_path):
     """pytest's collection-finish hook runs on an interrupt too, with the items collected so far, not yet
     deselected: a run interrupted there says so, not "after 0 of 13288 cases" of a suite of 2466."""
     out = tmp_path / "reports"
+    _earlier_run(out)  # none of its files survives an interrupt during the collection either
     result = qgather("run", "--formats", "fp8_tensor", "--world-sizes", "2", "-p", "tests._interrupt_collection",
                      "--report-dir", str(out), cwd=str(tmp_path))
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
@@ -208,6 +214,7 @@ def test_an_interrupt_while_collecting_says_so_rather_than_a_count_of_cases(tmp_
     data = json.loads((out / "verdicts.json").read_text())
     assert data["incomplete"] is True and data["collected_cases"] is None and data["cases"] == []
     assert "**incomplete (interrupted)** while collecting the cases" in (out / "verdicts.md").read_text()
+    assert _left_of_the_earlier_run(out) == [], sorted(os.listdir(out))
 
 
 def test_a_marker_selection_that_collects_nothing_is_a_usage_error_and_leaves_the_last_reports(tmp_path):
