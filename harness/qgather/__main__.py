@@ -6,6 +6,8 @@ From the first line on, Ctrl-C and SIGTERM are recorded rather than raised while
 reports that say incomplete, rather than ending killed by the signal or in a bare traceback.
 """
 
+import atexit
+import os
 import signal
 import sys
 
@@ -24,7 +26,26 @@ def main() -> int:
     from qgather.cli.interrupts import hold_start_up
 
     hold_start_up(received, saved, record)
-    return cli_main()
+    rc = cli_main()
+    if rc == INTERRUPTED:
+        _exit_as_interrupted()
+    return rc
+
+
+INTERRUPTED = 2  # qgather.cli.common.INTERRUPTED (not imported: the start-up imports nothing it need not)
+
+
+def _exit_as_interrupted() -> None:
+    """End an interrupted command with its documented exit code, 2. CPython ends a process by SIGINT at
+    exit (-2) once a KeyboardInterrupt has left code run through PyRun_String (pybind11's py::exec, in
+    torch's lazy imports) even where qgather caught it and wrote its reports; on a quiet host that was
+    one Ctrl-C in two at 1 s into a run. Exit handlers run first (the pools' shutdown among them)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
 
 
 if __name__ == "__main__":
