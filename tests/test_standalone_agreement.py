@@ -50,12 +50,12 @@ SAMPLE = (
     "torchao:fp8_tensor:1x16:fp32:ws2:steps:s0:mp-bf16+raf-no+hsdp-1x2",  # mp, raf, hsdp
     "torchao:fp8_tensor:16x32:bf16:ws4:gather:s0:tp-2x2-row",  # tp-row
     "torchao:fp8_tensor:1x16:bf16:ws2:gather:s0:compile",  # compile
-    "torchao:fp8_tensor:31x128:bf16:ws2:gather:s0:dcp-ws2",  # dcp
+    "torchao:fp8_tensor:31x128:bf16:ws2:gather:s0:dcp-ws2-trained",  # dcp
     HANG,
     "reference:fp8_tensor:16x64:bf16:ws1:layers:s0",
     "reference:fp8_block:255x64:bf16:ws2:block:s0:nested",
     "reference:fp8_tensor_e5m2:128x64:bf16:ws4:gather:s0:tp-2x2-row",
-    "reference:nvfp4_1d:1x2x16:bf16:ws2:gather:s0:compile+dcp-ws4",
+    "reference:nvfp4_1d:1x2x16:bf16:ws2:gather:s0:compile+dcp-ws3",
     "reference:mxfp8:32x64:fp32:ws2:reshard:s0:mp-bf16-rfp32+raf-no+hsdp-1x2+dim1",
 )
 FAST = ("torchao:fp8_tensor:128x64:bf16:ws2:steps:s0:tp-1x2", "torchao:fp8_tensor:17x64:bf16:ws2:block:s0",

@@ -21,7 +21,7 @@ __all__ = ["PACKAGE", "class_path", "sources"]
 
 PACKAGE = "qref"
 _FORMATS = ("numerics", "base", "fp8_tensor", "fp8_block", "mxfp8", "nvfp4")
-_REFERENCE = ("wire", "ops", "hooks", "param")
+_REFERENCE = ("wire", "ops", "traced", "hooks", "param")
 _NOT_COPIED = ("qgather.impls.mutants.base", "qgather.impls.mutants.table")
 
 
