@@ -160,7 +160,7 @@ def test_a_pool_a_failed_case_emptied_starts_again_in_the_background():
         assert pool.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
         pids = pool.pids
         assert pool.run(rank1_dies, timeout=CASE_TIMEOUT_S).status == "crash"
-        pool._restarter.join(CASE_TIMEOUT_S)  # the test's own bound; the runner never joins it
+        pool.restart.thread.join(CASE_TIMEOUT_S)  # the test's own bound; the runner never joins it
         assert pool.started and set(pool.pids).isdisjoint(pids)  # up again before any case asked
         out = pool.run(everyone, timeout=CASE_TIMEOUT_S)
         assert out.status == "ok" and out.startup_s == 0.0
@@ -185,7 +185,7 @@ def test_a_shutdown_stops_a_restart_not_yet_begun():
     pool = RankPool(PoolSpec("gloo", 2, "cpu"), restart_in_background=True)
     pool.run(everyone, timeout=CASE_TIMEOUT_S)
     with pool.in_use:  # the restart cannot begin while this holds the pool
-        pool._restart_in_background()
+        pool.restart.launch(pool.in_use, pool.start)
         pool.shutdown()
-    pool._restarter.join(CASE_TIMEOUT_S)
+    pool.restart.thread.join(CASE_TIMEOUT_S)
     assert not pool.started

@@ -15,8 +15,10 @@ Aborting sends SIGTERM, which makes each rank dump all its threads' Python stack
 into a per-rank file before it dies, then SIGKILL for anything left; the stacks go into the
 outcome, for a CRASH as for a HANG. The next case respawns.
 
-One job, a little over 400 lines: what decides when to stop waiting lives beside it (replies.py,
-stall.py, whereabouts.py, agreement.py); the rest is spawning, exchanging and tearing down one pool's ranks.
+One job, under 500 lines: what decides when to stop waiting lives beside it (replies.py, stall.py,
+whereabouts.py, agreement.py), as does a restart in the background (restart.py); the rest is spawning,
+exchanging and tearing down one pool's ranks, which share its state (ranks, lease, temp dir) too closely
+to split further.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
 from qgather.runtime.protocol import decode, encode, send
 from qgather.runtime.rank import RankConfig, rank_main
 from qgather.runtime.replies import WAIT_EVIDENCE_S, Replies
+from qgather.runtime.restart import RESTART_WAIT, BackgroundRestart
 from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank, visible_gpus
 from qgather.runtime.stall import STALL_NOTE, StallWatch
 
@@ -46,7 +49,6 @@ KILL_WAIT_S = 5.0
 REAP_WAIT_S = 5.0  # a dead rank's exit status comes via the forkserver, a moment after its pipe closes
 STOP_WAIT_S = 5.0  # graceful stop: destroy_process_group and exit
 CHECK_TIMEOUT_S = 10.0
-RESTART_WAIT = "waiting for a restart in the background"  # a pool start's phase (timings.md)
 # Collectives must never time out before the case deadline does: the parent decides, not gloo/NCCL.
 PG_TIMEOUT_S = 4 * 3600.0
 
@@ -85,9 +87,7 @@ class RankPool:
         # background): on CUDA, where a start costs seconds of CUDA contexts (spec.restarts_in_background).
         self.restarts_in_background = spec.restarts_in_background if restart_in_background is None \
             else restart_in_background
-        self._restarting = False
-        self._restarter: threading.Thread | None = None
-        self._generation = 0  # shutdown's count: a restart launched before a shutdown does not start
+        self.restart = BackgroundRestart(str(spec))
         self._last_start_ok = False
         # Held while a case (or the start) uses the ranks: another thread stops the pool only between cases.
         self.in_use = threading.Lock()
@@ -121,7 +121,7 @@ class RankPool:
         spec's default for its backend.
         """
         asked = time.monotonic()
-        restarting = self._restarting
+        restarting = self.restart.under_way
         with self.in_use:
             waited = time.monotonic() - asked if restarting else 0.0
             outcome = self._run(fn, args, timeout, case_id, seed)
@@ -130,28 +130,8 @@ class RankPool:
         # not under plain spawn: spawned ranks die with the thread that spawned them
         if self.restarts_in_background and not self._ranks and self._last_start_ok \
                 and mp_context().get_start_method() == "forkserver":
-            self._restart_in_background()
+            self.restart.launch(self.in_use, self.start)
         return outcome
-
-    def _restart_in_background(self) -> None:
-        """Start the ranks again now, in a thread of their own, while the runner reports this case and
-        goes on: a pool whose case left ranks behind (or killed one) is replaced before it is asked for.
-        A start that fails here is left to the next case, which starts the pool itself and reports it."""
-        generation = self._generation
-        self._restarting = True
-
-        def restart() -> None:
-            try:
-                with self.in_use:
-                    if generation == self._generation and not self._ranks:
-                        self.start("")
-            except BaseException:  # noqa: BLE001 - the next case's own start reports what fails
-                pass
-            finally:
-                self._restarting = False
-
-        self._restarter = threading.Thread(target=restart, name=f"qgather-restart-{self.spec}", daemon=True)
-        self._restarter.start()
 
     def _run(self, fn: Callable[..., Any], args: tuple, timeout: float | None, case_id: str,
              seed: int) -> CaseOutcome:
@@ -205,7 +185,7 @@ class RankPool:
                                     start + self.spec.startup_timeout_s)
             self.start_phases = (("forkserver", booted - start), ("spawn", spawned - leased),
                                  ("ranks starting", time.monotonic() - spawned),
-                                 *_slowest_rank_phases(replies.start_phases))
+                                 *replies.slowest_start_phases())
             self._last_start_ok = replies.status is OutcomeStatus.OK
             if self._last_start_ok:
                 return None
@@ -219,7 +199,7 @@ class RankPool:
     def shutdown(self) -> None:
         """Stop every rank (gracefully, then SIGTERM, then SIGKILL) and remove the temp dir; a restart in
         the background not yet begun does not begin."""
-        self._generation += 1
+        self.restart.cancel()
         for r in self._ranks:
             send(r.conn, encode(protocol.Stop()))
         _wait_dead(self._ranks, STOP_WAIT_S)
@@ -488,15 +468,6 @@ class RankPool:
 def _signal_all(ranks: list[_Rank], signum: int) -> None:
     for r in ranks:
         signal_pid(r.process.pid, signum)
-
-
-def _slowest_rank_phases(phases: dict[int, tuple[tuple[str, float], ...]]) -> tuple[tuple[str, float], ...]:
-    """Each phase of the ranks' start as long as its slowest rank took ("rank: <phase>")."""
-    slowest: dict[str, float] = {}
-    for rank_phases in phases.values():
-        for phase, seconds in rank_phases:
-            slowest[phase] = max(slowest.get(phase, 0.0), seconds)
-    return tuple((f"rank: {phase}", seconds) for phase, seconds in slowest.items())
 
 
 def _wait_dead(ranks: list[_Rank], timeout: float) -> None:

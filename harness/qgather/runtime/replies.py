@@ -45,6 +45,14 @@ class Replies:
         self.results = [None] * self.world_size
         self.pending = set(range(self.world_size))
 
+    def slowest_start_phases(self) -> tuple[tuple[str, float], ...]:
+        """Each phase of the ranks' start (Ready.phases) as long as its slowest rank took ("rank: <phase>")."""
+        slowest: dict[str, float] = {}
+        for rank_phases in self.start_phases.values():
+            for phase, seconds in rank_phases:
+                slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+        return tuple((f"rank: {phase}", seconds) for phase, seconds in slowest.items())
+
     def failed(self) -> None:
         """A rank raised or died: from now on, look where the others are."""
         if self.first_failure_at is None:
