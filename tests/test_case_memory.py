@@ -49,3 +49,41 @@ def test_a_gather_case_lets_go_of_its_full_weight(scenario, kept):
     outcome = get_pool(PoolSpec("gloo", 2, "cpu")).run(weight_alive_at_inspection, case_id, timeout=120)
     assert outcome.status == "ok", outcome.summary()
     assert all(alive == [kept] * len(alive) and alive for alive in outcome.results), outcome.results
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle, as FSDP2's hooks make: only the cyclic collector frees it
+
+
+def test_a_gpu_rank_collects_each_cases_cycles_and_in_time_the_frozen_ones():
+    """A GPU rank collects after each case but freezes the survivors (a full walk costs ~0.3 s a case):
+    a case's own cycle goes at once, and one that lived through a freeze goes within the full
+    collection's period."""
+    import gc
+    import weakref
+
+    import torch
+
+    from qgather.runtime import rank
+
+    state = rank._RankState(config=None, device=torch.device("cuda", 0), group=None)
+    try:
+        fresh = _Cycle()
+        fresh_ref = weakref.ref(fresh)
+        del fresh
+        rank._release_device_memory(state)
+        assert fresh_ref() is None, "a case's cycle outlived the collection after it"
+
+        survivor = _Cycle()
+        survivor_ref = weakref.ref(survivor)
+        rank._release_device_memory(state)  # survives: frozen
+        del survivor
+        cases = 0
+        while survivor_ref() is not None and cases <= rank.FULL_COLLECTION_EVERY:
+            rank._release_device_memory(state)
+            cases += 1
+        assert survivor_ref() is None, f"a frozen cycle was still alive {cases} cases later"
+        assert cases > 1, "the first collection freed the cycle: nothing had been frozen"
+    finally:
+        gc.unfreeze()
