@@ -4,6 +4,7 @@ gathers the hooks and the fixture of its parts, which pytest finds here by name.
     options     every option, declared once and parsed where declared; `Settings`
     collection  a case module's SWEEP -> the `case` parametrization
     fixture     the documented `qgather` fixture (QgatherFixture): runs, records, checks a case
+    affinity    the GPU job's xdist scheduling: a worker keeps to one world size
     role        this process's role: reporter, xdist worker, or a launched job's quiet rank
     session     configure/unconfigure per role; the pools' shutdown
     recorder    the session's records on config.stash (the reporting process only)
@@ -18,6 +19,7 @@ from qgather.quiet import quiet_torchao
 
 quiet_torchao()  # before torchao is first imported (the imports below reach it)
 
+from qgather.pytest_plugin.affinity import pytest_xdist_make_scheduler  # noqa: E402
 from qgather.pytest_plugin.collection import (  # noqa: E402
     pytest_collection_finish,
     pytest_collection_modifyitems,
@@ -46,5 +48,6 @@ __all__ = [
     "pytest_sessionfinish",
     "pytest_sessionstart",
     "pytest_unconfigure",
+    "pytest_xdist_make_scheduler",
     "qgather",
 ]

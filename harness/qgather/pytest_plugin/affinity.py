@@ -1,0 +1,118 @@
+"""The GPU job's xdist scheduling: a worker keeps to one world size while that size has cases left.
+
+xdist's own load scheduling hands each worker the next cases in collection order, where the world
+size changes every few ids: every worker soon holds a pool of every world size, and the GPUs pay each
+pool's CUDA contexts, which one GPU makes one at a time (~0.18 s each on an H200, 32 at once 5.9 s:
+docs/gpu-results.md, 2026-11-29), and each pool's process group. Here a worker is given cases of its
+world size only. When that size has none left, it moves to a size it already has a pool of, or else
+to the size with the most work left per worker already on it, and starts one pool there. A run starts
+one pool per worker, and one for each move as the world sizes run dry at the end: driven as xdist
+drives it (tests/test_affinity.py), 13-18 starts for 8 workers and 5 world sizes, against xdist's 40.
+
+The cases' order within a world size, the chunk sizes and the end of the run are xdist's
+`LoadScheduling`'s; only the choice of which pending cases a worker is sent differs. Items that name no
+world size (the GPU-only tests, the dispatch checks) are a "size" of their own, as cheap as a world
+size of one. Used where the run's pools take GPU seats (qgather.pytest_plugin.gpu_schedule) and
+xdist's mode is its default `load`; an explicit `--dist` is the user's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from xdist.scheduler import LoadScheduling
+
+from qgather.pytest_plugin import gpu_schedule
+
+_WORLD_SIZE = re.compile(r"\[[^\]]*?:ws(\d+):")
+NO_POOL = 0  # the key of an item that names no world size
+
+
+def world_size_of(nodeid: str) -> int:
+    """The world size a case id in `nodeid` names (NO_POOL: none)."""
+    match = _WORLD_SIZE.search(nodeid)
+    return int(match.group(1)) if match else NO_POOL
+
+
+def weight(size: int) -> float:
+    """A case's relative cost at `size` ranks (gloo on CUDA at 3 to 8 ranks: ~0.4 s a case, one rank
+    ~0.25 s, on 1 x H200 after the rank's collection fix)."""
+    return 1.0 + size / 8
+
+
+def busiest(left: Counter[int], serving: Counter[int]) -> int | None:
+    """The size a free worker should take: the most work left per worker already on it (None: no work)."""
+    candidates = [size for size, count in left.items() if count > 0]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda size: (left[size] * weight(size) / (1 + serving[size]), size))
+
+
+class WorldSizeScheduling(LoadScheduling):
+    """LoadScheduling whose `_send_tests` sends a worker cases of the world size it keeps to."""
+
+    def __init__(self, config: pytest.Config, log: Any = None) -> None:
+        super().__init__(config, log)
+        self.node2size: dict[Any, int] = {}
+        self.node2served: dict[Any, set[int]] = {}  # the sizes a node has pools of (warm ones, unless yielded)
+        self._sizes: list[int] = []
+
+    def _send_tests(self, node: Any, num: int) -> None:
+        if num <= 0:
+            return
+        if self.collection is not None and len(self._sizes) != len(self.collection):
+            self._sizes = [world_size_of(nodeid) for nodeid in self.collection]
+        size = self._size_for(node)
+        if size is None:
+            return
+        positions = self._first_of_size(size, num)
+        chosen = [self.pending[p] for p in positions]
+        for position in reversed(positions):
+            del self.pending[position]
+        self.node2pending[node].extend(chosen)
+        node.send_runtest_some(chosen)
+
+    def remove_node(self, node: Any) -> str | None:
+        self.node2size.pop(node, None)
+        self.node2served.pop(node, None)
+        return super().remove_node(node)
+
+    def _size_for(self, node: Any) -> int | None:
+        """The node's size while it has pending cases, else the busiest size (None: nothing pending)."""
+        current = self.node2size.get(node)
+        if current is not None and any(self._sizes[i] == current for i in self.pending):
+            return current
+        left = Counter(self._sizes[i] for i in self.pending)
+        serving = Counter(size for other, size in self.node2size.items() if other is not node)
+        served = self.node2served.setdefault(node, set())
+        warm = Counter({size: count for size, count in left.items() if size in served})
+        chosen = busiest(warm, serving)
+        if chosen is None:
+            chosen = busiest(left, serving)
+        if chosen is None:
+            self.node2size.pop(node, None)
+        else:
+            self.node2size[node] = chosen
+            served.add(chosen)
+        return chosen
+
+    def _first_of_size(self, size: int, num: int) -> Sequence[int]:
+        positions: list[int] = []
+        for position, index in enumerate(self.pending):
+            if self._sizes[index] == size:
+                positions.append(position)
+                if len(positions) == num:
+                    break
+        return positions
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadScheduling | None:
+    """A GPU job's default scheduling keeps each worker to one world size (None: xdist's own)."""
+    if config.getoption("dist", "no") != "load" or gpu_schedule.lease_dir_key not in config.stash:
+        return None
+    return WorldSizeScheduling(config, log)

@@ -1,0 +1,164 @@
+"""The GPU job's xdist scheduling (qgather.pytest_plugin.affinity), driven as xdist's DSession drives a
+scheduler: workers report their collections, the scheduler sends them cases, they complete them one at
+a time in a random interleaving, and a worker may die with cases pending. Every case runs exactly
+once, a worker is only ever sent cases of one world size at a time, and a run starts at most half the
+pools that xdist's own scheduling, driven the same way, starts (one per worker and world size)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from xdist.scheduler import LoadScheduling
+
+from qgather.pytest_plugin.affinity import NO_POOL, WorldSizeScheduling, busiest, world_size_of
+
+WORKERS = 8
+SIZES = (1, 2, 3, 4, 8)
+
+
+class FakeConfig:
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def getvalue(self, name: str) -> object:
+        assert name == "tx"
+        return [f"{self.workers}*popen"]
+
+    def getoption(self, name: str, default: object = None) -> object:
+        return {"maxschedchunk": None, "dist": "load"}.get(name, default)
+
+
+class FakeNode:
+    """A worker: the cases it was sent, in order, and the world sizes it started pools for."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.gateway = type("Gateway", (), {"id": name})()
+        self.shutting_down = False
+        self.queue: list[int] = []
+        self.ran: list[int] = []
+        self.pools: set[int] = set()
+        self.sizes_sent: list[set[int]] = []
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.queue.extend(indices)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+def gate_collection() -> list[str]:
+    """A GPU gate's shape: world size varies fastest, with a few items that name no world size."""
+    ids = [f"cases/test_alignment.py::test_gather[te:fp8_tensor:{rows}x64:bf16:ws{ws}:gather:s0]"
+           for rows in range(1, 120) for ws in SIZES]
+    ids += [f"tests/gpu/test_te.py::test_cross_check[{n}]" for n in range(20)]
+    return ids
+
+
+def drive(scheduler: LoadScheduling, nodes: list[FakeNode], collection: list[str], seed: int,
+          kill: FakeNode | None = None) -> list[int]:
+    """Run every case as DSession would; `kill` dies (remove_node) after its fifth case. Returns the
+    indices run, in completion order."""
+    rng = random.Random(seed)
+    for node in nodes:
+        scheduler.add_node(node)
+    for node in nodes:
+        scheduler.add_node_collection(node, collection)
+    scheduler.schedule()
+    done: list[int] = []
+    alive = list(nodes)
+    for _ in range(10 * len(collection)):
+        busy = [node for node in alive if node.queue]
+        if not busy:
+            break
+        node = rng.choice(busy)
+        if node is kill and len(node.ran) == 5:
+            alive.remove(node)
+            crashed = scheduler.remove_node(node)
+            assert crashed is not None, "a worker that died with cases pending reports its current case"
+            done.append(collection.index(crashed))  # xdist reports the crashed case as failed
+            node.queue.clear()
+            continue
+        index = node.queue.pop(0)
+        node.ran.append(index)
+        if world_size_of(collection[index]) != NO_POOL:
+            node.pools.add(world_size_of(collection[index]))
+        done.append(index)
+        scheduler.mark_test_complete(node, index)
+    assert scheduler.tests_finished or not scheduler.has_pending
+    return done
+
+
+def test_world_size_of_reads_the_case_id():
+    assert world_size_of("cases/test_alignment.py::test_gather[reference:fp8_tensor:1x16:bf16:ws8:gather:s0]") == 8
+    assert world_size_of("cases/test_x.py::test_y[te:fp8_block:2x16:bf16:ws2:steps:s0:dcp-ws4]") == 2
+    assert world_size_of("cases/test_dispatch_ops.py::test_chunk[reference:fp8_tensor]") == NO_POOL
+
+
+def test_busiest_weighs_work_left_per_worker_already_there():
+    left = {1: 100, 2: 100, 8: 10}
+    assert busiest(_counter(left), _counter({})) == 2  # ws2's cases cost more than ws1's
+    assert busiest(_counter(left), _counter({2: 1})) == 1  # one worker on ws2 already: ws1 has more per worker
+    assert busiest(_counter({}), _counter({})) is None
+
+
+def _counter(d: dict[int, int]):
+    from collections import Counter
+    return Counter(d)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_case_runs_once_and_a_run_starts_half_the_pools_or_fewer(seed):
+    collection = gate_collection()
+    nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+    done = drive(WorldSizeScheduling(FakeConfig(WORKERS)), nodes, collection, seed)
+    assert sorted(done) == list(range(len(collection))), "a case ran twice or not at all"
+    starts = sum(len(node.pools) for node in nodes)
+    baseline = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+    drive(LoadScheduling(FakeConfig(WORKERS)), baseline, collection, seed)
+    xdist_starts = sum(len(node.pools) for node in baseline)
+    assert xdist_starts >= WORKERS * len(SIZES) - 2, "the simulation does not show xdist's pool per size"
+    assert starts <= xdist_starts / 2, f"{starts} pool starts for {WORKERS} workers (xdist's own: {xdist_starts})"
+    print(f"pool starts: {starts} (xdist's own scheduling: {xdist_starts})")
+
+
+def test_a_worker_is_sent_one_world_size_at_a_time():
+    collection = gate_collection()
+    scheduler = WorldSizeScheduling(FakeConfig(WORKERS))
+    nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+    sent: dict[str, list[set[int]]] = {node.name: [] for node in nodes}
+    for node in nodes:
+        original = node.send_runtest_some
+
+        def recording(indices, node=node, original=original):
+            sent[node.name].append({world_size_of(collection[i]) for i in indices})
+            original(indices)
+
+        node.send_runtest_some = recording
+    drive(scheduler, nodes, collection, seed=7)
+    assert all(len(sizes) == 1 for batches in sent.values() for sizes in batches)
+
+
+def test_a_worker_that_dies_leaves_its_cases_to_the_others():
+    collection = gate_collection()
+    nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+    done = drive(WorldSizeScheduling(FakeConfig(WORKERS)), nodes, collection, seed=1, kill=nodes[3])
+    assert sorted(done) == list(range(len(collection))), "a dead worker's cases were lost or run twice"
+
+
+def test_only_a_gpu_job_in_xdists_load_mode_gets_it():
+    from qgather.pytest_plugin import affinity, gpu_schedule
+
+    class Config(FakeConfig):
+        def __init__(self, dist: str, gpu: bool) -> None:
+            super().__init__(WORKERS)
+            self.dist = dist
+            self.stash = {gpu_schedule.lease_dir_key: "/tmp/x"} if gpu else {}
+
+        def getoption(self, name: str, default: object = None) -> object:
+            return self.dist if name == "dist" else super().getoption(name, default)
+
+    assert isinstance(affinity.pytest_xdist_make_scheduler(Config("load", True), None), WorldSizeScheduling)
+    assert affinity.pytest_xdist_make_scheduler(Config("load", False), None) is None
+    assert affinity.pytest_xdist_make_scheduler(Config("loadgroup", True), None) is None
