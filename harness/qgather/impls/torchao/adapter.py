@@ -147,11 +147,23 @@ class TorchaoFloat8(Implementation):
             return f"{self.name}: {SKIP_3D}"
         if not torchao_available():
             return f"{self.name}: torchao is not installed (pip install torchao)"
-        if spec.config.compile and device.type == "cuda" and any(d % SCALED_MM_MULTIPLE for d in spec.shape):
-            return (f"{self.name}: the compiled case runs torchao's own Float8Linear forward, whose torch._scaled_mm "
-                    f"multiplies only dims that are multiples of {SCALED_MM_MULTIPLE} on CUDA (a GEMM constraint "
-                    f"of the layer, not of its all-gather; torchao's users filter such layers out)")
-        return None
+        return self._forward_refusal(spec, device)
+
+    def _forward_refusal(self, spec: CaseSpec, device: torch.device) -> str | None:
+        """A case that needs torchao's own Float8Linear forward (a compiled case; a trained checkpoint's
+        forward before the save) where torch._scaled_mm refuses the weight: the layer's GEMM constraint,
+        with or without FSDP2, so the configuration cannot run here (CPU emulates the GEMM)."""
+        if device.type != "cuda" or not any(d % SCALED_MM_MULTIPLE for d in spec.shape):
+            return None
+        if spec.config.compile:
+            needs = "the compiled case runs torchao's own Float8Linear forward"
+        elif spec.config.saved_after_forward:
+            needs = "the training forward before the save runs torchao's own Float8Linear forward"
+        else:
+            return None
+        return (f"{self.name}: {needs}, whose torch._scaled_mm multiplies only dims that are multiples of "
+                f"{SCALED_MM_MULTIPLE} on CUDA (a GEMM constraint of the layer, not of its all-gather; torchao's "
+                f"users filter such layers out)")
 
     # ------------------------------------------------------------------ construction
     def config(self):
