@@ -39,7 +39,7 @@ from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
 from qgather.runtime.protocol import decode, encode, send
 from qgather.runtime.rank import RankConfig, rank_main
 from qgather.runtime.replies import WAIT_EVIDENCE_S, Replies
-from qgather.runtime.restart import RESTART_WAIT, BackgroundRestart
+from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT, BackgroundRestart
 from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank, visible_gpus
 from qgather.runtime.stall import STALL_NOTE, StallWatch
 
@@ -126,7 +126,8 @@ class RankPool:
             waited = time.monotonic() - asked if restarting else 0.0
             outcome = self._run(fn, args, timeout, case_id, seed)
         if waited and not outcome.startup_s:  # the case waited for the restart: that was its pool start
-            outcome = replace(outcome, startup_s=waited, startup_phases=((RESTART_WAIT, waited),))
+            restart_phases = tuple((f"{RESTART_PHASE}{phase}", seconds) for phase, seconds in self.start_phases)
+            outcome = replace(outcome, startup_s=waited, startup_phases=((RESTART_WAIT, waited), *restart_phases))
         # not under plain spawn: spawned ranks die with the thread that spawned them
         if self.restarts_in_background and not self._ranks and self._last_start_ok \
                 and mp_context().get_start_method() == "forkserver":

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 #: a pool start's phase in timings.md: the seconds a case waited for a restart under way
 RESTART_WAIT = "waiting for a restart in the background"
+#: the restart's own phases (RankPool.start_phases) beside that wait, each under this prefix: what the wait was
+RESTART_PHASE = "the restart: "
 
 
 class BackgroundRestart:
