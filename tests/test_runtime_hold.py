@@ -192,3 +192,49 @@ def test_a_shutdown_stops_a_restart_not_yet_begun():
         pool.shutdown()
     pool.restart.thread.join(CASE_TIMEOUT_S)
     assert not pool.started
+
+
+def test_a_standby_pool_takes_the_next_case_while_the_failed_one_restarts(monkeypatch):
+    """registry._standby_for: the first failure of a spec's pool makes a standby pool and starts it in the
+    background; from the second on, the case after a failure runs on the warm standby at once while the
+    emptied pool restarts, and the two change places."""
+    import threading
+
+    from qgather.runtime import registry
+
+    monkeypatch.setattr(PoolSpec, "restarts_in_background", property(lambda self: True))
+    monkeypatch.delenv(registry.STANDBY_ENV, raising=False)
+    spec = PoolSpec("gloo", 2, "cpu")
+    go = threading.Event()
+
+    def start_when_told(pool):
+        def start(case_id=""):
+            go.wait(CASE_TIMEOUT_S)  # the restart stays under way until the test has looked
+            return RankPool.start(pool, case_id)
+        return start
+
+    registry.shutdown_pools(keep_helpers=True)
+    try:
+        first = registry.get_pool(spec)
+        assert first.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+        first.start = start_when_told(first)
+        assert first.run(rank1_dies, timeout=CASE_TIMEOUT_S).status == "crash"
+        assert registry.get_pool(spec) is first, "the first failure has no standby up to hand the case to"
+        standby = registry._standby[spec]
+        go.set()
+        for pool in (first, standby):
+            pool.restart.thread.join(CASE_TIMEOUT_S)
+        assert first.started and standby.started
+
+        go.clear()
+        assert registry.get_pool(spec).run(rank1_dies, timeout=CASE_TIMEOUT_S).status == "crash"
+        now = registry.get_pool(spec)
+        assert now is standby and registry._standby[spec] is first, "the warm standby did not take the case"
+        out = now.run(everyone, timeout=CASE_TIMEOUT_S)
+        assert out.status == "ok" and out.startup_s == 0.0, out.summary()
+        go.set()
+        first.restart.thread.join(CASE_TIMEOUT_S)
+        assert first.started, "the emptied pool did not restart as the standby"
+    finally:
+        go.set()
+        registry.shutdown_pools(keep_helpers=True)

@@ -1,8 +1,10 @@
-"""One pool per (backend, world size, device) per process, and their teardown."""
+"""One pool per (backend, world size, device) per process, a standby beside a CUDA pool that failed
+cases empty, and their teardown."""
 
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -15,6 +17,10 @@ from qgather.runtime.pool import RankPool
 from qgather.runtime.spec import PoolSpec
 
 _pools: dict[PoolSpec, RankPool | ExternalPool] = {}
+# A second pool of a spec whose pool a failed case left without ranks (_standby_for): started in the
+# background then, it takes the next case while the emptied one restarts, and so on, turn about.
+_standby: dict[PoolSpec, RankPool] = {}
+STANDBY_ENV = "QGATHER_STANDBY_POOLS"  # "0": no standby pools (a restart's wait falls on the next case)
 _lock = threading.Lock()
 _atexit_registered = False
 # This process's seat yielder (_start_yielder): per process by nature, like the pools it stops.
@@ -42,7 +48,27 @@ def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPo
             if not _atexit_registered:
                 atexit.register(shutdown_pools)
                 _atexit_registered = True
+        elif isinstance(pool, RankPool):
+            pool = _standby_for(spec, pool)
         return pool
+
+
+def _standby_for(spec: PoolSpec, pool: RankPool) -> RankPool:
+    """The pool a case of `spec` should use (under _lock). A pool restarting in the background (a failed
+    case left it without ranks) hands the case to its standby if that is up, and becomes the standby;
+    the first time, the standby is made and started in the background, for the next failure (on the GPU
+    gate a restart cost the next case ~6 s, 20% of all case time on 1 x H200: docs/gpu-results.md)."""
+    if not pool.restart.under_way or not pool.restarts_in_background or os.environ.get(STANDBY_ENV) == "0":
+        return pool
+    standby = _standby.get(spec)
+    if standby is None:
+        standby = _standby[spec] = RankPool(spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
+    if standby.started and not standby.restart.under_way:
+        _pools[spec], _standby[spec] = standby, pool
+        return standby
+    if not standby.started and not standby.restart.under_way:
+        standby.restart.launch(standby.in_use, standby.start)
+    return pool
 
 
 def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) -> int:
@@ -54,6 +80,7 @@ def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) 
     with _lock:
         cuda = [pool for spec, pool in _pools.items()
                 if spec.device == "cuda" and spec not in keep and isinstance(pool, RankPool)]
+        cuda += [pool for spec, pool in _standby.items() if spec.device == "cuda"]  # idle between failures
     stopped = 0
     for pool in sorted(cuda, key=lambda p: -p.spec.world_size):
         if most is not None and stopped >= most:
@@ -93,8 +120,9 @@ def shutdown_pools(keep_helpers: bool = False) -> None:
     process that starts pools again (a test module's clean slate; restarting costs seconds).
     """
     with _lock:
-        pools = list(_pools.values())
+        pools = [*_pools.values(), *_standby.values()]
         _pools.clear()
+        _standby.clear()
     for pool in pools:
         # Not under the yielder's feet; bounded, since a case this very thread left may hold it.
         held = pool.in_use.acquire(timeout=IN_USE_WAIT_S) if isinstance(pool, RankPool) else False
