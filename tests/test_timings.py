@@ -173,3 +173,17 @@ def test_fsdp2s_reshard_is_a_step_of_its_own():
                       RunOptions(backend="gloo", device="cpu"))
     assert report.verdict is Verdict.EXACT, report.render()
     assert {Step.RESHARD.value, Phase.INSPECTION.value} <= dict(report.seconds).keys(), report.seconds
+
+
+def test_a_dcp_cases_save_counts_its_pool_start_and_its_steps_as_one():
+    """A dcp-wsA case saves on a pool of A ranks first: that pool's start is the case's pool start too
+    (on the 1 x H200 gate a cold save pool cost a dcp case ~10-20 s that timings.md counted nowhere),
+    the save's steps one step, and the case's own steps added to them."""
+    from qgather.engine.run import SAVE_STEP, added, save_seconds
+
+    rank = RankResult(0, (), seconds=(("build/quantize", 1.0), ("checkpoint save", 2.0)))
+    saving = CaseOutcome(OutcomeStatus.OK, [rank], startup_s=4.0, startup_phases=(("spawn", 1.0),))
+    assert save_seconds(saving) == ((POOL_START, 4.0), (f"{POOL_START}: spawn", 1.0), (SAVE_STEP, 3.0))
+    case = ((POOL_START, 2.0), ("golden", 1.0))
+    assert dict(added(save_seconds(saving), case)) == {POOL_START: 6.0, f"{POOL_START}: spawn": 1.0,
+                                                      SAVE_STEP: 3.0, "golden": 1.0}

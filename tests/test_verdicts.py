@@ -202,7 +202,7 @@ def test_a_checkpoint_save_that_crashes_keeps_every_ranks_stacks_like_any_case(m
 
     monkeypatch.setattr(checkpoint, "get_pool", lambda spec, say=None: Pool())
     spec = CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws3:gather:s0:dcp-ws2")
-    path, found = checkpoint._save(spec, get_impl("reference"), RunOptions(device="cpu"), str(tmp_path))
-    assert path is None and found.verdict is Verdict.CRASH
+    path, found, outcome = checkpoint._save(spec, get_impl("reference"), RunOptions(device="cpu"), str(tmp_path))
+    assert path is None and found.verdict is Verdict.CRASH and outcome is crashed
     assert found.reason == f"checkpoint save at world size 2: {crashed.headline()}"
     assert found.details == ("rank 0 stack (innermost first):", "  pre_all_gather (x/mylib/hooks.py:7)")

@@ -17,13 +17,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from qgather.engine.classify import Classification, classify_outcome
 from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec, saved_spec
 from qgather.model.verdict import Verdict
-from qgather.runtime import OutcomeStatus, PoolSpec, PoolSpecError, get_pool
+from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, PoolSpecError, get_pool
 from qgather.runtime.lifeline import POOL_DIR_PREFIX
 from qgather.scenarios.checkpoint import save_on_rank
 
@@ -41,11 +41,18 @@ class PoolOptions(Protocol):
         """The ranks' device type ("cpu" or "cuda")."""
 
 
+class Save(NamedTuple):
+    """A dcp-wsA case's save: the checkpoint directory, or the case's classification when the save could
+    not run or failed; the save's own outcome (its pool's start, its steps) where it ran."""
+
+    path: str | None
+    failure: Classification | None
+    outcome: CaseOutcome | None = None
+
+
 @contextlib.contextmanager
-def saved_checkpoint(spec: CaseSpec, impl: Implementation,
-                     options: PoolOptions) -> Iterator[tuple[str | None, Classification | None]]:
-    """In the runner: (the checkpoint directory, None) once world size A saved it, or (None, the
-    case's classification) when the save could not run or failed. The directory is removed on exit."""
+def saved_checkpoint(spec: CaseSpec, impl: Implementation, options: PoolOptions) -> Iterator[Save]:
+    """In the runner: the Save once world size A saved it (or failed to). The directory is removed on exit."""
     path = tempfile.mkdtemp(prefix=f"{POOL_DIR_PREFIX}{os.getpid()}-dcp-")
     try:
         yield _save(spec, impl, options, path)
@@ -53,24 +60,23 @@ def saved_checkpoint(spec: CaseSpec, impl: Implementation,
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _save(spec: CaseSpec, impl: Implementation, options: PoolOptions,
-          path: str) -> tuple[str | None, Classification | None]:
+def _save(spec: CaseSpec, impl: Implementation, options: PoolOptions, path: str) -> Save:
     size = spec.config.saved_at_world_size
     where = f"checkpoint save at world size {size}"
     pool_spec = PoolSpec(backend=options.backend_for(size), world_size=size, device=options.device_type())
     try:
         pool = get_pool(pool_spec.validate(), options.say)
     except PoolSpecError as exc:
-        return None, Classification(Verdict.SKIPPED, f"{where}: {exc}")
+        return Save(None, Classification(Verdict.SKIPPED, f"{where}: {exc}"))
     kwargs = {"case_id": f"{saved_spec(spec).id} (DCP save for {spec.id})", "seed": spec.seed}
     if options.case_timeout is not None:
         kwargs["timeout"] = options.case_timeout
     outcome = pool.run(save_on_rank, spec, path, **kwargs)
     if outcome.status is OutcomeStatus.OK and not any(result.stages for result in outcome.results):
-        return path, None
+        return Save(path, None, outcome)
     # judged like the case itself (qgather.engine.run): a `-trained` save's forward gathered a weight at
     # A, errors meet the adapter's own refusal rule, a HANG or CRASH keeps every rank's stacks
     found = classify_outcome(outcome, size, impl.refusal_problem)
     if found.verdict is Verdict.EXACT:
-        return path, None
-    return None, Classification(found.verdict, f"{where}: {found.reason}", found.details)
+        return Save(path, None, outcome)
+    return Save(None, Classification(found.verdict, f"{where}: {found.reason}", found.details), outcome)

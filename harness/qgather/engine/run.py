@@ -18,6 +18,7 @@ from qgather.formats import FORMATS
 from qgather.impls import get_impl
 from qgather.impls.base import Implementation
 from qgather.model.case import CaseSpec
+from qgather.model.phases import Phase
 from qgather.model.policy import expectation
 from qgather.model.report import UNPLACED, CaseReport
 from qgather.model.repro import repro_command
@@ -116,11 +117,13 @@ def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> _Ran:
         return _Ran(_run_virtual(spec, impl), "virtual")
     if spec.config.saved_at_world_size is None:
         return _run_on_pool(spec, impl, options)
-    with saved_checkpoint(spec, impl, options) as (checkpoint, failure):
-        if failure:
+    with saved_checkpoint(spec, impl, options) as save:
+        saving = save_seconds(save.outcome) if save.outcome is not None else ()
+        if save.failure:
             pool = _pool_spec(spec, options)
-            return _Ran(failure, f"{pool.backend}/{pool.device}")
-        return _run_on_pool(spec, impl, options, checkpoint)
+            return _Ran(save.failure, f"{pool.backend}/{pool.device}", seconds=saving)
+        ran = _run_on_pool(spec, impl, options, save.path)
+        return ran._replace(seconds=added(saving, ran.seconds))
 
 
 def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:
@@ -167,6 +170,7 @@ POOL_START = "pool start"
 LEASE_WAIT = "GPU lease wait"
 #: a pool start's phases ("pool start: ranks starting"): a breakdown of POOL_START, not steps of their own
 POOL_START_PHASE = POOL_START + ": "
+SAVE_STEP = Phase.SAVE.value  # a dcp-wsA case's save at A ranks, on a pool of its own
 
 
 def step_seconds(outcome: CaseOutcome) -> Seconds:
@@ -182,3 +186,22 @@ def step_seconds(outcome: CaseOutcome) -> Seconds:
         head += ((POOL_START, outcome.startup_s - outcome.lease_wait_s),)
         head += tuple((POOL_START_PHASE + phase, seconds) for phase, seconds in outcome.startup_phases)
     return head + tuple(slowest.items())
+
+
+def save_seconds(outcome: CaseOutcome) -> Seconds:
+    """A dcp-wsA case's save at A ranks, as the case's seconds: its pool's start (and the lease wait)
+    counted as the case's own, the save's steps together as one step, SAVE_STEP."""
+    seconds = step_seconds(outcome)
+    start = tuple((step, s) for step, s in seconds
+                  if step in (LEASE_WAIT, POOL_START) or step.startswith(POOL_START_PHASE))
+    saving = sum(s for step, s in seconds if (step, s) not in start)
+    return (*start, (SAVE_STEP, saving)) if saving else start
+
+
+def added(*parts: Seconds) -> Seconds:
+    """The seconds of several parts of one case, step by step (a step in two parts: the sum)."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for step, seconds in part:
+            total[step] = total.get(step, 0.0) + seconds
+    return tuple(total.items())
