@@ -1,17 +1,18 @@
 """The GPU job's xdist scheduling (qgather.pytest_plugin.affinity), driven as xdist's DSession drives a
 scheduler: workers report their collections, the scheduler sends them cases, they complete them one at
 a time in a random interleaving, and a worker may die with cases pending. Every case runs exactly
-once, a worker is only ever sent cases of one world size at a time, and a run starts at most half the
+once, a worker is only ever sent cases of one world size at a time, and a run starts at most 55% of the
 pools that xdist's own scheduling, driven the same way, starts (one per worker and world size)."""
 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from xdist.scheduler import LoadScheduling
 
-from qgather.pytest_plugin.affinity import NO_POOL, WorldSizeScheduling, busiest, world_size_of
+from qgather.pytest_plugin.affinity import CHECKPOINT, NO_POOL, WorldSizeScheduling, busiest, key_of, world_size_of
 
 WORKERS = 8
 SIZES = (1, 2, 3, 4, 8)
@@ -52,8 +53,17 @@ def gate_collection() -> list[str]:
     """A GPU gate's shape: world size varies fastest, with a few items that name no world size."""
     ids = [f"cases/test_alignment.py::test_gather[te:fp8_tensor:{rows}x64:bf16:ws{ws}:gather:s0]"
            for rows in range(1, 120) for ws in SIZES]
+    ids += [f"cases/test_checkpoint_compile.py::test_dcp[te:fp8_tensor:{rows}x64:bf16:ws{ws}:gather:s0:dcp-ws{saved}]"
+            for rows in range(1, 2) for ws in SIZES for saved in SIZES]  # ~4% of the ids, as in the gate
     ids += [f"tests/gpu/test_te.py::test_cross_check[{n}]" for n in range(20)]
     return ids
+
+
+def pools_of(nodeid: str) -> set[int]:
+    """The world sizes of the pools an item runs on: its own, and a dcp-wsA case's save at A."""
+    sizes = {world_size_of(nodeid)} - {NO_POOL}
+    saved = re.search(r":dcp-ws(\d+)", nodeid)
+    return sizes | {int(saved.group(1))} if saved else sizes
 
 
 def drive(scheduler: LoadScheduling, nodes: list[FakeNode], collection: list[str], seed: int,
@@ -82,8 +92,7 @@ def drive(scheduler: LoadScheduling, nodes: list[FakeNode], collection: list[str
             continue
         index = node.queue.pop(0)
         node.ran.append(index)
-        if world_size_of(collection[index]) != NO_POOL:
-            node.pools.add(world_size_of(collection[index]))
+        node.pools |= pools_of(collection[index])
         done.append(index)
         scheduler.mark_test_complete(node, index)
     assert scheduler.tests_finished or not scheduler.has_pending
@@ -94,6 +103,8 @@ def test_world_size_of_reads_the_case_id():
     assert world_size_of("cases/test_alignment.py::test_gather[reference:fp8_tensor:1x16:bf16:ws8:gather:s0]") == 8
     assert world_size_of("cases/test_x.py::test_y[te:fp8_block:2x16:bf16:ws2:steps:s0:dcp-ws4]") == 2
     assert world_size_of("cases/test_dispatch_ops.py::test_chunk[reference:fp8_tensor]") == NO_POOL
+    assert key_of("cases/test_x.py::test_y[te:fp8_block:2x16:bf16:ws2:steps:s0:dcp-ws4]") == CHECKPOINT
+    assert key_of("cases/test_x.py::test_y[te:fp8_block:2x16:bf16:ws2:steps:s0:raf-2]") == 2
 
 
 def test_busiest_weighs_work_left_per_worker_already_there():
@@ -118,9 +129,25 @@ def test_every_case_runs_once_and_a_run_starts_half_the_pools_or_fewer(seed):
     baseline = [FakeNode(f"gw{n}") for n in range(WORKERS)]
     drive(LoadScheduling(FakeConfig(WORKERS)), baseline, collection, seed)
     xdist_starts = sum(len(node.pools) for node in baseline)
-    assert xdist_starts >= WORKERS * len(SIZES) - 2, "the simulation does not show xdist's pool per size"
-    assert starts <= xdist_starts / 2, f"{starts} pool starts for {WORKERS} workers (xdist's own: {xdist_starts})"
+    assert xdist_starts >= WORKERS * len(SIZES) - 4, "the simulation does not show xdist's pool per size"
+    assert starts <= 0.55 * xdist_starts, f"{starts} pool starts for {WORKERS} workers (xdist's own: {xdist_starts})"
     print(f"pool starts: {starts} (xdist's own scheduling: {xdist_starts})")
+
+
+def test_checkpoint_cases_kept_to_a_few_workers_start_fewer_pools(monkeypatch):
+    """A dcp-wsA case runs on pools of two world sizes: keyed by its own size, every worker would start
+    the saving sizes' pools too."""
+    from qgather.pytest_plugin import affinity
+
+    def starts(seed: int) -> int:
+        nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+        drive(WorldSizeScheduling(FakeConfig(WORKERS)), nodes, gate_collection(), seed)
+        return sum(len(node.pools) for node in nodes)
+
+    kept = [starts(seed) for seed in range(3)]
+    monkeypatch.setattr(affinity, "key_of", affinity.world_size_of)
+    spread = [starts(seed) for seed in range(3)]
+    assert sum(kept) < sum(spread), (kept, spread)
 
 
 def test_a_worker_is_sent_one_world_size_at_a_time():
@@ -132,7 +159,7 @@ def test_a_worker_is_sent_one_world_size_at_a_time():
         original = node.send_runtest_some
 
         def recording(indices, node=node, original=original):
-            sent[node.name].append({world_size_of(collection[i]) for i in indices})
+            sent[node.name].append({key_of(collection[i]) for i in indices})
             original(indices)
 
         node.send_runtest_some = recording

@@ -12,7 +12,7 @@ drives it (tests/test_affinity.py), 13-18 starts for 8 workers and 5 world sizes
 The cases' order within a world size, the chunk sizes and the end of the run are xdist's
 `LoadScheduling`'s; only the choice of which pending cases a worker is sent differs. Items that name no
 world size (the GPU-only tests, the dispatch checks) are a "size" of their own, as cheap as a world
-size of one. Used where the run's pools take GPU seats (qgather.pytest_plugin.gpu_schedule) and
+size of one; so are the cases that save a checkpoint at another world size (`key_of`). Used where the run's pools take GPU seats (qgather.pytest_plugin.gpu_schedule) and
 xdist's mode is its default `load`; an explicit `--dist` is the user's.
 """
 
@@ -29,7 +29,9 @@ from xdist.scheduler import LoadScheduling
 from qgather.pytest_plugin import gpu_schedule
 
 _WORLD_SIZE = re.compile(r"\[[^\]]*?:ws(\d+):")
+_SAVED_AT = re.compile(r"\[[^\]]*?:dcp-ws\d")
 NO_POOL = 0  # the key of an item that names no world size
+CHECKPOINT = -1  # the key of a dcp-wsA case: it runs on pools of two world sizes (the save's, its own)
 
 
 def world_size_of(nodeid: str) -> int:
@@ -38,10 +40,17 @@ def world_size_of(nodeid: str) -> int:
     return int(match.group(1)) if match else NO_POOL
 
 
-def weight(size: int) -> float:
-    """A case's relative cost at `size` ranks (gloo on CUDA at 3 to 8 ranks: ~0.4 s a case, one rank
-    ~0.25 s, on 1 x H200 after the rank's collection fix)."""
-    return 1.0 + size / 8
+def key_of(nodeid: str) -> int:
+    """Which worker's cases an item is: its world size's, or CHECKPOINT's (a case that saves at another
+    world size needs a pool of each: kept to a few workers, they start every size's pool once, not
+    every worker)."""
+    return CHECKPOINT if _SAVED_AT.search(nodeid) else world_size_of(nodeid)
+
+
+def weight(key: int) -> float:
+    """A case's relative cost (1 x H200 gate, 2026-11-29: ~0.4 s a case at 3 to 8 ranks on gloo over
+    CUDA, ~0.25 s at one; a dcp-wsA case 3.2 s on average, its save and its load on two pools)."""
+    return 6.0 if key == CHECKPOINT else 1.0 + key / 8
 
 
 def busiest(left: Counter[int], serving: Counter[int]) -> int | None:
@@ -65,7 +74,7 @@ class WorldSizeScheduling(LoadScheduling):
         if num <= 0:
             return
         if self.collection is not None and len(self._sizes) != len(self.collection):
-            self._sizes = [world_size_of(nodeid) for nodeid in self.collection]
+            self._sizes = [key_of(nodeid) for nodeid in self.collection]
         size = self._size_for(node)
         if size is None:
             return
