@@ -2,32 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+
+from tests._one_process import qgather_mains
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NEXT = "<<next qgather command>>"
-
-
-def qgather_mains(argvs: list[list[str]], cwd, env) -> list[tuple[int, str, str]]:
-    """Each argv through qgather's command line (qgather.cli.main), one after the other in one process of its
-    own, which imports torch once for all of them (entry points and formats are read as a fresh `qgather`
-    reads them): each command's exit code, stdout and stderr."""
-    code = ("import json, sys; from qgather.cli import main\n"
-            "def next_command():\n"
-            f"    print({NEXT!r}, flush=True); print({NEXT!r}, file=sys.stderr, flush=True)\n"
-            "rcs = []\n"
-            f"for argv in {argvs!r}:\n"
-            "    next_command(); rcs.append(main(argv)); sys.stdout.flush(); sys.stderr.flush()\n"
-            "next_command(); print(json.dumps(rcs))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    *outs, rcs = result.stdout.split(NEXT + "\n")[1:]
-    errs = result.stderr.split(NEXT + "\n")[1:-1]
-    return list(zip(json.loads(rcs), outs, errs, strict=True))
 
 
 def test_entry_point_format_is_listed_and_selectable(tmp_path):
