@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests._one_process import qgather_mains
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(REPO, "golden")
 CASE = "reference:nvfp4_2d:64x64:bf16:ws2:gather:s0"
@@ -31,32 +33,47 @@ def assert_one_line(result: subprocess.CompletedProcess, rc: int, *words: str) -
         assert word in lines[0], lines[0]
 
 
-@pytest.fixture
-def adapters(tmp_path):
-    (tmp_path / "bad_syntax.py").write_text("def broken(:\n")
-    (tmp_path / "bad_import.py").write_text("raise RuntimeError('adapter exploded at import')\n")
-    (tmp_path / "bad_ctor.py").write_text(
+def _write_adapters(folder) -> str:
+    (folder / "bad_syntax.py").write_text("def broken(:\n")
+    (folder / "bad_import.py").write_text("raise RuntimeError('adapter exploded at import')\n")
+    (folder / "bad_ctor.py").write_text(
         "from qgather.impls.reference import ReferenceImplementation\n"
         "class Adapter(ReferenceImplementation):\n"
         "    def __init__(self):\n"
         "        raise ValueError('constructor exploded')\n")
-    return str(tmp_path)
+    return str(folder)
 
 
 # Each breakage through `case`, and `run` through one of them: both commands load the adapter with
 # qgather.impls.get_impl, which words each breakage (the run x breakage product once spent two more processes).
-@pytest.mark.parametrize("command,target,why", [
-    ("case", "bad_syntax:Adapter", "SyntaxError"),
-    ("case", "bad_import:Adapter", "adapter exploded at import"),
-    ("case", "bad_ctor:Adapter", "constructor exploded"),
-    ("run", "bad_ctor:Adapter", "constructor exploded"),
-])
-def test_broken_adapter(adapters, target, why, command):
+BROKEN = [("case", "bad_syntax:Adapter", "SyntaxError"),
+          ("case", "bad_import:Adapter", "adapter exploded at import"),
+          ("case", "bad_ctor:Adapter", "constructor exploded"),
+          ("run", "bad_ctor:Adapter", "constructor exploded")]
+
+
+def _broken_argv(command: str, target: str) -> list[str]:
     if command == "run":
-        result = qgather("run", "--impl", target, "-q", "--formats", "nvfp4_2d", pythonpath=adapters)
-    else:
-        result = qgather("case", CASE.replace("reference", target, 1), pythonpath=adapters)
-    assert_one_line(result, 4, target, why)
+        return ["run", "--impl", target, "-q", "--formats", "nvfp4_2d"]
+    return ["case", CASE.replace("reference", target, 1)]
+
+
+@pytest.fixture(scope="module")
+def broken_adapter_results(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """The four commands' results, made in one process of its own (one torch import, where each once spent its
+    own): each command refuses its adapter before any case runs, so none leaves state the next one meets."""
+    adapters = _write_adapters(tmp_path_factory.mktemp("adapters"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, adapters])}
+    argvs = [_broken_argv(command, target) for command, target, _ in BROKEN]
+    results = qgather_mains(argvs, cwd=REPO, env=env)
+    return {(command, target): subprocess.CompletedProcess(argv, rc, out, err)
+            for (command, target, _), argv, (rc, out, err) in zip(BROKEN, argvs, results, strict=True)}
+
+
+@pytest.mark.xdist_group("broken_adapters")  # one worker makes the fixture's process
+@pytest.mark.parametrize("command,target,why", BROKEN)
+def test_broken_adapter(broken_adapter_results, target, why, command):
+    assert_one_line(broken_adapter_results[command, target], 4, target, why)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])

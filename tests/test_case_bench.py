@@ -12,9 +12,26 @@ from torch.profiler import ProfilerActivity, profile
 from qgather.model.case import CaseSpec
 from qgather.model.records import RankResult
 from qgather.model.verdict import Verdict
+from qgather.runtime import shutdown_pools
 from qgather.tools.bench import bench_report, case_bench, case_profile, memory_waypoints
 
+# One xdist worker runs the module's benchmarks (`make test` uses --dist loadgroup): they share one pool.
+pytestmark = pytest.mark.xdist_group("case_bench")
 
+
+@pytest.fixture(scope="module")
+def one_pool():
+    """The module's benchmarks run in one pool of ranks: case_bench.main shuts every pool and the forkserver
+    down as the command ends, which here started a forkserver and a pool per test (seconds each, most of such
+    a test's time). The pool then runs several benchmarks' cases one after the other, as one `bench gpu` of
+    several formats does; the module's end shuts it down, the forkserver left warm for the next module."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(case_bench, "shutdown_pools", lambda: None)
+        yield
+    shutdown_pools(keep_helpers=True)
+
+
+@pytest.mark.usefixtures("one_pool")
 def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
     rc = case_bench.main(["--device", "cpu", "--shape", "128x64", "--impl", "reference", "--reps", "1",
                           "--formats", "nvfp4_2d,fp8_tensor"])
@@ -29,6 +46,7 @@ def test_a_cpu_dry_run_prints_a_ratio_per_format(capsys):
     assert "slowest rank" in steps and "wait before the collective" in steps and "reached the collective last" in steps
 
 
+@pytest.mark.usefixtures("one_pool")
 def test_the_bare_work_counts_the_librarys_own_module_build(capsys):
     impl = "tests._own_route_adapters:ConfiguredOwnRoute"
     rc = case_bench.main(["--device", "cpu", "--shape", "128x64", "--impl", impl, "--reps", "1",
@@ -38,6 +56,7 @@ def test_the_bare_work_counts_the_librarys_own_module_build(capsys):
     assert f"{impl}'s own sharded module build (make_sharded_module, what its users run)" in out, out
 
 
+@pytest.mark.usefixtures("one_pool")
 def test_a_case_that_does_not_pass_fails_the_benchmark(capsys):
     rc = case_bench.main(["--device", "cpu", "--shape", "128x64", "--impl", "mutant:nibble_swap", "--reps", "1",
                           "--formats", "nvfp4_2d"])
@@ -51,6 +70,7 @@ def test_without_a_gpu_it_skips_in_one_line(capsys):
     assert capsys.readouterr().out.strip().startswith("bench gpu: skipped: needs a CUDA GPU")
 
 
+@pytest.mark.usefixtures("one_pool")
 def test_every_goal_is_printed_and_a_missed_one_fails(capsys, monkeypatch):
     monkeypatch.setattr(bench_report, "TIME_GOAL", 1e-9)  # no case is within a billionth of its bare work
     rc = case_bench.main(["--device", "cpu", "--shape", "128x64", "--impl", "reference", "--reps", "1",

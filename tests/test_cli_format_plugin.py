@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+
+from tests._one_process import qgather_mains
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,15 +18,13 @@ def test_entry_point_format_is_listed_and_selectable(tmp_path):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myfmt\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[qgather.formats]\nnvfp4_2d_plugin = myfmt:PluginFormat\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, str(tmp_path)])}
-    listed = subprocess.run([sys.executable, "-m", "qgather", "list", "formats"], capture_output=True, text=True,
-                            cwd=REPO, env=env, timeout=300)
-    assert listed.returncode == 0, listed.stderr
-    assert "nvfp4_2d_plugin      row block 16" in listed.stdout
-    cases = subprocess.run([sys.executable, "-m", "qgather", "list", "--cases", "--formats", "nvfp4_2d_plugin",
-                            "--world-sizes", "2", "--scenarios", "gather"], capture_output=True, text=True,
-                           cwd=REPO, env=env, timeout=300)
-    assert cases.returncode == 0, cases.stderr
-    assert "reference:nvfp4_2d_plugin:136x64:bf16:ws2:gather:s0" in cases.stdout.split()
+    (listed, listed_out, listed_err), (cases, cases_out, cases_err) = qgather_mains(
+        [["list", "formats"], ["list", "--cases", "--formats", "nvfp4_2d_plugin", "--world-sizes", "2",
+                               "--scenarios", "gather"]], cwd=REPO, env=env)
+    assert listed == 0, listed_err
+    assert "nvfp4_2d_plugin      row block 16" in listed_out
+    assert cases == 0, cases_err
+    assert "reference:nvfp4_2d_plugin:136x64:bf16:ws2:gather:s0" in cases_out.split()
 
 
 BROKEN = '''
@@ -54,15 +52,14 @@ def test_a_format_of_your_own_loads_from_the_current_folder_and_keeps_its_rules(
     shutil.copytree(os.path.join(REPO, "examples", "rowwise", "rowpkg"), tmp_path / "rowpkg")
     (tmp_path / "rowpkg" / "broken.py").write_text(BROKEN)
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "harness")}
-    qgather = [sys.executable, "-m", "qgather"]
-    listed = subprocess.run([*qgather, "list", "formats", "--formats", "rowpkg.format:Fp8RowwiseFormat"],
-                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert listed.returncode == 0, listed.stderr
-    assert "fp8_rowwise          row block 1  (from rowpkg.format.Fp8RowwiseFormat)" in listed.stdout, listed.stdout
-    for target, says in (("rowpkg.broken:OneScale", "breaks its own rules: quantize made buffers"),
-                         ("rowpkg.broken:Unnamed", "format name 'fp8:rows' cannot go into a case id")):
-        refused = subprocess.run([*qgather, "list", "formats", "--formats", target], capture_output=True, text=True,
-                                 cwd=tmp_path, env=env, timeout=300)
-        lines = [line for line in refused.stderr.splitlines() if line.strip()]
-        assert refused.returncode == 4 and len(lines) == 1, refused.stdout + refused.stderr
+    refusals = (("rowpkg.broken:OneScale", "breaks its own rules: quantize made buffers"),
+                ("rowpkg.broken:Unnamed", "format name 'fp8:rows' cannot go into a case id"))
+    (listed, listed_out, listed_err), *refused = qgather_mains(
+        [["list", "formats", "--formats", "rowpkg.format:Fp8RowwiseFormat"],
+         *(["list", "formats", "--formats", target] for target, _ in refusals)], cwd=tmp_path, env=env)
+    assert listed == 0, listed_err
+    assert "fp8_rowwise          row block 1  (from rowpkg.format.Fp8RowwiseFormat)" in listed_out, listed_out
+    for (target, says), (rc, out, err) in zip(refusals, refused, strict=True):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert rc == 4 and len(lines) == 1, out + err
         assert lines[0].startswith(f"qgather list: --formats {target!r}: ") and says in lines[0], lines

@@ -18,10 +18,11 @@ def qgather(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env, timeout=300)
 
 
-def test_list_all_sections():
-    result = qgather("list")
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+def test_list_all_sections(capsys):
+    from qgather.cli import main
+
+    assert main(["list"]) == 0  # in this process: the listing's words (a process's exit and stderr: the next tests)
+    out = capsys.readouterr().out
     for section in ("impls:", "formats:", "scenarios:", "mutants:"):
         assert section in out
     assert "nvfp4_2d             row block 16" in out
@@ -34,21 +35,6 @@ def test_list_all_sections():
         assert "unavailable here" in te and "no GPU" in te
 
 
-def test_list_cases_matches_pytest_collection(capsys):
-    from qgather.cli import main
-
-    selection = ["--formats", "nvfp4_2d", "--world-sizes", "8", "--scenarios", "gather,virtual"]
-    assert main(["list", "--cases", *selection]) == 0  # in this process; pytest's collection in its own
-    listed = sorted(capsys.readouterr().out.split())
-    assert listed and all(":ws8:" in c and ":nvfp4_2d:" in c for c in listed)
-    collect = subprocess.run(
-        [sys.executable, "-m", "pytest", "cases", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
-    params = [line.split("[", 1)[1].rstrip("]") for line in collect.stdout.splitlines() if "[" in line]
-    collected = sorted(p for p in params if _is_case_id(p))  # case ids, not other tests' parameters
-    assert listed == collected
-
-
 def _collected(selection: list[str], cache_dir) -> list[str]:
     env = {**os.environ, "PYTHONPATH": REPO, "QGATHER_CACHE_DIR": str(cache_dir)}
     collect = subprocess.run(
@@ -56,20 +42,29 @@ def _collected(selection: list[str], cache_dir) -> list[str]:
         capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert collect.returncode == 0, collect.stdout[-2000:] + collect.stderr[-2000:]
     params = [line.split("[", 1)[1].rstrip("]") for line in collect.stdout.splitlines() if "[" in line]
-    return sorted(p for p in params if _is_case_id(p))
+    return sorted(p for p in params if _is_case_id(p))  # case ids, not other tests' parameters
 
 
-def test_the_collection_keeps_the_generated_cases_for_the_next_one(tmp_path):
-    # each xdist worker of `qgather run` generates the covering designs (~5 s on 2 cores) unless an earlier
-    # process of the same source kept them (qgather.suite.memo)
-    selection = ["--formats", "fp8_tensor", "--world-sizes", "2", "--scenarios", "gather"]
+def test_list_cases_matches_pytest_collection_which_keeps_the_cases_for_the_next_one(tmp_path, capsys):
+    """`list --cases` (in this process) lists what pytest's collection (a process of its own) collects; that
+    collection keeps the generated cases for the next one: each xdist worker of `qgather run` generates the
+    covering designs (~5 s on 2 cores for a large selection) unless an earlier process of the same source kept
+    them (qgather.suite.memo). One pair of collections for both claims (they once spent a third)."""
+    from qgather.cli import main
+
+    selection = ["--formats", "nvfp4_2d", "--world-sizes", "8", "--scenarios", "gather,virtual"]
+    assert main(["list", "--cases", *selection]) == 0
+    listed = sorted(capsys.readouterr().out.split())
+    assert listed and all(":ws8:" in c and ":nvfp4_2d:" in c for c in listed)
+    assert {CaseSpec.parse(c).scenario for c in listed} == {"gather", "virtual"}
     cold = _collected(selection, tmp_path)
+    assert listed == cold
     (memo_file,) = tmp_path.glob("cases-*.pickle")
     with open(memo_file, "rb") as fh:
         entries = pickle.load(fh)
     assert any(key.startswith("('test_alignment'") for key in entries)
     kept = {case.id for cases in entries.values() for case in cases}
-    assert cold and set(cold) <= kept
+    assert set(cold) <= kept
     assert _collected(selection, tmp_path) == cold
 
 

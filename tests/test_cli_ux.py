@@ -32,9 +32,44 @@ def qgather(*args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
                           env=ENV, timeout=300)
 
 
-def plain_pytest(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "cases", "-q", "-p", "no:cacheprovider", *args],
-                          capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+NEXT = "<<next pytest run>>"
+
+
+def plain_pytest_runs(*argvs: tuple[str, ...]) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """`pytest cases -q -p no:cacheprovider <argv>` for each argv, by pytest.main (what `python -m pytest` runs)
+    one after the other in one process of its own, which imports torch and the plugin once for all of them:
+    each run's exit code, stdout and stderr."""
+    code = ("import json, sys, pytest\n"
+            "def next_run():\n"
+            f"    print({NEXT!r}, flush=True); print({NEXT!r}, file=sys.stderr, flush=True)\n"
+            "rcs = []\n"
+            f"for argv in {[list(argv) for argv in argvs]!r}:\n"
+            "    next_run(); rcs.append(int(pytest.main(['cases', '-q', '-p', 'no:cacheprovider', *argv])))\n"
+            "    sys.stdout.flush(); sys.stderr.flush()\n"
+            "next_run(); print(json.dumps(rcs))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=ENV,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    *outs, rcs = result.stdout.split(NEXT + "\n")[1:]
+    errs = result.stderr.split(NEXT + "\n")[1:-1]
+    return {argv: subprocess.CompletedProcess(["pytest", "cases", *argv], rc, out, err)
+            for argv, rc, out, err in zip(argvs, json.loads(rcs), outs, errs, strict=True)}
+
+
+# plain pytest refuses a bad selection value, an empty selection and an unwritable output before any case: one
+# run of each, all made in one process (plain_pytest_runs); their tests share that worker (--dist loadgroup)
+PLAIN_PYTEST = "plain_pytest_refusals"
+NO_CASES = ("--formats", "nvfp4_1d", "--scenarios", "model")  # every name known, no case has both
+
+
+@pytest.fixture(scope="module")
+def plain_pytest_refusals() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    return plain_pytest_runs(("--formats", "fp7"), NO_CASES, ("--formats", "nvfp4_2d", "--report-dir", "/proc/x"))
+
+
+def plain_pytest(request: pytest.FixtureRequest, *args: str) -> subprocess.CompletedProcess:
+    """plain pytest's run of `args`, one of plain_pytest_refusals'."""
+    return request.getfixturevalue(PLAIN_PYTEST)[args]
 
 
 def one_line(result: subprocess.CompletedProcess, rc: int, *words: str) -> str:
@@ -97,32 +132,33 @@ BAD_VALUES = [
 
 # plain pytest parses with the same parsers (qgather.suite.options), through one code path: one of them there
 @pytest.mark.parametrize("how, option, value, says", [
-    *(("run", *bad) for bad in BAD_VALUES), ("pytest", *BAD_VALUES[1])])
-def test_a_bad_selection_value_is_one_line_exit_4(how, option, value, says):
-    result = qgather("run", option, value) if how == "run" else plain_pytest(option, value)
+    *(("run", *bad) for bad in BAD_VALUES),
+    pytest.param("pytest", *BAD_VALUES[1], marks=pytest.mark.xdist_group(PLAIN_PYTEST))])
+def test_a_bad_selection_value_is_one_line_exit_4(request, how, option, value, says):
+    result = qgather("run", option, value) if how == "run" else plain_pytest(request, option, value)
     assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
     assert says in result.stderr and "Traceback" not in result.stderr + result.stdout
     assert " passed" not in result.stdout and " skipped" not in result.stdout
 
 
-@pytest.mark.parametrize("how", ["run", "pytest"])
-def test_a_selection_without_cases_is_a_usage_error(how):
-    selection = ["--formats", "nvfp4_1d", "--scenarios", "model"]  # every name known, no case has both
+@pytest.mark.parametrize("how", ["run", pytest.param("pytest", marks=pytest.mark.xdist_group(PLAIN_PYTEST))])
+def test_a_selection_without_cases_is_a_usage_error(request, how):
     if how == "run":
-        one_line(qgather("run", *selection), 4, "--formats nvfp4_1d --scenarios model", "no case")
+        one_line(qgather("run", *NO_CASES), 4, "--formats nvfp4_1d --scenarios model", "no case")
     else:
-        result = plain_pytest(*selection)
+        result = plain_pytest(request, *NO_CASES)
         assert result.returncode == 4, result.stdout[-2000:]
         assert "--formats nvfp4_1d --scenarios model: no case of the suite matches" in result.stderr
 
 
 @pytest.mark.parametrize("how, option, path", [
     ("run", "--report-dir", "/proc/x"), ("run", "--junitxml", "/proc/x.xml"), ("run", "--qgather-json", "/proc/x.json"),
-    ("run", "--qgather-json", "/"), ("pytest", "--report-dir", "/proc/x"),
+    ("run", "--qgather-json", "/"),
+    pytest.param("pytest", "--report-dir", "/proc/x", marks=pytest.mark.xdist_group(PLAIN_PYTEST)),
 ])
-def test_an_unwritable_output_is_refused_before_any_case(how, option, path):
-    args = ["--formats", "nvfp4_2d", option, path]
-    result = qgather("run", *args) if how == "run" else plain_pytest(*args)
+def test_an_unwritable_output_is_refused_before_any_case(request, how, option, path):
+    args = ("--formats", "nvfp4_2d", option, path)
+    result = qgather("run", *args) if how == "run" else plain_pytest(request, *args)
     line = one_line(result, 4, option, path)
     assert "passed" not in result.stdout and "cannot write" in line or "is a directory" in line
 

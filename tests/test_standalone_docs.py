@@ -22,17 +22,23 @@ def test_checked_in_scripts_and_drafts_match_the_generator():
     assert stale_files(REPO) == [], "run `make repro-docs`"
 
 
-def test_check_names_a_stale_file_and_fails(tmp_path):
+def test_check_names_a_stale_file_and_fails(tmp_path, capsys):
+    """`python -m qgather.tools.standalone --check` as `make repro-docs`'s check runs it, once in a process of
+    its own (its exit status); the writing and the checks after it through its main in this process."""
+    from qgather.tools.standalone.__main__ import main
+
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "harness")}
     command = [sys.executable, "-m", "qgather.tools.standalone", "--check", "--root", str(tmp_path)]
     missing = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert missing.returncode == 1 and f"docs/repro/{FINDINGS[0].name}.py" in missing.stderr
-    written = subprocess.run(command[:-3] + ["--root", str(tmp_path)], capture_output=True, text=True, env=env,
-                             timeout=120)
-    assert written.returncode == 0, written.stderr
-    assert subprocess.run(command, capture_output=True, env=env, timeout=120).returncode == 0
-    (tmp_path / "docs" / "repro" / f"{FINDINGS[0].name}.py").write_text("# edited by hand\n")
-    assert subprocess.run(command, capture_output=True, env=env, timeout=120).returncode == 1
+    assert main(["--root", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert main(["--check", "--root", str(tmp_path)]) == 0, capsys.readouterr().err
+    edited = f"docs/repro/{FINDINGS[0].name}.py"
+    (tmp_path / edited).write_text("# edited by hand\n")
+    capsys.readouterr()
+    assert main(["--check", "--root", str(tmp_path)]) == 1
+    stale = capsys.readouterr().err.splitlines()
+    assert len(stale) == 1 and edited in stale[0], stale
 
 
 def test_every_script_and_draft_is_linked_from_its_finding_and_the_baseline():

@@ -174,19 +174,27 @@ def qgather(*args: str, cwd: str) -> subprocess.CompletedProcess:
                           env=env, timeout=120)
 
 
-def test_cli_writes_the_script_and_refuses_in_one_line(tmp_path):
+def test_cli_writes_the_script_and_refuses_in_one_line(tmp_path, capsys, monkeypatch):
+    """`qgather repro --standalone -o` writes the script, in a process of its own from the folder it names; the
+    printed script and the refusals through repro's own main in this process, in that folder (one line on
+    stderr each and exit 4; --standalone starts no pool, and repro's main, unlike the command line's dispatch,
+    leaves this process's pools alone)."""
+    from qgather.cli.case import main_repro
+
     case_id = "te:fp8_block:200x256:bf16:ws2:gather:s0"
     written = qgather("repro", case_id, "--standalone", "-o", "r.py", cwd=str(tmp_path))
     assert written.returncode == 0, written.stderr
     assert (tmp_path / "r.py").read_text() == render(case_id)
-    printed = qgather("repro", case_id, "--standalone", cwd=str(tmp_path))
-    assert printed.returncode == 0 and printed.stdout == render(case_id)
+    monkeypatch.chdir(tmp_path)
+    assert main_repro([case_id, "--standalone"]) == 0
+    assert capsys.readouterr().out == render(case_id)
     for args in (("mutant:nibble_swap:nvfp4_2d:128x64:bf16:ws2:gather:s0", "--standalone"),
                  ("not-an-id", "--standalone"), (case_id, "-o", "r.py"),
                  (case_id, "--standalone", "-o", str(tmp_path / "missing" / "r.py"))):
-        refused = qgather("repro", *args, cwd=str(tmp_path))
-        assert refused.returncode == 4 and refused.stdout == "", args
-        assert len(refused.stderr.strip().splitlines()) == 1 and refused.stderr.startswith("qgather repro: "), args
+        rc = main_repro(list(args))
+        out, err = capsys.readouterr()
+        assert rc == 4 and out == "", args
+        assert len(err.strip().splitlines()) == 1 and err.startswith("qgather repro: "), (args, err)
 
 
 def _result(rank: int, label: str = "unshard 1", lines: tuple[str, ...] = (), digest: str = "d") -> list[dict]:
