@@ -195,9 +195,9 @@ def test_a_shutdown_stops_a_restart_not_yet_begun():
 
 
 def test_a_standby_pool_takes_the_next_case_while_the_failed_one_restarts(monkeypatch):
-    """registry._standby_for: the first failure of a spec's pool makes a standby pool and starts it in the
-    background; from the second on, the case after a failure runs on the warm standby at once while the
-    emptied pool restarts, and the two change places."""
+    """registry._standby_for: a pool restarted once gets a standby, started in the background while the
+    pool is up; from then on the case after a failure runs on the warm standby at once while the emptied
+    pool restarts, and the two change places."""
     import threading
 
     from qgather.runtime import registry
@@ -217,17 +217,20 @@ def test_a_standby_pool_takes_the_next_case_while_the_failed_one_restarts(monkey
     try:
         first = registry.get_pool(spec)
         assert first.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+        assert registry.get_pool(spec) is first and spec not in registry._standby, "a standby before any restart"
         first.start = start_when_told(first)
         assert first.run(rank1_dies, timeout=CASE_TIMEOUT_S).status == "crash"
-        assert registry.get_pool(spec) is first, "the first failure has no standby up to hand the case to"
-        standby = registry._standby[spec]
+        assert registry.get_pool(spec) is first and spec not in registry._standby, \
+            "no standby was up: the case waits for the restart, and none starts beside it"
         go.set()
-        for pool in (first, standby):
-            pool.restart.thread.join(CASE_TIMEOUT_S)
+        first.restart.thread.join(CASE_TIMEOUT_S)
+        assert registry.get_pool(spec) is first  # restarted once, up: its standby starts now
+        standby = registry._standby[spec]
+        standby.restart.thread.join(CASE_TIMEOUT_S)
         assert first.started and standby.started
 
         go.clear()
-        assert registry.get_pool(spec).run(rank1_dies, timeout=CASE_TIMEOUT_S).status == "crash"
+        assert first.run(rank1_dies, timeout=CASE_TIMEOUT_S).status == "crash"
         now = registry.get_pool(spec)
         assert now is standby and registry._standby[spec] is first, "the warm standby did not take the case"
         out = now.run(everyone, timeout=CASE_TIMEOUT_S)

@@ -55,19 +55,23 @@ def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPo
 
 def _standby_for(spec: PoolSpec, pool: RankPool) -> RankPool:
     """The pool a case of `spec` should use (under _lock). A pool restarting in the background (a failed
-    case left it without ranks) hands the case to its standby if that is up, and becomes the standby;
-    the first time, the standby is made and started in the background, for the next failure (on the GPU
-    gate a restart cost the next case ~6 s, 20% of all case time on 1 x H200: docs/gpu-results.md)."""
-    if not pool.restart.under_way or not pool.restarts_in_background or os.environ.get(STANDBY_ENV) == "0":
+    case left it without ranks) hands the case to its standby if that is up, and becomes the standby.
+    A pool that has been restarted once gets a standby, started in the background while the pool is up
+    (not beside a restart: CUDA contexts made at once queue on the GPU). On the GPU gate a restart cost
+    the next case ~6 s, 20% of all case time on 1 x H200 (docs/gpu-results.md, run E)."""
+    if not pool.restarts_in_background or os.environ.get(STANDBY_ENV) == "0":
         return pool
     standby = _standby.get(spec)
-    if standby is None:
-        standby = _standby[spec] = RankPool(spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
-    if standby.started and not standby.restart.under_way:
-        _pools[spec], _standby[spec] = standby, pool
-        return standby
-    if not standby.started and not standby.restart.under_way:
-        standby.restart.launch(standby.in_use, standby.start)
+    if pool.restart.under_way:
+        if standby is not None and standby.started and not standby.restart.under_way:
+            _pools[spec], _standby[spec] = standby, pool
+            return standby
+        return pool
+    if pool.spawn_count > 1:
+        if standby is None:
+            standby = _standby[spec] = RankPool(spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
+        if not standby.started and not standby.restart.under_way:
+            standby.restart.launch(standby.in_use, standby.start)
     return pool
 
 
