@@ -60,13 +60,13 @@ from qgather.scenarios.layers import (
     LEARNING_RATE,
     STEPS,
     Layer,
-    _refusal_stage,
-    _refusing_ranks,
     _declared_refusal,
     _flat,
     _masters,
     _noted,
     _quantizer_diffs,
+    _refusal_stage,
+    _refusing_ranks,
 )
 from qgather.scenarios.module import harness_module, local_shard
 
