@@ -60,12 +60,13 @@ from qgather.scenarios.layers import (
     LEARNING_RATE,
     STEPS,
     Layer,
-    _agreed_refusal,
     _declared_refusal,
     _flat,
     _masters,
     _noted,
     _quantizer_diffs,
+    _refusal_stage,
+    _refusing_ranks,
 )
 from qgather.scenarios.module import harness_module, local_shard
 
@@ -176,9 +177,10 @@ def run_block(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint
 def _quantized_layers(case: RankCase, params: BlockParams) -> tuple[list[Layer], list[Stage], list[str]]:
     """The block's quantized layers (unsharded: the block's fully_shard shards them), the stages of
     the weights left out (refused on every rank by the probe of their own fully_shard) and the notes
-    of those the implementation does not hold (its skip_reason)."""
-    layers: list[Layer] = []
-    stages: list[Stage] = []
+    of those the implementation does not hold (its skip_reason). The ranks agree on every probe's
+    refusals in one collective, after the last probe."""
+    built: list[tuple[LayerWeight, list[torch.Tensor], fsdp_setup.Setup, torch.nn.Module | None]] = []
+    refusals: list[Exception | None] = []  # per harness-built weight, in order: its probe's refusal
     notes: list[str] = []
     for weight in params.quantized:
         skip = case.impl.skip_reason(weight.spec, case.ctx.device)
@@ -189,9 +191,17 @@ def _quantized_layers(case: RankCase, params: BlockParams) -> tuple[list[Layer],
         setup = fsdp_setup.prepare(case.ctx, weight.spec)
         with case.phases.at(Phase.BUILD):
             module = case.impl.make_block_layer(case.ctx, weight.spec, masters[0], setup)
+        if module is None:  # the library's own layer refuses where it is materialized: no probe of it
+            refusals.append(_probe(case, weight, masters[0], setup))
+        built.append((weight, masters, setup, module))
+    refusing = iter(_refusing_ranks(case.ctx, [r is not None for r in refusals]) if refusals else ())
+    refusal = iter(refusals)
+    layers: list[Layer] = []
+    stages: list[Stage] = []
+    for weight, masters, setup, module in built:
         own_route = module is not None
-        if not own_route:  # the library's own layer refuses where it is materialized: no probe of it
-            refused = _probe(case, weight, masters[0], setup)
+        if not own_route:
+            refused = _refusal_stage(case, weight, next(refusal), next(refusing))
             if refused is not None:
                 stages.append(refused)
                 continue
@@ -202,18 +212,17 @@ def _quantized_layers(case: RankCase, params: BlockParams) -> tuple[list[Layer],
     return layers, stages, notes
 
 
-def _probe(case: RankCase, weight: LayerWeight, master: torch.Tensor, setup: fsdp_setup.Setup) -> Stage | None:
-    """The weight built and sharded alone (a throwaway module): the stage of its refusal when every
-    rank refused it, None when it shards."""
-    refusal: Exception | None = None
+def _probe(case: RankCase, weight: LayerWeight, master: torch.Tensor, setup: fsdp_setup.Setup) -> Exception | None:
+    """The weight built and sharded alone (a throwaway module): this rank's declared refusal of it, None
+    when it shards (anything else is raised)."""
     try:
         with case.phases.at(Phase.BUILD):
             probe = harness_module(case.impl, weight.spec.fmt, master.to(weight.spec.torch_dtype))
             with case.phases.at(Phase.SHARD):
                 fully_shard(probe, **setup.kwargs)
     except Exception as exc:  # noqa: BLE001 - a declared refusal is recorded; anything else is raised
-        refusal = _declared_refusal(case, exc)
-    return _agreed_refusal(case, weight, refusal)
+        return _declared_refusal(case, exc)
+    return None
 
 
 def _plain(case: RankCase, param: PlainParam) -> Plain:

@@ -193,8 +193,12 @@ def _declared_refusal(case: RankCase, exc: Exception) -> Exception:
 
 def _agreed_refusal(case: RankCase, weight: LayerWeight, refusal: Exception | None) -> Stage | None:
     """The stage of a refusal every rank raised (None: no rank refused); raised when some ranks only refused."""
+    return _refusal_stage(case, weight, refusal, _refusing_ranks(case.ctx, [refusal is not None])[0])
+
+
+def _refusal_stage(case: RankCase, weight: LayerWeight, refusal: Exception | None, refusing: list[int]) -> Stage | None:
+    """`_agreed_refusal` once the ranks agreed on who refused the weight (`refusing`)."""
     ctx = case.ctx
-    refusing = _refusing_ranks(ctx, refusal is not None)
     if refusing and len(refusing) < ctx.world_size:
         if refusal is not None:
             raise refusal
@@ -220,12 +224,13 @@ def _masters(weight: LayerWeight, device: torch.device) -> list[torch.Tensor]:
     return masters
 
 
-def _refusing_ranks(ctx: CaseContext, refused: bool) -> list[int]:
-    """The ranks that refused the weight (every rank agrees on the list before anything moves)."""
-    flags = torch.zeros(ctx.world_size, dtype=torch.int32, device=ctx.device)
-    flags[ctx.rank] = int(refused)
+def _refusing_ranks(ctx: CaseContext, refused: list[bool]) -> list[list[int]]:
+    """Per weight, the ranks that refused it (every rank agrees on the lists before anything moves):
+    one collective for all the weights given."""
+    flags = torch.zeros(len(refused), ctx.world_size, dtype=torch.int32, device=ctx.device)
+    flags[:, ctx.rank] = torch.tensor([int(r) for r in refused], dtype=torch.int32)
     dist.all_reduce(flags, group=ctx.group)
-    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    return [[rank for rank, flag in enumerate(row) if flag] for row in flags.tolist()]
 
 
 # ------------------------------------------------------------------ the one-device module

@@ -10,6 +10,7 @@ RankResult or the exception it raised, tagged with its phase.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -161,6 +162,13 @@ def _metadata_key(metadata: Any) -> Hashable:
         return tuple((k, _metadata_key(v)) for k, v in sorted(metadata.items(), key=lambda kv: str(kv[0])))
     if isinstance(metadata, (list, tuple)):
         return tuple(_metadata_key(v) for v in metadata)
+    if isinstance(metadata, _ATOMS):  # by type and value, as a repr would tell them apart, without building it
+        return type(metadata), metadata
     if hasattr(metadata, "__dict__"):
         return (type(metadata).__name__, _metadata_key(vars(metadata)))
     return repr(metadata)
+
+
+#: metadata values keyed by themselves: hashable, and equal exactly when their reprs are (the emulation
+#: keys every virtual rank's metadata, 1024 per case at most; an enum's repr alone was a tenth of it)
+_ATOMS = (str, int, type(None), torch.dtype, enum.Enum)
