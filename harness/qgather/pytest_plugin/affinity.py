@@ -7,13 +7,14 @@ docs/gpu-results.md, 2026-11-29), and each pool's process group. Here a worker i
 world size only. When that size has none left, it moves to a size it already has a pool of, or else
 to the size with the most work left per worker already on it, and starts one pool there. A run starts
 one pool per worker, and one for each move as the world sizes run dry at the end: driven as xdist
-drives it (tests/test_affinity.py), 13-18 starts for 8 workers and 5 world sizes, against xdist's 40.
+drives it (tests/test_affinity.py), 17-20 starts for 8 workers and 5 world sizes, against xdist's 40.
 
 The cases' order within a world size, the chunk sizes and the end of the run are xdist's
 `LoadScheduling`'s; only the choice of which pending cases a worker is sent differs. Items that name no
 world size (the GPU-only tests, the dispatch checks) are a "size" of their own, as cheap as a world
-size of one; so are the cases that save a checkpoint at another world size (`key_of`). Used where the run's pools take GPU seats (qgather.pytest_plugin.gpu_schedule) and
-xdist's mode is its default `load`; an explicit `--dist` is the user's.
+size of one; so are the cases that save a checkpoint at another world size (`key_of`). Used where the
+run's pools take GPU seats (qgather.pytest_plugin.gpu_schedule) and xdist's mode is its default `load`;
+an explicit `--dist` is the user's.
 """
 
 from __future__ import annotations
