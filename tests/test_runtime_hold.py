@@ -188,7 +188,7 @@ def test_a_shutdown_stops_a_restart_not_yet_begun():
     pool = RankPool(PoolSpec("gloo", 2, "cpu"), restart_in_background=True)
     pool.run(everyone, timeout=CASE_TIMEOUT_S)
     with pool.in_use:  # the restart cannot begin while this holds the pool
-        pool.restart.launch(pool.in_use, pool.start)
+        pool.start_in_background()
         pool.shutdown()
     pool.restart.thread.join(CASE_TIMEOUT_S)
     assert not pool.started

@@ -192,10 +192,14 @@ def save_seconds(outcome: CaseOutcome) -> Seconds:
     """A dcp-wsA case's save at A ranks, as the case's seconds: its pool's start (and the lease wait)
     counted as the case's own, the save's steps together as one step, SAVE_STEP."""
     seconds = step_seconds(outcome)
-    start = tuple((step, s) for step, s in seconds
-                  if step in (LEASE_WAIT, POOL_START) or step.startswith(POOL_START_PHASE))
-    saving = sum(s for step, s in seconds if (step, s) not in start)
+    start = tuple((step, s) for step, s in seconds if _starting(step))
+    saving = sum(s for step, s in seconds if not _starting(step))
     return (*start, (SAVE_STEP, saving)) if saving else start
+
+
+def _starting(step: str) -> bool:
+    """Whether a step of step_seconds is the pool's start (the lease wait, the start, its phases)."""
+    return step in (LEASE_WAIT, POOL_START) or step.startswith(POOL_START_PHASE)
 
 
 def added(*parts: Seconds) -> Seconds:

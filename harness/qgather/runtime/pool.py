@@ -131,8 +131,12 @@ class RankPool:
         # not under plain spawn: spawned ranks die with the thread that spawned them
         if self.restarts_in_background and not self._ranks and self._last_start_ok \
                 and mp_context().get_start_method() == "forkserver":
-            self.restart.launch(self.in_use, self.start)
+            self.start_in_background()
         return outcome
+
+    def start_in_background(self) -> None:
+        """Start the ranks in a thread of their own (restart.py); a case that comes first waits for them."""
+        self.restart.launch(self.in_use, self.start)
 
     def _run(self, fn: Callable[..., Any], args: tuple, timeout: float | None, case_id: str,
              seed: int) -> CaseOutcome:

@@ -17,8 +17,9 @@ from qgather.runtime.pool import RankPool
 from qgather.runtime.spec import PoolSpec
 
 _pools: dict[PoolSpec, RankPool | ExternalPool] = {}
-# A second pool of a spec whose pool a failed case left without ranks (_standby_for): started in the
-# background then, it takes the next case while the emptied one restarts, and so on, turn about.
+# A second pool of a spec whose pool a failed case left without ranks once (_standby_for): started in the
+# background once that pool is up again, it takes the case after the next failure while the emptied one
+# restarts, and so on, turn about.
 _standby: dict[PoolSpec, RankPool] = {}
 STANDBY_ENV = "QGATHER_STANDBY_POOLS"  # "0": no standby pools (a restart's wait falls on the next case)
 _lock = threading.Lock()
@@ -40,8 +41,7 @@ def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPo
         pool = _pools.get(spec)
         if pool is None:
             world = external_world()
-            pool = ExternalPool(spec, world, say) if world is not None else RankPool(
-                spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
+            pool = ExternalPool(spec, world, say) if world is not None else _rank_pool(spec)
             _pools[spec] = pool
             if spec.device == "cuda" and world is None:
                 _start_yielder()
@@ -69,10 +69,15 @@ def _standby_for(spec: PoolSpec, pool: RankPool) -> RankPool:
         return pool
     if pool.spawn_count > 1:
         if standby is None:
-            standby = _standby[spec] = RankPool(spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
+            standby = _standby[spec] = _rank_pool(spec)
         if not standby.started and not standby.restart.under_way:
-            standby.restart.launch(standby.in_use, standby.start)
+            standby.start_in_background()
     return pool
+
+
+def _rank_pool(spec: PoolSpec) -> RankPool:
+    """A pool of this process's own ranks; before waiting for GPU seats it stops this process's idle pools."""
+    return RankPool(spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
 
 
 def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) -> int:
