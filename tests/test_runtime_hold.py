@@ -238,6 +238,12 @@ def test_a_standby_pool_takes_the_next_case_while_the_failed_one_restarts(monkey
         go.set()
         first.restart.thread.join(CASE_TIMEOUT_S)
         assert first.started, "the emptied pool did not restart as the standby"
+
+        first.shutdown()  # as the seat yielder stops an idle standby: it is not started again case after case
+        spawned = first.spawn_count
+        for _ in range(2):
+            assert registry.get_pool(spec) is standby
+        assert not first.started and first.spawn_count == spawned and not first.restart.under_way
     finally:
         go.set()
         registry.shutdown_pools(keep_helpers=True)

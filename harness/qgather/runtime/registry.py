@@ -67,11 +67,11 @@ def _standby_for(spec: PoolSpec, pool: RankPool) -> RankPool:
             _pools[spec], _standby[spec] = standby, pool
             return standby
         return pool
-    if pool.spawn_count > 1:
-        if standby is None:
-            standby = _standby[spec] = _rank_pool(spec)
-        if not standby.started and not standby.restart.under_way:
-            standby.start_in_background()
+    if pool.spawn_count > 1 and standby is None:
+        # started once, here: a standby whose start failed, or that the seat yielder stopped, is not
+        # started again case after case (as the pool in use it restarts after a failure, as any pool does)
+        standby = _standby[spec] = _rank_pool(spec)
+        standby.start_in_background()
     return pool
 
 
