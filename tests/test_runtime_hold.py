@@ -8,6 +8,8 @@ the hold cannot cover (a collective of some ranks only, a rank that died) is end
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch.distributed as dist
 from qgather.engine.classify import classify_outcome
 from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, RankPool
-from qgather.runtime.agreement import Agreement
+from qgather.runtime.agreement import NATIVE, Agreement
 from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT
 from qgather.runtime.whereabouts import AGREEMENT_WAIT
 
@@ -134,6 +136,85 @@ def test_unequal_sizes_are_stopped_on_every_rank_and_the_pool_stays_warm(held):
     assert verdict.verdict is Verdict.ERROR  # the same error on every rank, and still no rejection
     assert held.pids == pids
     assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+
+
+def functional_max(ctx):
+    """torch's functional all-reduce (as torchao reduces an amax), held as an op; its overloads, which
+    compiled graphs call, stay reachable while the case runs."""
+    from torch.distributed import _functional_collectives as funcol
+    assert torch.ops._c10d_functional.all_reduce.default is not None
+    return funcol.all_reduce(torch.tensor([float(ctx.rank)]), "max", ctx.group).tolist()
+
+
+def last_rank_raises_before_a_functional_all_reduce(ctx):
+    """torchao on a zero-row shard: the empty rank's amax raises before the others' reduction."""
+    if ctx.rank == ctx.world_size - 1:
+        raise RuntimeError("max(): Expected reduction dim to be specified for input.numel() == 0")
+    return functional_max(ctx)
+
+
+def test_a_functional_collective_is_held_and_gives_the_same_result(held):
+    pids = held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S) and held.pids
+    assert held.run(functional_max, timeout=CASE_TIMEOUT_S).results == [[2.0]] * 3
+    out = held.run(last_rank_raises_before_a_functional_all_reduce, timeout=CASE_TIMEOUT_S)
+    assert out.status == "error" and list(out.errors) == [2], out.summary()
+    assert out.held_back == {0: "all_reduce (functional)", 1: "all_reduce (functional)"}
+    assert held.pids == pids  # no rank was killed
+    assert held.run(functional_max, timeout=CASE_TIMEOUT_S).results == [[2.0]] * 3
+
+
+class StandInQuantizer:
+    """TE's current-scaling quantizer as the hold sees it: with amax reduction, quantize_impl all-reduces
+    the amax inside a call no torch.distributed frame shows (here the unheld all-reduce, one level down)."""
+
+    def __init__(self, reduce_amax: bool) -> None:
+        self.with_amax_reduction = reduce_amax
+        self.amax_reduction_group = None
+
+    def quantize_impl(self, tensor):
+        amax = tensor.abs().max().reshape(1)
+        if self.with_amax_reduction:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # inside the held call: not held again
+        return amax
+
+
+def install_stand_in(ctx):
+    module_name, class_name, _ = NATIVE[0]
+    sys.modules[module_name] = types.SimpleNamespace(**{class_name: StandInQuantizer})
+
+
+def remove_stand_in(ctx):
+    del sys.modules[NATIVE[0][0]]
+
+
+def last_rank_raises_before_a_native_reduction(ctx):
+    if ctx.rank == ctx.world_size - 1:
+        raise AssertionError("fsdp_pre_all_gather must return all-gather inputs with the padded sharded size")
+    return StandInQuantizer(reduce_amax=True).quantize_impl(torch.full((2,), float(ctx.rank))).tolist()
+
+
+def rank0_quantizes_alone_without_reduction(ctx):
+    """No amax reduction, no collective: nothing to hold, even where one rank alone quantizes."""
+    if ctx.rank == 0:
+        return StandInQuantizer(reduce_amax=False).quantize_impl(torch.ones(2)).tolist()
+    return None
+
+
+def test_a_library_method_that_reduces_the_amax_natively_is_held():
+    pool = RankPool(SPEC, hold_collectives=True)
+    try:
+        assert pool.run(install_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"  # the method is held from the next case
+        pids = pool.pids
+        out = pool.run(last_rank_raises_before_a_native_reduction, timeout=CASE_TIMEOUT_S)
+        assert out.status == "error" and list(out.errors) == [2], out.summary()
+        assert out.held_back == {0: "Float8CurrentScalingQuantizer.quantize_impl",
+                                 1: "Float8CurrentScalingQuantizer.quantize_impl"}
+        out = pool.run(rank0_quantizes_alone_without_reduction, timeout=CASE_TIMEOUT_S)
+        assert out.status == "ok" and out.results == [[1.0], None, None], out.summary()
+        assert pool.pids == pids
+        assert pool.run(remove_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"
+    finally:
+        pool.shutdown()
 
 
 def test_a_started_pool_says_where_its_start_went():
