@@ -203,7 +203,7 @@ def rank0_quantizes_alone_without_reduction(ctx):
 def test_a_library_method_that_reduces_the_amax_natively_is_held():
     pool = RankPool(SPEC, hold_collectives=True)
     try:
-        assert pool.run(install_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"  # the method is held from the next case
+        assert pool.run(install_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"  # held from the next case on
         pids = pool.pids
         out = pool.run(last_rank_raises_before_a_native_reduction, timeout=CASE_TIMEOUT_S)
         assert out.status == "error" and list(out.errors) == [2], out.summary()
