@@ -117,6 +117,23 @@ def test_a_wait_the_hold_does_not_cover_ends_as_before(held, case, status):
     assert set(held.pids).isdisjoint(pids)  # the ranks left waiting were replaced
 
 
+def rank0_skips_the_barrier(ctx):
+    if ctx.rank != 0:
+        dist.barrier()
+    return ctx.rank
+
+
+def test_a_hang_at_the_hold_names_the_collective_the_ranks_wait_to_enter(held):
+    """Nobody failed, so nobody releases: a HANG, and its evidence names the barrier, not the hold's own all-reduce."""
+    held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S)
+    out = held.run(rank0_skips_the_barrier, timeout=2.0)
+    found = classify_outcome(out, SPEC.world_size)
+    assert found.verdict is Verdict.HANG, found.reason
+    assert found.reason.endswith("ranks 1,2 were waiting at qgather's hold before a collective (barrier)"), found.reason
+    assert out.notes[1]["main thread at"] == "qgather's hold before barrier, waiting for every rank to reach it"
+    assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+
+
 def short_last_rank_all_gathers(ctx):
     """The last rank's shard is one row short and not padded (TE's blockwise uneven shards, torchao's)."""
     rows = 3 if ctx.rank == ctx.world_size - 1 else 4

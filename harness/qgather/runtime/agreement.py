@@ -43,32 +43,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# torch.distributed's functions that are collectives over a group (the group argument's name).
-# (all_gather_single and reduce_scatter_single: what FSDP2 calls on newer torch; absent names are skipped)
-HELD = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_reduce", "reduce_scatter_tensor",
-        "reduce_scatter_single", "reduce_scatter", "broadcast", "barrier", "all_to_all_single", "all_to_all",
-        "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list", "gather_object",
-        "scatter_object_list", "all_gather_coalesced", "all_reduce_coalesced", "_all_gather_base",
-        "_reduce_scatter_base")
+from qgather.runtime.held_collectives import (
+    CODES,
+    FUNCTIONAL,
+    FUNCTIONAL_SIZED,
+    HELD,
+    NATIVE,
+    SIZED,
+    held_frame_name,
+)
 
-# Collectives whose input must have as many bytes on every rank: the input's (position, keyword).
-SIZED = {"all_gather_into_tensor": (1, "input_tensor"), "_all_gather_base": (1, "input_tensor"),
-         "all_gather_single": (1, "input_tensor"), "reduce_scatter_tensor": (1, "input"),
-         "_reduce_scatter_base": (1, "input"), "reduce_scatter_single": (1, "input"),
-         "all_reduce": (0, "tensor"), "broadcast": (0, "tensor")}
-# torch's functional collectives (torch.ops._c10d_functional), held as ops: the group's name is their last
-# argument, and the input (of SIZED ones) their first.
-FUNCTIONAL = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single",
-              "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
-FUNCTIONAL_SIZED = frozenset({"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"})
-# Library methods that all-reduce an amax inside a native call (whereabouts.NATIVE_COLLECTIVES sees a
-# rank waiting there): (module, class, methods). Held once the module is imported, never imported here.
-NATIVE = (("transformer_engine.pytorch.tensor.float8_tensor", "Float8CurrentScalingQuantizer",
-           ("quantize_impl", "update_quantized")),
-          ("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Quantizer", ("quantize_impl", "update_quantized")))
-# Each held collective's code in the side all-reduce: its place in one list that every rank builds alike.
-CODES = (*HELD, *(f"{name} (functional)" for name in FUNCTIONAL),
-         *(f"{cls}.{method}" for _, cls, methods in NATIVE for method in methods))
 # A call that issues no collective of every rank of the pool (a group of some ranks, no amax reduction).
 NOT_HELD = object()
 
@@ -174,6 +158,9 @@ class Agreement:
                 return original(*args, **kwargs)
             finally:
                 self._inside.depth = 0
+        # The wrapper's frame is named after what it holds (HELD_FRAME_PREFIX): a stack or whereabouts
+        # of a rank waiting at the hold names the collective it waits to enter, not the side all-reduce.
+        held.__code__ = held.__code__.replace(co_name=held_frame_name(site.code))
         wrapper = _HeldOp(held, original) if site.is_op else functools.wraps(original)(held)
         self._held[key] = (site, original, wrapper)
 

@@ -15,12 +15,13 @@ import traceback
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 
+from qgather.runtime.held_collectives import HOLD_WAIT, held_collective
 from qgather.runtime.protocol import WHERE_QUERIES, WHERE_REPLIES, Whereabouts, WhereQuery, decode, encode
 
 FRAMES = 12  # innermost frames sent back
 # A held collective's wait (runtime/agreement.py): the rank is outside the library's collective.
 AGREEMENT_FILE = "runtime/agreement.py"
-AGREEMENT_WAIT = "_wait_for_every_rank"
+AGREEMENT_WAIT = HOLD_WAIT
 # Frames of these files mean: inside a torch.distributed collective (c10d, FSDP2's collectives).
 COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
                     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "torch/distributed/c10d_logger.py")
@@ -133,6 +134,15 @@ def evidence(where: Whereabouts, left_behind: bool, asked_for: float) -> dict[st
     is: the evidence of where it waits (`asked_for`: the seconds it was given to answer)."""
     facts = dict(where.notes)
     if left_behind:
-        facts["main thread at"] = where.frames[-1].replace("\\", "/").rsplit("/", 1)[-1] if where.frames else \
-            f"(no answer within {asked_for:g} s: the rank holds the GIL)"
+        facts["main thread at"] = _held_at(where.frames) or (
+            where.frames[-1].replace("\\", "/").rsplit("/", 1)[-1] if where.frames else
+            f"(no answer within {asked_for:g} s: the rank holds the GIL)")
     return facts
+
+
+def _held_at(frames: Sequence[str]) -> str | None:
+    """At a held collective: which one, from its wrapper's frame name (runtime/held_collectives.py)."""
+    if not at_agreement(frames):
+        return None
+    held = next((code for f in reversed(frames) if (code := held_collective(f.rsplit(" ", 1)[-1]))), None)
+    return f"qgather's hold before {held}, waiting for every rank to reach it" if held else None
