@@ -189,6 +189,8 @@ class StandInQuantizer:
         self.amax_reduction_group = None
 
     def quantize_impl(self, tensor):
+        if tensor.numel() == 0:  # as TE's native code on a zero-row rank: no amax, and no reduction
+            return []
         amax = tensor.abs().max().reshape(1)
         if self.with_amax_reduction:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # inside the held call: not held again
@@ -230,6 +232,30 @@ def test_a_library_method_that_reduces_the_amax_natively_is_held():
         assert out.status == "ok" and out.results == [[1.0], None, None], out.summary()
         assert pool.pids == pids
         assert pool.run(remove_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"
+    finally:
+        pool.shutdown()
+
+
+def zero_row_rank_skips_the_reduction_inside(ctx):
+    """Every rank comes to the held quantizer call; the zero-row rank's skips the reduction inside it and
+    goes on to the next collective, where it waits at the hold while the others wait inside."""
+    rows = 0 if ctx.rank == ctx.world_size - 1 else 2
+    StandInQuantizer(reduce_amax=True).quantize_impl(torch.ones(rows))
+    dist.barrier()
+
+
+def test_ranks_split_between_the_hold_and_the_collective_it_let_them_into_end_as_a_hang_early(monkeypatch):
+    from qgather.runtime import stall
+
+    monkeypatch.setattr(stall, "STALL_EVIDENCE_S", 1.0)  # the parent's evidence window: seconds, not the deadline
+    pool = RankPool(SPEC, hold_collectives=True)
+    try:
+        assert pool.run(install_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"
+        out = pool.run(zero_row_rank_skips_the_reduction_inside, timeout=CASE_TIMEOUT_S)
+        assert out.status == "hang" and out.note == stall.SPLIT_NOTE, out.summary()
+        assert out.duration_s < CASE_TIMEOUT_S / 2, out.summary()
+        summary = classify_outcome(out, SPEC.world_size).reason
+        assert "rank 2 was waiting at qgather's hold before a collective (barrier)" in summary, summary
     finally:
         pool.shutdown()
 

@@ -22,8 +22,10 @@ the pool stays warm.
 Held, besides torch.distributed's functions: torch's functional collectives (the ops DTensor and
 torchao's amax reduction issue), and the library methods that all-reduce an amax from native code
 (TransformerEngine's current-scaling and NVFP4 quantizers, with amax reduction), each when its group
-takes every rank of the pool. On the GPU gate (1 x H200, 2026-11-29) ranks left in these two were the
-cause of 69 of the 83 pools aborted after a rank raised.
+takes every rank of the pool (runtime/held_collectives.py names them). On the GPU gate (1 x H200,
+2026-11-29) ranks left in torchao's functional all-reduce aborted 43 pools in one run; in the next, 39
+such cases were released at the hold instead. No case has been released at TE's quantizers yet: 16 TE
+cases still left a rank inside `quantize_impl`'s native call (docs/gpu-results.md).
 
 What it cannot hold: collectives over part of the ranks (HSDP's shard and replicate groups, TP, a
 checkpoint's smaller world) and native collectives it does not know. A rank waiting in one of those

@@ -41,7 +41,7 @@ from qgather.runtime.rank import RankConfig, rank_main
 from qgather.runtime.replies import WAIT_EVIDENCE_S, Replies
 from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT, BackgroundRestart
 from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank, visible_gpus
-from qgather.runtime.stall import STALL_NOTE, StallWatch
+from qgather.runtime.stall import StallWatch
 
 WHERE_REPLY_S = 2.0  # a rank's whereabouts thread answers at once unless the rank holds the GIL
 TERM_WAIT_S = 3.0  # SIGTERM -> death (includes the faulthandler dump)
@@ -157,7 +157,7 @@ class RankPool:
         start = time.monotonic()
         try:
             replies = self._exchange(encode(protocol.RunCase(case_id, seed, blob)), limit, StallWatch(len(self._ranks)))
-            note = STALL_NOTE if replies.stalled else ""
+            note = replies.stalled
             return replace(self._conclude(replies, time.monotonic() - start, case_id, note), startup_s=startup,
                            lease_wait_s=lease_wait, startup_phases=self.start_phases if startup else ())
         except BaseException:
@@ -283,10 +283,10 @@ class RankPool:
             if replies.first_failure_at is not None and self._all_pending_wait_in_collectives(replies):
                 if not self._release_held(replies):
                     break
-            if watch is not None and replies.first_failure_at is None and watch.stalled(
-                    replies.pending, lambda rank: self._where(self._ranks[rank])):
-                replies.stalled = True
-                break
+            if watch is not None and replies.first_failure_at is None:
+                replies.stalled = watch.stalled(replies.pending, lambda rank: self._where(self._ranks[rank]))
+                if replies.stalled:
+                    break
             remaining = replies.wait_until(deadline) - time.monotonic()
             if remaining <= 0 or time.monotonic() >= deadline:
                 break

@@ -35,7 +35,7 @@ class Replies:
     pending: set[int] = field(default_factory=set)
     first_failure_at: float | None = None
     waiting: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (collective frame, since)
-    stalled: bool = False  # ended on a stall's evidence (qgather.runtime.stall), not at the deadline
+    stalled: str = ""  # the note of a stall's evidence that ended it (qgather.runtime.stall), not the deadline
     held: set[int] = field(default_factory=set)  # ranks last seen waiting at a held collective (agreement)
     held_back: dict[int, str] = field(default_factory=dict)  # rank -> the collective it left its case before
     released: bool = False  # the answered ranks were asked once to join the held ranks' wait (Release)
