@@ -44,12 +44,14 @@ class PoolSpec:
 
     @property
     def holds_collectives(self) -> bool:
-        """Whether a case's collectives are held until every rank is there (runtime/agreement.py): yes,
-        on every device. On CUDA replacing a pool whose ranks a failed rank left waiting costs seconds
-        (contexts, communicators); on the CPU the holds cost no more than they save (2 cores, 2026-11-29:
-        `qgather run` 123.9 s held against 117-126 s not; the torchao gate 23.9 s against 62.3 s), and CI
-        then runs the path the GPU runs. QGATHER_HOLD_COLLECTIVES=0 turns them off (e.g. to compare verdicts)."""
-        return os.environ.get("QGATHER_HOLD_COLLECTIVES", "") != "0"
+        """Whether a case's collectives are held until every rank is there (runtime/agreement.py): on
+        CUDA, where replacing a pool whose ranks a failed rank left waiting costs seconds (contexts,
+        communicators). Not on the CPU by default: there a held collective whose ranks hand it different
+        sizes is an ERROR (UnequalCollectiveSizes) where gloo itself aborts the ranks (a CRASH), the verdict
+        the standalone scripts reproduce (tests/test_standalone_agreement.py). QGATHER_HOLD_COLLECTIVES=1
+        or 0 decides instead (=1 on the CPU: the torchao gate in 23.9 s against 62.3 s, 2026-11-29)."""
+        chosen = os.environ.get("QGATHER_HOLD_COLLECTIVES", "")
+        return chosen == "1" if chosen in ("0", "1") else self.device == "cuda"
 
     @property
     def restarts_in_background(self) -> bool:
