@@ -259,3 +259,44 @@ def test_k_is_what_the_tightest_gpu_and_the_host_can_carry():
     assert by_host.seats == int(0.8 * 32 * GIB) // (2 * GIB)
     assert plan_seats([1 * GIB], 1 * GIB).seats == 1  # never none
     assert "tightest GPU 40.0 GiB free" in by_gpu.describe()
+
+
+class IdlePool(RankPool):
+    """A started pool whose ranks are not there: what release_gpu_pools stops is recorded, nothing else."""
+
+    stopped: list[int]
+
+    @property
+    def started(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        IdlePool.stopped.append(self.spec.world_size)
+
+
+def test_a_process_gives_its_standby_pools_up_before_a_pool_it_uses(monkeypatch):
+    """A standby is a spare: the yielder and a process about to wait for seats stop it first, even when a
+    pool in use is wider (widest first within each)."""
+    monkeypatch.setattr(spec, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(registry, "_pools", {})
+    monkeypatch.setattr(registry, "_standby", {})
+    IdlePool.stopped = []
+    for size in (8, 4):
+        registry._pools[PoolSpec("gloo", size, "cuda")] = IdlePool(PoolSpec("gloo", size, "cuda"))
+    for size in (2, 1):
+        registry._standby[PoolSpec("nccl", size, "cuda")] = IdlePool(PoolSpec("nccl", size, "cuda"))
+    assert registry.release_gpu_pools(most=1) == 1 and IdlePool.stopped == [2]
+    assert registry.release_gpu_pools() == 4 and IdlePool.stopped == [2, 2, 1, 8, 4]
+
+
+def test_no_standby_starts_while_another_process_waits_for_seats(monkeypatch):
+    monkeypatch.setattr(spec, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(registry, "_standby", {})
+    monkeypatch.delenv(registry.STANDBY_ENV, raising=False)
+    restarted = IdlePool(PoolSpec("gloo", 4, "cuda"))
+    restarted.spawn_count = 2  # restarted once: it would get a standby
+    monkeypatch.setattr(registry, "someone_waits", lambda: True)
+    assert registry._standby_for(restarted.spec, restarted) is restarted and not registry._standby
+    monkeypatch.setattr(registry, "someone_waits", lambda: False)
+    monkeypatch.setattr(RankPool, "start_in_background", lambda self: None)
+    assert registry._standby_for(restarted.spec, restarted) is restarted and restarted.spec in registry._standby

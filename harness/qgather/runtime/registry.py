@@ -67,9 +67,10 @@ def _standby_for(spec: PoolSpec, pool: RankPool) -> RankPool:
             _pools[spec], _standby[spec] = standby, pool
             return standby
         return pool
-    if pool.spawn_count > 1 and standby is None:
+    if pool.spawn_count > 1 and standby is None and not someone_waits():
         # started once, here: a standby whose start failed, or that the seat yielder stopped, is not
-        # started again case after case (as the pool in use it restarts after a failure, as any pool does)
+        # started again case after case (as the pool in use it restarts after a failure, as any pool does).
+        # Not while another process waits for GPU seats: a standby is a spare, not worth a worker's wait.
         standby = _standby[spec] = _rank_pool(spec)
         standby.start_in_background()
     return pool
@@ -85,13 +86,14 @@ def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) 
     giving their GPU seats back; how many it stopped. A pool running a case is never stopped.
 
     Called before a pool waits for seats (a process never waits while holding idle ones), and by this
-    process's yielder while another process of the run waits for seats."""
+    process's yielder while another process of the run waits for seats. Standby pools go first: they are
+    spares (idle between failures), where a stopped pool in use costs its next case a start."""
     with _lock:
-        cuda = [pool for spec, pool in _pools.items()
-                if spec.device == "cuda" and spec not in keep and isinstance(pool, RankPool)]
-        cuda += [pool for spec, pool in _standby.items() if spec.device == "cuda"]  # idle between failures
+        standbys = [pool for spec, pool in _standby.items() if spec.device == "cuda"]
+        in_use = [pool for spec, pool in _pools.items()
+                  if spec.device == "cuda" and spec not in keep and isinstance(pool, RankPool)]
     stopped = 0
-    for pool in sorted(cuda, key=lambda p: -p.spec.world_size):
+    for pool in _widest_first(standbys) + _widest_first(in_use):
         if most is not None and stopped >= most:
             break
         if not pool.in_use.acquire(blocking=False):
@@ -103,6 +105,10 @@ def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) 
         finally:
             pool.in_use.release()
     return stopped
+
+
+def _widest_first(pools: list[RankPool]) -> list[RankPool]:
+    return sorted(pools, key=lambda p: -p.spec.world_size)
 
 
 def _start_yielder() -> None:
