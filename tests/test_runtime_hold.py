@@ -20,6 +20,8 @@ from qgather.engine.classify import classify_outcome
 from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, RankPool
 from qgather.runtime.agreement import NATIVE, Agreement
+from qgather.runtime.protocol import HeldWait
+from qgather.runtime.replies import Replies
 from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT
 from qgather.runtime.whereabouts import AGREEMENT_WAITS
 
@@ -412,12 +414,43 @@ def test_a_standby_pool_takes_the_next_case_while_the_failed_one_restarts(monkey
         registry.shutdown_pools(keep_helpers=True)
 
 
+def keys_in_the_store(ctx):
+    return dist.distributed_c10d._get_default_store().num_keys()
+
+
+def test_the_keys_of_a_held_collective_are_removed_at_the_next_case(held):
+    """Each member's key of each held collective over the pair: removed, or the store grows case by case."""
+    assert held.run(pair_reduces_thrice, timeout=CASE_TIMEOUT_S).status == "ok"  # the pair made (and kept)
+    before = held.run(keys_in_the_store, timeout=CASE_TIMEOUT_S).results
+    for _ in range(3):
+        assert held.run(pair_reduces_thrice, timeout=CASE_TIMEOUT_S).status == "ok"
+    assert held.run(keys_in_the_store, timeout=CASE_TIMEOUT_S).results == before
+
+
 def pairs_0_1_and_2_3_reduce(ctx):
     """Two disjoint pairs; ranks 1 and 3 raise before their pair's all-reduce."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     if ctx.rank in (1, 3):
         raise ValueError(f"rank {ctx.rank} refuses")
     dist.all_reduce(torch.ones(1), group=pairs[ctx.rank // 2])
+
+
+def test_only_a_wait_that_only_answered_ranks_can_end_is_released():
+    """Replies.releasable, the runner's one rule: every member of the wait's group answered or waits there."""
+    pair, other_pair, everyone4 = HeldWait((0, 1), 0), HeldWait((2, 3), 4), HeldWait((0, 1, 2, 3), 1)
+    replies = Replies(4)
+    replies.pending = {0, 2, 3}
+    replies.held = {0: pair, 2: other_pair, 3: other_pair}
+    assert replies.releasable() == [pair]  # {2,3}: both there, it ends by itself
+    replies.held = {0: pair, 2: everyone4, 3: everyone4}
+    assert replies.releasable() == [pair]  # every rank's wait: rank 0 is at another wait
+    replies.pending = {2, 3}
+    replies.held = {2: everyone4, 3: everyone4}
+    assert replies.releasable() == [everyone4]  # once rank 0 left its case, in turn
+    replies.released.add(everyone4)
+    assert replies.releasable() == []  # each once
+    replies.pending, replies.held = {0, 2}, {0: pair}
+    assert replies.releasable() == [pair]  # rank 2 is elsewhere, but no member of rank 0's pair
 
 
 def test_two_pairs_each_with_a_failed_rank_are_both_released(held4):

@@ -245,7 +245,8 @@ class Agreement:
 
     def _members(self, group: Any) -> tuple[int, ...] | None:
         """The pool's ranks of a collective over `group` (None: WORLD), sorted; None where it is not held
-        (NOT_HELD, a group this rank is not in: torch.distributed returns at once there)."""
+        (NOT_HELD; a group this rank is not in: torch.distributed returns at once there; a group of this
+        rank alone: no other rank to wait for)."""
         if group is NOT_HELD:
             return None
         if group is None:
@@ -254,7 +255,7 @@ class Agreement:
             members = tuple(sorted(dist.get_process_group_ranks(group)))
         except Exception:  # noqa: BLE001 - a group torch.distributed does not know: the collective says so
             return None
-        return members if self.rank in members else None
+        return members if self.rank in members and len(members) > 1 else None
 
     def _agree(self, collective: str, members: tuple[int, ...], nbytes: int) -> None:
         """Wait until every member of the group came to this collective: HeldBackError where one of them
