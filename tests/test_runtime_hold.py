@@ -1,8 +1,9 @@
 """Held collectives (qgather.runtime.agreement): a rank that raised releases the ranks waiting for it.
 
 Real ranks on gloo. The pool's pids tell whether it stayed warm: with holds, a rank that raised before
-a collective of every rank costs no new pool; without them (the CPU's default) it does, and a wait
-the hold cannot cover (a collective of some ranks only, a rank that died) is ended as before.
+a collective of its group (every rank, or some: a pair, a dimension of a 2-D mesh) costs no new pool;
+without them (the CPU's default) it does, and a wait the hold cannot cover (for a rank that died) is
+ended as before.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from qgather.engine.classify import classify_outcome
 from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, RankPool
 from qgather.runtime.agreement import NATIVE, Agreement
+from qgather.runtime.protocol import HeldWait
+from qgather.runtime.replies import Replies
 from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT
-from qgather.runtime.whereabouts import AGREEMENT_WAIT
+from qgather.runtime.whereabouts import AGREEMENT_WAITS
 
 SPEC = PoolSpec("gloo", 3, "cpu")
+SPEC4 = PoolSpec("gloo", 4, "cpu")
 CASE_TIMEOUT_S = 60.0
 
 
@@ -31,6 +35,20 @@ def held():
     pool = RankPool(SPEC, hold_collectives=True)
     yield pool
     pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def held4():
+    pool = RankPool(SPEC4, hold_collectives=True)
+    yield pool
+    pool.shutdown()
+
+
+def warm(pool):
+    """The pool's pids, once it has run a case (a held test's pool may be fresh)."""
+    if not pool.pids:
+        assert pool.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+    return pool.pids
 
 
 def everyone(ctx):
@@ -63,8 +81,16 @@ def rank1_dies_before_an_all_reduce(ctx):
     dist.all_reduce(torch.ones(1))
 
 
-def test_the_parent_knows_the_held_wait_by_its_function_name():
-    assert Agreement._wait_for_every_rank.__name__ == AGREEMENT_WAIT
+def rank1_dies_before_a_pair_all_reduce(ctx):
+    pair = dist.new_group([0, 1])
+    if ctx.rank == 1:
+        os._exit(3)
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(1), group=pair)
+
+
+def test_the_parent_knows_the_held_waits_by_their_function_names():
+    assert (Agreement._wait_for_every_rank.__name__, Agreement._wait_for_members.__name__) == AGREEMENT_WAITS
 
 
 def test_held_collectives_give_the_same_results(held):
@@ -74,7 +100,7 @@ def test_held_collectives_give_the_same_results(held):
 
 
 def test_a_rank_that_raised_releases_the_others_and_the_pool_stays_warm(held):
-    pids = held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S) and held.pids
+    pids = warm(held)
     out = held.run(last_rank_raises_before_an_all_reduce, timeout=CASE_TIMEOUT_S)
     assert out.status == "error"
     assert list(out.errors) == [2] and out.errors[2].message == "block size 16 does not divide 136"
@@ -106,12 +132,11 @@ def test_without_holds_the_same_failure_costs_the_pool():
         pool.shutdown()
 
 
-@pytest.mark.parametrize("case, status", [(rank1_raises_before_a_pair_all_reduce, "error"),
-                                          (rank1_dies_before_an_all_reduce, "crash")])
-def test_a_wait_the_hold_does_not_cover_ends_as_before(held, case, status):
-    pids = held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S) and held.pids
+@pytest.mark.parametrize("case", [rank1_dies_before_an_all_reduce, rank1_dies_before_a_pair_all_reduce])
+def test_a_rank_that_died_leaves_the_others_waiting_as_before(held, case):
+    pids = warm(held)
     out = held.run(case, timeout=CASE_TIMEOUT_S)
-    assert out.status == status, out.summary()
+    assert out.status == "crash", out.summary()
     assert not out.held_back
     assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
     assert set(held.pids).isdisjoint(pids)  # the ranks left waiting were replaced
@@ -130,8 +155,68 @@ def test_a_hang_at_the_hold_names_the_collective_the_ranks_wait_to_enter(held):
     found = classify_outcome(out, SPEC.world_size)
     assert found.verdict is Verdict.HANG, found.reason
     assert found.reason.endswith("ranks 1,2 were waiting at qgather's hold before a collective (barrier)"), found.reason
-    assert out.notes[1]["main thread at"] == "qgather's hold before barrier, waiting for every rank to reach it"
+    held_at = "qgather's hold before barrier, waiting for every rank of its group to reach it"
+    assert out.notes[1]["main thread at"] == held_at
     assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+
+
+def test_a_rank_that_raised_releases_its_partner_in_a_pair_and_the_pool_stays_warm(held):
+    """Rank 2 takes no part in the pair's collective: only the pair's members hold it."""
+    pids = warm(held)
+    out = held.run(rank1_raises_before_a_pair_all_reduce, timeout=CASE_TIMEOUT_S)
+    assert out.status == "error" and list(out.errors) == [1], out.summary()
+    assert out.held_back == {0: "all_reduce"} and out.unfinished == (0,)
+    assert out.results[2] is None  # returned
+    assert "held there by qgather" in out.notes[0]["main thread at"]
+    assert held.pids == pids  # no rank was killed
+    assert held.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+
+
+def pair_of_ranks_0_1_reduces(ctx):
+    """Ranks 0 and 1 all-reduce over their pair; rank 2 does nothing: no rank waits for it."""
+    pair = dist.new_group([0, 1])
+    if ctx.rank in (0, 1):
+        summed = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(summed, group=pair)
+        return summed.item()
+    return None
+
+
+def test_a_collective_of_some_ranks_that_the_others_never_call_is_no_hang(held):
+    out = held.run(pair_of_ranks_0_1_reduces, timeout=CASE_TIMEOUT_S)
+    assert out.status == "ok", out.summary()
+    assert out.results == [3.0, 3.0, None]
+
+
+def pair_reduces_thrice(ctx, raise_before=None):
+    """Three all-reduces over one pair (made once, kept for the pool's later cases), and a world one;
+    rank 1 raises before the `raise_before`-th of the pair's."""
+    if "pair" not in ctx.kept:
+        ctx.kept["pair"] = dist.new_group([0, 1])
+    pair = ctx.kept["pair"]
+    results = []
+    for step in range(3):
+        if ctx.rank == 1 and step == raise_before:
+            raise ValueError(f"rank 1 refuses step {step}")
+        if ctx.rank in (0, 1):
+            value = torch.tensor([float(10 * step + ctx.rank)])
+            dist.all_reduce(value, group=pair)
+            results.append(value.item())
+    dist.all_reduce(torch.ones(1))
+    return results
+
+
+def test_a_pairs_collectives_stay_in_step_within_a_case_and_across_cases(held):
+    pids = warm(held)
+    expected = [[1.0, 21.0, 41.0]] * 2 + [[]]
+    assert held.run(pair_reduces_thrice, timeout=CASE_TIMEOUT_S).results == expected
+    out = held.run(pair_reduces_thrice, 1, timeout=CASE_TIMEOUT_S)
+    assert out.status == "error" and list(out.errors) == [1], out.summary()
+    # rank 0 at the pair's second collective; rank 2 at the world's, which rank 1, released by rank 0's
+    # HeldBack, can now join: waits that depend on each other end in turn
+    assert out.held_back == {0: "all_reduce", 2: "all_reduce"}, out.summary()
+    assert held.pids == pids
+    assert held.run(pair_reduces_thrice, timeout=CASE_TIMEOUT_S).results == expected
 
 
 def short_last_rank_all_gathers(ctx):
@@ -143,7 +228,7 @@ def short_last_rank_all_gathers(ctx):
 
 
 def test_unequal_sizes_are_stopped_on_every_rank_and_the_pool_stays_warm(held):
-    pids = held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S) and held.pids
+    pids = warm(held)
     out = held.run(short_last_rank_all_gathers, timeout=CASE_TIMEOUT_S)
     assert out.status == "error" and sorted(out.errors) == [0, 1, 2] and not out.unfinished
     assert {e.type_name for e in out.errors.values()} == {"UnequalCollectiveSizes"}
@@ -171,7 +256,7 @@ def last_rank_raises_before_a_functional_all_reduce(ctx):
 
 
 def test_a_functional_collective_is_held_and_gives_the_same_result(held):
-    pids = held.pids or held.run(everyone, timeout=CASE_TIMEOUT_S) and held.pids
+    pids = warm(held)
     assert held.run(functional_max, timeout=CASE_TIMEOUT_S).results == [[2.0]] * 3
     out = held.run(last_rank_raises_before_a_functional_all_reduce, timeout=CASE_TIMEOUT_S)
     assert out.status == "error" and list(out.errors) == [2], out.summary()
@@ -371,3 +456,98 @@ def test_a_standby_pool_takes_the_next_case_while_the_failed_one_restarts(monkey
     finally:
         go.set()
         registry.shutdown_pools(keep_helpers=True)
+
+
+def keys_in_the_store(ctx):
+    return dist.distributed_c10d._get_default_store().num_keys()
+
+
+def test_the_keys_of_a_held_collective_are_removed_at_the_next_case(held):
+    """Each member's key of each held collective over the pair: removed, or the store grows case by case."""
+    assert held.run(pair_reduces_thrice, timeout=CASE_TIMEOUT_S).status == "ok"  # the pair made (and kept)
+    before = held.run(keys_in_the_store, timeout=CASE_TIMEOUT_S).results
+    for _ in range(3):
+        assert held.run(pair_reduces_thrice, timeout=CASE_TIMEOUT_S).status == "ok"
+    assert held.run(keys_in_the_store, timeout=CASE_TIMEOUT_S).results == before
+
+
+def pairs_0_1_and_2_3_reduce(ctx):
+    """Two disjoint pairs; ranks 1 and 3 raise before their pair's all-reduce."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    if ctx.rank in (1, 3):
+        raise ValueError(f"rank {ctx.rank} refuses")
+    dist.all_reduce(torch.ones(1), group=pairs[ctx.rank // 2])
+
+
+def test_only_a_wait_that_only_answered_ranks_can_end_is_released():
+    """Replies.releasable, the runner's one rule: every member of the wait's group answered or waits there."""
+    pair, other_pair, everyone4 = HeldWait((0, 1), 0), HeldWait((2, 3), 4), HeldWait((0, 1, 2, 3), 1)
+    replies = Replies(4)
+    replies.pending = {0, 2, 3}
+    replies.held = {0: pair, 2: other_pair, 3: other_pair}
+    assert replies.releasable() == [pair]  # {2,3}: both there, it ends by itself
+    replies.held = {0: pair, 2: everyone4, 3: everyone4}
+    assert replies.releasable() == [pair]  # every rank's wait: rank 0 is at another wait
+    replies.pending = {2, 3}
+    replies.held = {2: everyone4, 3: everyone4}
+    assert replies.releasable() == [everyone4]  # once rank 0 left its case, in turn
+    replies.released.add(everyone4)
+    assert replies.releasable() == []  # each once
+    replies.pending, replies.held = {0, 2}, {0: pair}
+    assert replies.releasable() == [pair]  # rank 2 is elsewhere, but no member of rank 0's pair
+
+
+def test_two_pairs_each_with_a_failed_rank_are_both_released(held4):
+    pids = warm(held4)
+    out = held4.run(pairs_0_1_and_2_3_reduce, timeout=CASE_TIMEOUT_S)
+    assert out.status == "error" and sorted(out.errors) == [1, 3], out.summary()
+    assert out.held_back == {0: "all_reduce", 2: "all_reduce"}
+    assert held4.pids == pids
+    assert held4.run(everyone, timeout=CASE_TIMEOUT_S).status == "ok"
+
+
+def mesh_2x2(ctx):
+    """A 2-D mesh (replicate x shard) as HSDP makes it: shard groups {0,1} and {2,3}; made once per pool."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if "mesh 2x2" not in ctx.kept:
+        ctx.kept["mesh 2x2"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return ctx.kept["mesh 2x2"]
+
+
+def rank3_raises_before_a_shard_amax(ctx):
+    """torchao under HSDP: the amax all-reduced over the shard dimension (a functional collective)."""
+    from torch.distributed import _functional_collectives as funcol
+    mesh = mesh_2x2(ctx)
+    if ctx.rank == 3:
+        raise RuntimeError("max(): Expected reduction dim to be specified for input.numel() == 0")
+    return funcol.all_reduce(torch.tensor([float(ctx.rank)]), "max", (mesh, 1)).tolist()
+
+
+def test_a_functional_collective_over_a_mesh_dimension_is_held(held4):
+    pids = warm(held4)
+    out = held4.run(rank3_raises_before_a_shard_amax, timeout=CASE_TIMEOUT_S)
+    assert out.status == "error" and list(out.errors) == [3], out.summary()
+    assert out.held_back == {2: "all_reduce (functional)"}
+    assert out.results[:2] == [[1.0], [1.0]]  # the other shard group's reduction went through
+    assert held4.pids == pids
+
+
+def short_rank1_all_gathers_over_a_pair(ctx):
+    """Rank 1's shard is one row short on the pair {0,1}; rank 2 all-gathers nothing."""
+    pair = dist.new_group([0, 1])
+    if ctx.rank == 2:
+        return None
+    rows = 3 if ctx.rank == 1 else 4
+    gathered = torch.zeros(2 * rows, 2)
+    dist.all_gather_into_tensor(gathered, torch.ones(rows, 2), group=pair)
+    return gathered.shape[0]
+
+
+def test_unequal_sizes_on_a_pair_are_stopped_on_both_members(held):
+    pids = warm(held)
+    out = held.run(short_rank1_all_gathers_over_a_pair, timeout=CASE_TIMEOUT_S)
+    assert out.status == "error" and sorted(out.errors) == [0, 1] and not out.unfinished, out.summary()
+    assert {e.type_name for e in out.errors.values()} == {"UnequalCollectiveSizes"}
+    assert ("the ranks handed all_gather_into_tensor different sizes (rank 0: 32 bytes, rank 1: 24 bytes)"
+            in out.errors[1].message)
+    assert held.pids == pids

@@ -1,6 +1,6 @@
 """A rank counts as waiting for a failed one only inside a collective of its case."""
 
-from qgather.runtime.whereabouts import in_collective
+from qgather.runtime.whereabouts import at_agreement, in_collective
 
 C10D = "/x/torch/distributed/distributed_c10d.py:4000 all_reduce"
 
@@ -33,3 +33,12 @@ def test_a_cuda_synchronize_waits_for_the_collective_kernels_queued_before_it():
     frames = ["/x/qgather/scenarios/fsdp.py:80 run_fsdp", "/site/torch/cuda/__init__.py:1162 synchronize"]
     assert in_collective(frames) == "__init__.py:1162 synchronize"
     assert in_collective(["/site/torch/cuda/__init__.py:400 current_device"]) is None
+
+
+def test_a_held_collectives_wait_counts_as_a_collective_though_no_torch_frame_shows():
+    # a pair's collective held among its members polls the store's keys: agreement.py's own frames only
+    frames = ["/x/cases/mine.py:12 pair_case", "/x/qgather/runtime/agreement.py:170 held",
+              "/x/qgather/runtime/agreement.py:230 _agree", "/x/qgather/runtime/agreement.py:290 _wait_for_members"]
+    assert at_agreement(frames)
+    assert in_collective(frames) == "agreement.py:290 _wait_for_members"
+    assert not at_agreement(frames[:-1]) and in_collective(frames[:-1]) is None

@@ -1,4 +1,4 @@
-"""Hold a case's collectives until every rank is there, so that a rank that failed can release the others.
+"""Hold a case's collectives until every rank of their group is there: a rank that failed can release the others.
 
 Without it, a rank that raises before a collective (a pre-all-gather hook refusing its shard, an
 assertion in FSDP2's copy-in) leaves the other ranks inside that collective, where nothing but
@@ -12,24 +12,41 @@ sees every rank that has not answered waiting there (whereabouts, as for any col
 ranks that did answer to join it once (`Release`): their 1 meets the waiting ranks' 0, the waiting ranks
 leave their case with `HeldBack`, nobody is inside a library collective, and the pool stays warm.
 
-The same all-reduce carries what each rank hands a collective whose input must be alike on every rank
+A collective over part of the ranks (HSDP's shard and replicate groups, TP's groups of a 2-D mesh, a
+functional collective over one mesh dimension) is held by its group's members only: ranks outside it
+never call it (a case may well issue a collective on some ranks alone), and no group is made for it.
+Each member sets its key in the pool's store (`<case>/<group's ranks>/<sequence>/<rank>`: the members
+issue their group's collectives in one order, so each keeps the group's count of them in the case), and
+waits until every member's key is there. A rank says where it waits (whereabouts.waiting_at: the group's
+ranks and that count); once every member of that group has answered or waits there too, the runner asks
+the members that answered to set their keys with a 1, which sends the waiting ones out with `HeldBack`.
+Waits that depend on each other end in turn: a member released from a pair's wait has answered, and can
+then release a wait of every rank that it kept from completing. Each rank removes its keys of a case when
+the next case begins (every rank has left that case's waits by then), so the store's keys do not pile
+up; the store's file grows by each set and removal (~100 bytes a member and collective), as it does by
+the keys of every process group a case makes.
+
+The same agreement carries what each rank hands a collective whose input must be alike on every rank
 (SIZED: an all-gather into one tensor, a reduce-scatter, an all-reduce, a broadcast). Ranks that hand
 it different sizes (a short rank's unpadded shard) would not come out of it as a case: NCCL waits
-forever or reads past the shorter buffer, gloo aborts the process. Held, every rank raises
-`UnequalCollectiveSizes` instead, naming each rank's bytes, before any of it enters the collective;
+forever or reads past the shorter buffer, gloo aborts the process. Held, every member raises
+`UnequalCollectiveSizes` instead, naming each member's bytes, before any of it enters the collective;
 the pool stays warm.
 
 Held, besides torch.distributed's functions: torch's functional collectives (the ops DTensor and
 torchao's amax reduction issue), and the library methods that all-reduce an amax from native code
-(TransformerEngine's current-scaling and NVFP4 quantizers, with amax reduction), each when its group
-takes every rank of the pool (runtime/held_collectives.py names them). On the GPU gate (1 x H200,
-2026-11-29) ranks left in torchao's functional all-reduce aborted 43 pools in one run; in the next, 39
-such cases were released at the hold instead. No case has been released at TE's quantizers yet: 16 TE
-cases still left a rank inside `quantize_impl`'s native call (docs/gpu-results.md).
+(TransformerEngine's current-scaling and NVFP4 quantizers, with amax reduction), over every rank or
+some (runtime/held_collectives.py names them). On the GPU gate (1 x H200, 2026-11-29) ranks left in
+torchao's functional all-reduce aborted 43 pools in one run; in the next, 39 such cases were released at
+the hold instead, while 25 cases still left ranks in collectives over part of the ranks (held since).
+No case has been released at TE's quantizers yet: 16 TE cases still left a rank inside `quantize_impl`'s
+native call (docs/gpu-results.md).
 
-What it cannot hold: collectives over part of the ranks (HSDP's shard and replicate groups, TP, a
-checkpoint's smaller world) and native collectives it does not know. A rank waiting in one of those
-is left behind as before.
+What it cannot hold: native collectives it does not know, collectives a compiled graph issues (its ops
+are bound when it compiles), and a collective over a group torch.distributed does not list. A rank
+waiting in one of those, or for a rank that died, is left behind as before. Collectives over groups of
+the same ranks count as one group's: members that issue them in different orders would compare the
+sizes of different collectives.
 """
 
 from __future__ import annotations
@@ -37,7 +54,8 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qgather.runtime import whereabouts
 from qgather.runtime.held_collectives import (
     CODES,
     FUNCTIONAL,
@@ -54,9 +73,16 @@ from qgather.runtime.held_collectives import (
     SIZED,
     held_frame_name,
 )
+from qgather.runtime.outcome import format_ranks
+from qgather.runtime.protocol import HeldWait
 
 # A call that issues no collective of every rank of the pool (a group of some ranks, no amax reduction).
 NOT_HELD = object()
+
+# The store's keys of the held collectives over part of the ranks: <case>/<group's ranks>/<sequence>/<rank>.
+STORE_PREFIX = "qgather-hold/"
+POLL_FIRST_S = 50e-6  # a member's first pause between looks at the others' keys
+POLL_MAX_S = 1e-3  # its longest
 
 # The side all-reduce (MAX) of [failed, collective, -collective, bytes, -bytes]: the maxima and minima.
 FAILED, CODE_MAX, CODE_MIN, BYTES_MAX, BYTES_MIN = range(5)
@@ -72,16 +98,36 @@ class HeldBackError(BaseException):
 
 
 class UnequalCollectiveSizes(BaseException):
-    """Every rank came to the same collective with inputs of different sizes: raised on every rank
-    before any of them enters it. A BaseException, as HeldBackError is: no `except Exception` of a
-    case or library takes it for its own."""
+    """Every rank of a group came to the same collective with inputs of different sizes: raised on each
+    of them before any of them enters it. A BaseException, as HeldBackError is: no `except Exception`
+    of a case or library takes it for its own."""
 
-    def __init__(self, collective: str, sizes: Sequence[int]) -> None:
-        handed = ", ".join(f"rank {rank}: {size} bytes" for rank, size in enumerate(sizes))
+    def __init__(self, collective: str, sizes: Mapping[int, int]) -> None:
+        handed = ", ".join(f"rank {rank}: {size} bytes" for rank, size in sorted(sizes.items()))
         super().__init__(f"the ranks handed {collective} different sizes ({handed}): qgather held every rank "
                          "before it (NCCL would wait forever or read past the shorter buffers; gloo aborts)")
         self.collective = collective
-        self.sizes = tuple(sizes)
+        self.sizes = dict(sizes)
+
+
+class HeldWaitTimeout(RuntimeError):
+    """Members of a group did not come to a held collective within the process group's timeout."""
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    """What one member said at a held collective over part of the ranks (its key in the store)."""
+    failed: bool
+    code: int
+    nbytes: int
+
+    def encode(self) -> bytes:
+        return f"{int(self.failed)},{self.code},{self.nbytes}".encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> _Arrival:
+        failed, code, nbytes = (int(part) for part in value.decode().split(","))
+        return cls(bool(failed), code, nbytes)
 
 
 @dataclass(frozen=True)
@@ -110,16 +156,33 @@ class _HeldOp:
 
 
 class Agreement:
-    """One rank's side group and the wrappers that hold each full-group collective of a case."""
+    """One rank's side group, its keys in the pool's store, and the wrappers that hold each collective
+    of a case over a group this rank is a member of."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, store: dist.Store, timeout_s: float) -> None:
         self.world_size = world_size
+        self.rank = dist.get_rank()
         self.group = dist.new_group(backend="gloo")
+        self._store = dist.PrefixStore(STORE_PREFIX, store)
+        self._timeout_s = timeout_s
         self._flag = torch.zeros(5, dtype=torch.int64)
         self._inside = threading.local()  # a collective that calls others (all_gather_object) holds once
         self._held: dict[tuple[int, str], tuple[_Site, Any, Any]] = {}  # (id(owner), name): site, original, wrapper
+        self._case = 0  # the pool's count of cases: a case's keys never meet an earlier case's
+        self._sequences: dict[tuple[int, ...], int] = {}  # a group's ranks -> its held collectives in this case
+        self._keys: list[str] = []  # this rank's keys in the store, removed at the next case
         for site in (*_distributed_sites(), *_functional_sites()):
             self._hold(site)
+
+    def next_case(self) -> None:
+        """A new case begins (on every rank, before anything of it can fail): count it, and remove this
+        rank's keys of the last one, which every rank has read (each answered that case, having left
+        every wait of it, before the runner sent this one)."""
+        self._case += 1
+        self._sequences.clear()
+        for key in self._keys:
+            self._store.delete_key(key)
+        self._keys.clear()
 
     @contextmanager
     def holding(self) -> Iterator[None]:
@@ -135,9 +198,14 @@ class Agreement:
             for site, original, _ in held:
                 setattr(site.owner, site.name, original)
 
-    def release(self) -> None:
-        """Join the all-reduce the other ranks wait in, saying that this rank will not come."""
-        self._wait_for_every_rank(1)
+    def release(self, wait: HeldWait) -> None:
+        """Join the wait the other ranks of its group wait at, saying that this rank will not come: the
+        side all-reduce (every rank), or this rank's key (a group of some ranks; never over one it set)."""
+        if len(wait.ranks) == self.world_size:
+            self._wait_for_every_rank(1)
+            return
+        self._keys.append(key := self._key(wait, self.rank))
+        self._store.compare_set(key, "", _Arrival(True, 0, -1).encode())
 
     def _hold(self, site: _Site) -> None:
         key = (id(site.owner), site.name)
@@ -149,14 +217,12 @@ class Agreement:
             if torch.compiler.is_compiling() or getattr(self._inside, "depth", 0):
                 return original(*args, **kwargs)
             group, nbytes = site.called(args, kwargs)
-            if group is NOT_HELD or not self._full(group):
+            members = self._members(group)
+            if members is None:
                 return original(*args, **kwargs)
             self._inside.depth = 1
             try:
-                if self._wait_for_every_rank(0, CODES.index(site.code) + 1, nbytes):
-                    raise HeldBackError(site.code)
-                if self._sizes_differ():
-                    raise UnequalCollectiveSizes(site.code, self._every_ranks_bytes(nbytes))
+                self._agree(site.code, members, nbytes)
                 return original(*args, **kwargs)
             finally:
                 self._inside.depth = 0
@@ -166,16 +232,74 @@ class Agreement:
         wrapper = _HeldOp(held, original) if site.is_op else functools.wraps(original)(held)
         self._held[key] = (site, original, wrapper)
 
-    def _full(self, group: Any) -> bool:
-        """Does a collective over `group` (None: WORLD) take every rank of the pool?"""
-        return group is None or dist.get_world_size(group) == self.world_size
+    def _members(self, group: Any) -> tuple[int, ...] | None:
+        """The pool's ranks of a collective over `group` (None: WORLD), sorted; None where it is not held
+        (NOT_HELD; a group this rank is not in: torch.distributed returns at once there; a group of this
+        rank alone: no other rank to wait for)."""
+        if group is NOT_HELD:
+            return None
+        if group is None:
+            return tuple(range(self.world_size))
+        try:
+            members = tuple(sorted(dist.get_process_group_ranks(group)))
+        except Exception:  # noqa: BLE001 - a group torch.distributed does not know: the collective says so
+            return None
+        return members if self.rank in members and len(members) > 1 else None
+
+    def _agree(self, collective: str, members: tuple[int, ...], nbytes: int) -> None:
+        """Wait until every member of the group came to this collective: HeldBackError where one of them
+        failed, UnequalCollectiveSizes where they hand a SIZED collective different sizes."""
+        code = CODES.index(collective) + 1
+        sequence = self._sequences.get(members, 0)
+        self._sequences[members] = sequence + 1
+        wait = HeldWait(members, sequence)
+        whereabouts.waiting_at(wait)
+        try:
+            if len(members) == self.world_size:
+                failed = self._wait_for_every_rank(0, code, nbytes)
+                sizes = dict(enumerate(self._every_ranks_bytes(nbytes))) if not failed and self._sizes_differ() \
+                    else {}
+            else:
+                arrivals = self._wait_for_members(wait, _Arrival(False, code, nbytes))
+                failed = any(arrival.failed for arrival in arrivals.values())
+                sizes = _unequal_sizes(arrivals)
+        finally:
+            whereabouts.waiting_at(None)
+        if failed:
+            raise HeldBackError(collective)
+        if sizes:
+            raise UnequalCollectiveSizes(collective, sizes)
 
     def _wait_for_every_rank(self, flag: int, collective: int = 0, nbytes: int = -1) -> bool:
         """The side all-reduce (MAX): True when some rank came with 1 (it failed). whereabouts finds a
-        rank waiting here by this function's name (whereabouts.AGREEMENT_WAIT; tests/test_runtime_hold.py checks it)."""
+        rank waiting here by this function's name (whereabouts.AGREEMENT_WAITS; tests/test_runtime_hold.py
+        checks it)."""
         self._flag.copy_(torch.tensor([flag, collective, -collective, nbytes, -nbytes]))
         self._unheld("all_reduce")(self._flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(self._flag[FAILED].item())
+
+    def _wait_for_members(self, wait: HeldWait, mine: _Arrival) -> dict[int, _Arrival]:
+        """Set this rank's key for `wait`, then wait until every member's is there (a member that failed
+        sets it when released): what each member said. Only the members take part: a rank outside the
+        group never calls its collective. whereabouts finds a rank waiting here by this function's name.
+
+        Polled (a check costs ~10 us), with pauses that grow to POLL_MAX_S: the store's own wait sleeps
+        10 ms between its looks, which every collective of a group would pay."""
+        keys = [self._key(wait, member) for member in wait.ranks]
+        self._keys.append(keys[wait.ranks.index(self.rank)])
+        self._store.set(self._keys[-1], mine.encode())
+        deadline = time.monotonic() + self._timeout_s
+        pause = POLL_FIRST_S
+        while not self._store.check(keys):
+            if time.monotonic() > deadline:
+                raise HeldWaitTimeout(f"held collective over ranks {format_ranks(list(wait.ranks))}: not every member "
+                                      f"came within {self._timeout_s:g} s")
+            time.sleep(pause)  # the GIL is free meanwhile: whereabouts' thread answers
+            pause = min(2 * pause, POLL_MAX_S)
+        return {member: _Arrival.decode(value) for member, value in zip(wait.ranks, self._store.multi_get(keys))}
+
+    def _key(self, wait: HeldWait, rank: int) -> str:
+        return f"{self._case}/{format_ranks(list(wait.ranks))}/{wait.sequence}/{rank}"
 
     def _sizes_differ(self) -> bool:
         """After the side all-reduce: every rank came to one SIZED collective, with different sizes."""
@@ -192,6 +316,15 @@ class Agreement:
         gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self._unheld("all_gather")(gathered, torch.tensor([nbytes]), group=self.group)
         return [int(t.item()) for t in gathered]
+
+
+def _unequal_sizes(arrivals: Mapping[int, _Arrival]) -> dict[int, int]:
+    """Each member's bytes where every member came to one SIZED collective with different sizes, else {}."""
+    said = list(arrivals.values())
+    alike = len({arrival.code for arrival in said}) == 1 and all(arrival.nbytes >= 0 for arrival in said)
+    if alike and len({arrival.nbytes for arrival in said}) > 1:
+        return {member: arrival.nbytes for member, arrival in arrivals.items()}
+    return {}
 
 
 def _distributed_sites() -> list[_Site]:

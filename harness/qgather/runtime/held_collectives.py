@@ -34,8 +34,9 @@ CODES = (*HELD, *(f"{name} (functional)" for name in FUNCTIONAL),
 # The wrapper that holds a collective runs under a frame of this prefix and the collective's code
 # (held_frame_name): a rank's stack or whereabouts then names the collective it waits to enter.
 HELD_FRAME_PREFIX = "held_before__"
-# The function in which a rank waits at the hold for every rank (Agreement._wait_for_every_rank).
-HOLD_WAIT = "_wait_for_every_rank"
+# The functions in which a rank waits at a hold: for every rank (the side all-reduce), or for the members
+# of a smaller group (their keys in the store): Agreement._wait_for_every_rank, _wait_for_members.
+HOLD_WAITS = ("_wait_for_every_rank", "_wait_for_members")
 
 
 def held_frame_name(code: str) -> str:

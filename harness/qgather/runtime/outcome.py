@@ -19,7 +19,7 @@ from typing import Any
 
 from qgather.errors import qualified_name
 from qgather.runtime import gather_note
-from qgather.runtime.held_collectives import HOLD_WAIT, held_collective
+from qgather.runtime.held_collectives import HOLD_WAITS, held_collective
 
 # The rank-side function that runs a case (runtime/rank.py, runtime/external.py): the thread with
 # this frame in a stack dump is the case's thread.
@@ -266,7 +266,7 @@ def _held_at(frames: list[Frame]) -> str | None:
     """The collective a rank waits to enter at qgather's hold (its wait, then the wrapper named after the
     collective: runtime/held_collectives.py); None where it is not waiting there (e.g. inside the
     collective itself, which the wrapper called once every rank had come)."""
-    if not any(func == HOLD_WAIT for _, _, func in frames):
+    if not any(func in HOLD_WAITS for _, _, func in frames):
         return None
     return next((code for _, _, func in frames if (code := held_collective(func))), None)
 

@@ -280,9 +280,9 @@ class RankPool:
             owners[r.conn] = r
             owners[r.process.sentinel] = r
         while replies.pending:
-            if replies.first_failure_at is not None and self._all_pending_wait_in_collectives(replies):
-                if not self._release_held(replies):
-                    break
+            if replies.first_failure_at is not None and self._all_pending_wait_in_collectives(replies) \
+                    and not self._release_held(replies):
+                break
             if watch is not None and replies.first_failure_at is None:
                 replies.stalled = watch.stalled(replies.pending, lambda rank: self._where(self._ranks[rank]))
                 if replies.stalled:
@@ -311,36 +311,39 @@ class RankPool:
         for r in self._ranks:
             if r.rank not in replies.pending:
                 continue
-            frames = self._where(r).frames
-            frame = whereabouts.in_collective(frames)
-            if whereabouts.at_agreement(frames):
-                replies.held.add(r.rank)
+            where = self._where(r)
+            frame = whereabouts.in_collective(where.frames)
+            if whereabouts.at_agreement(where.frames) and where.held_at is not None:
+                replies.held[r.rank] = where.held_at
             else:
-                replies.held.discard(r.rank)
+                replies.held.pop(r.rank, None)
             if frame is None:
                 replies.waiting.pop(r.rank, None)
             elif r.rank not in replies.waiting:
                 replies.waiting[r.rank] = (frame, now)
-        if replies.held == replies.pending and not replies.released:
-            # At a held collective a rank waits for every rank, and one that already answered comes
-            # back to this case only when released: no need to watch the wait for WAIT_EVIDENCE_S.
+        if replies.releasable() or (replies.exit_codes and replies.held.keys() == replies.pending):
+            # At a held collective a rank waits for its group, and a member that already answered comes
+            # back to this case only when released (or never: it died): no need to watch the wait.
             return True
         return all(rank in replies.waiting and now - replies.waiting[rank][1] >= WAIT_EVIDENCE_S
                    for rank in replies.pending)
 
     def _release_held(self, replies: Replies) -> bool:
-        """Every rank still in the case waits at a held collective (runtime/agreement.py) and every
-        other rank is alive: have those join the wait once, so the waiting ranks leave (HeldBack)
-        instead of being killed. False where that cannot be (the pool is then aborted, as before)."""
+        """Ranks wait at held collectives (runtime/agreement.py) that only ranks which answered can end,
+        and every rank is alive: have those join each such wait of their groups once, so the waiting
+        ranks leave (HeldBack) instead of being killed. False where there is none (the ranks still
+        waiting after a release are left behind: the pool is aborted, as before)."""
+        waits = replies.releasable()
         answered = [r for r in self._ranks if r.rank not in replies.pending]
-        if replies.released or replies.exit_codes or replies.held != replies.pending \
-                or not all(r.process.is_alive() for r in answered):
-            return False  # once only: ranks still waiting after a release are left behind
-        replies.released = True
+        if not waits or replies.exit_codes or not all(r.process.is_alive() for r in answered):
+            return False
+        replies.released.update(waits)
         for r in answered:
-            send(r.conn, encode(protocol.Release()))
-        replies.waiting.clear()
-        replies.held.clear()
+            if mine := tuple(held for held in waits if r.rank in held.ranks):
+                send(r.conn, encode(protocol.Release(mine)))
+        for rank in [rank for rank, held in replies.held.items() if held in waits]:
+            del replies.held[rank]
+            replies.waiting.pop(rank, None)
         return True
 
     def _where(self, r: _Rank) -> protocol.Whereabouts:

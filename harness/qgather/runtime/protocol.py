@@ -71,10 +71,21 @@ class Stop:
     """Leave the process group and exit (a graceful shutdown)."""
 
 
+@dataclass(frozen=True, order=True)
+class HeldWait:
+    """A held collective's wait (qgather.runtime.agreement): the pool's ranks of the collective's group
+    (sorted; every rank: the side all-reduce) and the group's count of held collectives so far in the case."""
+
+    ranks: tuple[int, ...]
+    sequence: int
+
+
 @dataclass(frozen=True)
 class Release:
-    """To a rank that answered its case while others still wait at a held collective
-    (qgather.runtime.agreement): join that wait once, saying it will not come."""
+    """To a rank that answered its case while others still wait at held collectives of its groups
+    (qgather.runtime.agreement): join each of those `waits` once, saying it will not come."""
+
+    waits: tuple[HeldWait, ...]
 
 
 # -- rank -> runner ---------------------------------------------------------------------------
@@ -128,11 +139,13 @@ class WhereQuery:
 
 @dataclass(frozen=True)
 class Whereabouts:
-    """The innermost frames of a rank's main thread ("file:line function", oldest first) and the
-    facts its case noted so far (`qgather.runtime.whereabouts.note`)."""
+    """The innermost frames of a rank's main thread ("file:line function", oldest first), the
+    facts its case noted so far (`qgather.runtime.whereabouts.note`), and the held collective it
+    waits at (None: none)."""
 
     frames: tuple[str, ...] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
+    held_at: HeldWait | None = None
 
 
 # -- a launched job's store -------------------------------------------------------------------

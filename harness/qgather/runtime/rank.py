@@ -35,6 +35,7 @@ from qgather.runtime.protocol import (
     RUNNER_TO_RANK,
     HealthCheck,
     HeldBack,
+    HeldWait,
     ProtocolError,
     Raised,
     Ready,
@@ -229,7 +230,7 @@ def _join_group(config: RankConfig, phases: _StartPhases) -> _RankState:
     phases.lap("process group")
     dist.barrier()
     phases.lap("first barrier")
-    agreement = Agreement(config.world_size) if config.hold_collectives else None
+    agreement = Agreement(config.world_size, store, config.pg_timeout_s) if config.hold_collectives else None
     phases.lap("side group")
     return _RankState(config, device, dist.group.WORLD, agreement=agreement)
 
@@ -248,8 +249,8 @@ def _serve(state: _RankState, conn: Connection) -> None:
                 reply = run_case_on_rank(state, message)
             case HealthCheck(sequence=sequence):
                 reply = _health_check(state, sequence)
-            case Release():
-                _release(state)
+            case Release(waits=waits):
+                _release(state, waits)
                 continue  # the case was answered already: a release has no reply of its own
             case other:
                 raise ProtocolError(f"rank {state.config.rank} cannot serve {type(other).__qualname__}")
@@ -264,6 +265,8 @@ def run_case_on_rank(state: _RankState, message: RunCase) -> bytes:
     config = state.config
     whereabouts.NOTES.clear()
     try:
+        if state.agreement is not None:
+            state.agreement.next_case()
         fn, args = decode_case(message.blob)
         state.barrier()
         torch.manual_seed(message.seed)
@@ -305,13 +308,15 @@ def _release_device_memory(state: _RankState) -> None:
     gc.freeze()
 
 
-def _release(state: _RankState) -> None:
-    """Join the held collective the ranks still in the case wait at. Should it fail, the health check
-    that follows every failed case finds the pool out of step, and the pool is replaced."""
+def _release(state: _RankState, waits: tuple[HeldWait, ...]) -> None:
+    """Join each held collective of this rank's groups that ranks still in the case wait at. Should it
+    fail, the health check that follows every failed case finds the pool out of step, and the pool is
+    replaced (a rank left waiting: the case ends as before, and the pool is aborted)."""
     if state.agreement is None:
         return
-    with contextlib.suppress(Exception):
-        state.agreement.release()
+    for wait in waits:
+        with contextlib.suppress(Exception):
+            state.agreement.release(wait)
 
 
 def _health_check(state: _RankState, sequence: int) -> bytes:

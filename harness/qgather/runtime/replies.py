@@ -36,9 +36,11 @@ class Replies:
     first_failure_at: float | None = None
     waiting: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (collective frame, since)
     stalled: str = ""  # the note of a stall's evidence that ended it (qgather.runtime.stall), not the deadline
-    held: set[int] = field(default_factory=set)  # ranks last seen waiting at a held collective (agreement)
+    held: dict[int, protocol.HeldWait] = field(default_factory=dict)  # rank -> the held collective it was
+    # last seen waiting at (qgather.runtime.agreement)
     held_back: dict[int, str] = field(default_factory=dict)  # rank -> the collective it left its case before
-    released: bool = False  # the answered ranks were asked once to join the held ranks' wait (Release)
+    released: set[protocol.HeldWait] = field(default_factory=set)  # the waits the answered ranks were asked
+    # to join (Release): each once
     start_phases: dict[int, tuple[tuple[str, float], ...]] = field(default_factory=dict)  # rank -> Ready.phases
 
     def __post_init__(self) -> None:
@@ -52,6 +54,16 @@ class Replies:
             for phase, seconds in rank_phases:
                 slowest[phase] = max(slowest.get(phase, 0.0), seconds)
         return tuple((f"rank: {phase}", seconds) for phase, seconds in slowest.items())
+
+    def releasable(self) -> list[protocol.HeldWait]:
+        """The held waits that only the ranks which answered can end, not asked yet: every member of the
+        wait's group either answered or waits at it, and some answered. (A member still in the case
+        elsewhere may yet come; where every member is there, the wait ends by itself.) The side
+        all-reduce of every rank is one only once every rank still in the case waits at it."""
+        waits = set(self.held.values()) - self.released
+        return sorted(wait for wait in waits
+                      if all(self.held.get(member) == wait for member in wait.ranks if member in self.pending)
+                      and not self.pending.issuperset(wait.ranks))
 
     def failed(self) -> None:
         """A rank raised or died: from now on, look where the others are."""

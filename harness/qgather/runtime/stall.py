@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from qgather.runtime import gather_note
-from qgather.runtime.held_collectives import HELD_FRAME_PREFIX, HOLD_WAIT
+from qgather.runtime.held_collectives import HELD_FRAME_PREFIX, HOLD_WAITS
 from qgather.runtime.protocol import Whereabouts
 
 STALL_NOTE = "ended before its deadline: every rank stood still after unequal all-gather sizes"
@@ -67,7 +67,7 @@ def _evidence(seen: dict[int, Whereabouts], world_size: int) -> str:
     """Which stall the ranks' places show, if any (the note that says so)."""
     if len(gather_note.unequal_sizes({rank: w.notes for rank, w in seen.items()})) == world_size:
         return STALL_NOTE
-    at_hold = [rank for rank, w in seen.items() if any(f.endswith(f" {HOLD_WAIT}") for f in w.frames)]
+    at_hold = [rank for rank, w in seen.items() if any(f.rsplit(" ", 1)[-1] in HOLD_WAITS for f in w.frames)]
     inside = [rank for rank, w in seen.items() if rank not in at_hold and _inside_held(w.frames)]
     return SPLIT_NOTE if at_hold and inside and len(at_hold) + len(inside) == world_size else ""
 

@@ -15,13 +15,22 @@ import traceback
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 
-from qgather.runtime.held_collectives import HOLD_WAIT, held_collective
-from qgather.runtime.protocol import WHERE_QUERIES, WHERE_REPLIES, Whereabouts, WhereQuery, decode, encode
+from qgather.runtime.held_collectives import HOLD_WAITS, held_collective
+from qgather.runtime.protocol import (
+    WHERE_QUERIES,
+    WHERE_REPLIES,
+    HeldWait,
+    Whereabouts,
+    WhereQuery,
+    decode,
+    encode,
+)
 
 FRAMES = 12  # innermost frames sent back
-# A held collective's wait (runtime/agreement.py): the rank is outside the library's collective.
+# A held collective's waits (runtime/agreement.py): the rank is outside the library's collective.
+# (the side all-reduce of every rank; the store's keys of the members of a smaller group)
 AGREEMENT_FILE = "runtime/agreement.py"
-AGREEMENT_WAIT = HOLD_WAIT
+AGREEMENT_WAITS = HOLD_WAITS
 # Frames of these files mean: inside a torch.distributed collective (c10d, FSDP2's collectives).
 COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
                     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "torch/distributed/c10d_logger.py")
@@ -44,11 +53,18 @@ NATIVE_COLLECTIVES = (
 #: Short facts the case leaves on its rank as it goes (e.g. what the pre-hook handed the all-gather),
 #: read by the parent when the rank never answers: the evidence a HANG report shows per rank.
 NOTES: dict[str, str] = {}
+#: The held collective this rank waits at now (qgather.runtime.agreement), for the runner to release it.
+_held_at: list[HeldWait | None] = [None]
 
 
 def note(key: str, value: str) -> None:
     """Leave a fact on this rank for a HANG report (the latest value per key counts)."""
     NOTES[key] = value
+
+
+def waiting_at(wait: HeldWait | None) -> None:
+    """Say which held collective this rank waits at from now on (None: it left it)."""
+    _held_at[0] = wait
 
 
 def serve(conn: Connection) -> threading.Thread:
@@ -63,7 +79,7 @@ def serve(conn: Connection) -> threading.Thread:
             except (EOFError, OSError):
                 return
             decode(data, WHERE_QUERIES)
-            reply = encode(Whereabouts(tuple(frames_of(main)), dict(NOTES)))
+            reply = encode(_whereabouts(main))
             try:
                 conn.send_bytes(reply)
             except (OSError, ValueError):
@@ -87,6 +103,15 @@ def ask(conn: Connection, timeout: float) -> Whereabouts:
         return Whereabouts()
 
 
+def _whereabouts(main: int | None) -> Whereabouts:
+    """The main thread's frames and notes, and its held wait where it was the same before and after the
+    frames were taken (a rank that moved on to the next held collective meanwhile says none)."""
+    before = _held_at[0]
+    frames = tuple(frames_of(main))
+    held_at = before if _held_at[0] is before else None
+    return Whereabouts(frames, dict(NOTES), held_at)
+
+
 def frames_of(thread_id: int | None) -> list[str]:
     """The innermost FRAMES frames of a thread, as "file:line function" (oldest first)."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
@@ -104,6 +129,9 @@ def in_collective(frames: Sequence[str]) -> str | None:
     """The collective frame a rank's case is waiting in (innermost first), or None."""
     if any(own in f.replace("\\", "/") and f.endswith(" barrier") for f in frames for own in OWN_BARRIERS):
         return None
+    held = next((f for f in reversed(frames) if _is_agreement_wait(f)), None)
+    if held is not None:  # a held collective's wait: a collective's, though no torch frame may show
+        return held.rsplit("/", 1)[-1]
     if frames and _in_native_collective(frames[-1]):
         return frames[-1].replace("\\", "/").rsplit("/", 1)[-1]
     for frame in reversed(frames):
@@ -120,7 +148,11 @@ def _in_native_collective(frame: str) -> bool:
 
 def at_agreement(frames: Sequence[str]) -> bool:
     """Whether the main thread waits at a held collective (runtime/agreement.py), not inside one."""
-    return any(AGREEMENT_FILE in f.replace("\\", "/") and f.endswith(f" {AGREEMENT_WAIT}") for f in frames)
+    return any(_is_agreement_wait(f) for f in frames)
+
+
+def _is_agreement_wait(frame: str) -> bool:
+    return AGREEMENT_FILE in frame.replace("\\", "/") and frame.rpartition(" ")[2] in AGREEMENT_WAITS
 
 
 def held_back_notes(held_back: Mapping[int, str]) -> dict[int, dict[str, str]]:
@@ -134,15 +166,15 @@ def evidence(where: Whereabouts, left_behind: bool, asked_for: float) -> dict[st
     is: the evidence of where it waits (`asked_for`: the seconds it was given to answer)."""
     facts = dict(where.notes)
     if left_behind:
-        facts["main thread at"] = _held_at(where.frames) or (
+        facts["main thread at"] = _hold_named(where.frames) or (
             where.frames[-1].replace("\\", "/").rsplit("/", 1)[-1] if where.frames else
             f"(no answer within {asked_for:g} s: the rank holds the GIL)")
     return facts
 
 
-def _held_at(frames: Sequence[str]) -> str | None:
+def _hold_named(frames: Sequence[str]) -> str | None:
     """At a held collective: which one, from its wrapper's frame name (runtime/held_collectives.py)."""
     if not at_agreement(frames):
         return None
     held = next((code for f in reversed(frames) if (code := held_collective(f.rsplit(" ", 1)[-1]))), None)
-    return f"qgather's hold before {held}, waiting for every rank to reach it" if held else None
+    return f"qgather's hold before {held}, waiting for every rank of its group to reach it" if held else None
