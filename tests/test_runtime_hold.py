@@ -19,11 +19,11 @@ import torch.distributed as dist
 from qgather.engine.classify import classify_outcome
 from qgather.model.verdict import Verdict
 from qgather.runtime import PoolSpec, RankPool
-from qgather.runtime.agreement import NATIVE, Agreement
+from qgather.runtime.agreement import Agreement
+from qgather.runtime.held_collectives import HOLD_WAITS, NATIVE
 from qgather.runtime.protocol import HeldWait
 from qgather.runtime.replies import Replies
 from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT
-from qgather.runtime.whereabouts import AGREEMENT_WAITS
 
 SPEC = PoolSpec("gloo", 3, "cpu")
 SPEC4 = PoolSpec("gloo", 4, "cpu")
@@ -90,7 +90,7 @@ def rank1_dies_before_a_pair_all_reduce(ctx):
 
 
 def test_the_parent_knows_the_held_waits_by_their_function_names():
-    assert (Agreement._wait_for_every_rank.__name__, Agreement._wait_for_members.__name__) == AGREEMENT_WAITS
+    assert (Agreement._wait_for_every_rank.__name__, Agreement._wait_for_members.__name__) == HOLD_WAITS
 
 
 def test_held_collectives_give_the_same_results(held):

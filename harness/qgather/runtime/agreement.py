@@ -52,10 +52,9 @@ sizes of different collectives.
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -64,20 +63,10 @@ import torch
 import torch.distributed as dist
 
 from qgather.runtime import whereabouts
-from qgather.runtime.held_collectives import (
-    CODES,
-    FUNCTIONAL,
-    FUNCTIONAL_SIZED,
-    HELD,
-    NATIVE,
-    SIZED,
-    held_frame_name,
-)
+from qgather.runtime.held_collectives import CODES, held_frame_name
+from qgather.runtime.hold_sites import NOT_HELD, HeldOp, Site, every_site, native_sites
 from qgather.runtime.outcome import format_ranks
 from qgather.runtime.protocol import HeldWait
-
-# A call that issues no collective of every rank of the pool (a group of some ranks, no amax reduction).
-NOT_HELD = object()
 
 # The store's keys of the held collectives over part of the ranks: <case>/<group's ranks>/<sequence>/<rank>.
 STORE_PREFIX = "qgather-hold/"
@@ -130,31 +119,6 @@ class _Arrival:
         return cls(bool(failed), code, nbytes)
 
 
-@dataclass(frozen=True)
-class _Site:
-    """One held collective: the attribute `name` of `owner` (torch.distributed, the functional ops'
-    namespace, a library class), and what a call of it hands the collective (`called`)."""
-    owner: Any
-    name: str
-    code: str  # its name in CODES
-    called: Callable[[Sequence[Any], dict[str, Any]], tuple[Any, int]]  # (group or NOT_HELD, input bytes or -1)
-    is_op: bool = False  # an op packet: its overloads (`.default`, which compiled graphs call) stay reachable
-
-
-class _HeldOp:
-    """An op packet's stand-in while a case runs: a call is held, any attribute (an overload) is the packet's."""
-
-    def __init__(self, held: Callable[..., Any], packet: Any) -> None:
-        self._held_call = held
-        self._packet = packet
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._held_call(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._packet, name)
-
-
 class Agreement:
     """One rank's side group, its keys in the pool's store, and the wrappers that hold each collective
     of a case over a group this rank is a member of."""
@@ -167,11 +131,11 @@ class Agreement:
         self._timeout_s = timeout_s
         self._flag = torch.zeros(5, dtype=torch.int64)
         self._inside = threading.local()  # a collective that calls others (all_gather_object) holds once
-        self._held: dict[tuple[int, str], tuple[_Site, Any, Any]] = {}  # (id(owner), name): site, original, wrapper
+        self._held: dict[tuple[int, str], tuple[Site, Any, Any]] = {}  # (id(owner), name): site, original, wrapper
         self._case = 0  # the pool's count of cases: a case's keys never meet an earlier case's
         self._sequences: dict[tuple[int, ...], int] = {}  # a group's ranks -> its held collectives in this case
         self._keys: list[str] = []  # this rank's keys in the store, removed at the next case
-        for site in (*_distributed_sites(), *_functional_sites()):
+        for site in every_site():
             self._hold(site)
 
     def next_case(self) -> None:
@@ -187,7 +151,7 @@ class Agreement:
     @contextmanager
     def holding(self) -> Iterator[None]:
         """While the case runs: its collectives are held (and released on the way out)."""
-        for site in _native_sites():  # a case may have imported the library since the last one
+        for site in native_sites():  # a case may have imported the library since the last one
             self._hold(site)
         held = list(self._held.values())
         for site, _, wrapper in held:
@@ -207,7 +171,7 @@ class Agreement:
         self._keys.append(key := self._key(wait, self.rank))
         self._store.compare_set(key, "", _Arrival(True, 0, -1).encode())
 
-    def _hold(self, site: _Site) -> None:
+    def _hold(self, site: Site) -> None:
         key = (id(site.owner), site.name)
         if key in self._held:
             return
@@ -229,7 +193,7 @@ class Agreement:
         # The wrapper's frame is named after what it holds (HELD_FRAME_PREFIX): a stack or whereabouts
         # of a rank waiting at the hold names the collective it waits to enter, not the side all-reduce.
         held.__code__ = held.__code__.replace(co_name=held_frame_name(site.code))
-        wrapper = _HeldOp(held, original) if site.is_op else functools.wraps(original)(held)
+        wrapper = HeldOp(held, original) if site.is_op else functools.wraps(original)(held)
         self._held[key] = (site, original, wrapper)
 
     def _members(self, group: Any) -> tuple[int, ...] | None:
@@ -272,7 +236,7 @@ class Agreement:
 
     def _wait_for_every_rank(self, flag: int, collective: int = 0, nbytes: int = -1) -> bool:
         """The side all-reduce (MAX): True when some rank came with 1 (it failed). whereabouts finds a
-        rank waiting here by this function's name (whereabouts.AGREEMENT_WAITS; tests/test_runtime_hold.py
+        rank waiting here by this function's name (held_collectives.HOLD_WAITS; tests/test_runtime_hold.py
         checks it)."""
         self._flag.copy_(torch.tensor([flag, collective, -collective, nbytes, -nbytes]))
         self._unheld("all_reduce")(self._flag, op=dist.ReduceOp.MAX, group=self.group)
@@ -325,78 +289,3 @@ def _unequal_sizes(arrivals: Mapping[int, _Arrival]) -> dict[int, int]:
     if alike and len({arrival.nbytes for arrival in said}) > 1:
         return {member: arrival.nbytes for member, arrival in arrivals.items()}
     return {}
-
-
-def _distributed_sites() -> list[_Site]:
-    def called(name: str) -> Callable[[Sequence[Any], dict[str, Any]], tuple[Any, int]]:
-        def read(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, int]:
-            group = kwargs.get("group", next((a for a in args if isinstance(a, dist.ProcessGroup)), None))
-            return group, _input_bytes(name, args, kwargs)
-        return read
-    return [_Site(dist, name, name, called(name)) for name in HELD if hasattr(dist, name)]
-
-
-def _functional_sites() -> list[_Site]:
-    """torch.ops._c10d_functional's ops, replaced on the namespace: the functional collectives look them
-    up there at each call (an op the running code already holds, e.g. a compiled graph's, is not held)."""
-    namespace = torch.ops._c10d_functional
-
-    def called(name: str) -> Callable[[Sequence[Any], dict[str, Any]], tuple[Any, int]]:
-        def read(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, int]:
-            group = _group_named(kwargs.get("group_name", args[-1] if args else None))
-            tensor = args[0] if args else None
-            sized = name in FUNCTIONAL_SIZED and isinstance(tensor, torch.Tensor)
-            return group, tensor.numel() * tensor.element_size() if sized else -1
-        return read
-    return [_Site(namespace, name, f"{name} (functional)", called(name), is_op=True)
-            for name in FUNCTIONAL if _has_op(namespace, name)]
-
-
-def _native_sites() -> list[_Site]:
-    """The NATIVE methods of the libraries this rank has imported."""
-    sites = []
-    for module_name, class_name, methods in NATIVE:
-        owner = getattr(sys.modules.get(module_name), class_name, None)
-        sites += [_Site(owner, method, f"{class_name}.{method}", _amax_group)
-                  for method in methods if owner is not None and hasattr(owner, method)]
-    return sites
-
-
-def _amax_group(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, int]:
-    """A quantizer's amax reduction group for this call (self, src[, dst]): the destination's group
-    where it has one (update_quantized), else the quantizer's own if it reduces the amax; None: WORLD."""
-    quantizer = args[0] if args else None
-    destination = kwargs.get("dst", args[2] if len(args) > 2 else None)
-    group = getattr(destination, "amax_reduction_group", None)
-    if group is not None:
-        return group, -1
-    if getattr(quantizer, "with_amax_reduction", False):
-        return getattr(quantizer, "amax_reduction_group", None), -1
-    return NOT_HELD, -1
-
-
-def _group_named(name: Any) -> Any:
-    """The process group a functional collective names; NOT_HELD where it cannot be found."""
-    try:
-        return dist.distributed_c10d._resolve_process_group(name)
-    except Exception:  # noqa: BLE001 - an unknown name: the op itself says what is wrong
-        return NOT_HELD
-
-
-def _has_op(namespace: Any, name: str) -> bool:
-    try:
-        getattr(namespace, name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def _input_bytes(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
-    """The bytes of a SIZED collective's input (-1 for any other collective, or an input it cannot read)."""
-    if name not in SIZED:
-        return -1
-    position, keyword = SIZED[name]
-    tensor = kwargs.get(keyword, args[position] if len(args) > position else None)
-    if not isinstance(tensor, torch.Tensor):
-        return -1
-    return tensor.numel() * tensor.element_size()

@@ -5,6 +5,8 @@ runner can read a rank's stack (runtime/outcome.py) without importing what the r
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # torch.distributed's functions that are collectives over a group (the group argument's name).
 # (all_gather_single and reduce_scatter_single: what FSDP2 calls on newer torch; absent names are skipped)
 HELD = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_reduce", "reduce_scatter_tensor",
@@ -49,3 +51,18 @@ def held_collective(frame_name: str) -> str | None:
     if not frame_name.startswith(HELD_FRAME_PREFIX):
         return None
     return next((code for code in CODES if held_frame_name(code) == frame_name), None)
+
+
+def waits_at_hold(functions: Iterable[str]) -> str | None:
+    """The collective a rank waits at the hold before, from its stack's function names (any order): a
+    hold's wait (HOLD_WAITS) under the wrapper named after the collective. None where it waits at none."""
+    names = list(functions)
+    if not any(name in HOLD_WAITS for name in names):
+        return None
+    return next((code for name in names if (code := held_collective(name))), None)
+
+
+def inside_held(functions: Iterable[str]) -> bool:
+    """Inside a collective its hold let the rank into: the holding wrapper on the stack, no hold's wait."""
+    names = list(functions)
+    return not any(name in HOLD_WAITS for name in names) and any(name.startswith(HELD_FRAME_PREFIX) for name in names)

@@ -19,7 +19,7 @@ from typing import Any
 
 from qgather.errors import qualified_name
 from qgather.runtime import gather_note
-from qgather.runtime.held_collectives import HOLD_WAITS, held_collective
+from qgather.runtime.held_collectives import waits_at_hold
 
 # The rank-side function that runs a case (runtime/rank.py, runtime/external.py): the thread with
 # this frame in a stack dump is the case's thread.
@@ -249,7 +249,7 @@ def where_blocked(stack_text: str) -> str:
     frames = case_frames(stack_text)
     if not any(func == CASE_FRAME for _, _, func in frames):
         return "not running the case"
-    held = _held_at(frames)
+    held = waits_at_hold(func for _, _, func in frames)
     if held is not None:  # runtime/agreement.py: outside the library's collective, waiting for every rank
         return f"waiting at qgather's hold before a collective ({held})"
     for frame in frames:  # innermost first
@@ -260,15 +260,6 @@ def where_blocked(stack_text: str) -> str:
             return f"in {func} ({file.rsplit('/', 1)[-1]}:{line})"
     file, line, func = frames[0]
     return f"in {func} ({file.rsplit('/', 1)[-1]}:{line})"
-
-
-def _held_at(frames: list[Frame]) -> str | None:
-    """The collective a rank waits to enter at qgather's hold (its wait, then the wrapper named after the
-    collective: runtime/held_collectives.py); None where it is not waiting there (e.g. inside the
-    collective itself, which the wrapper called once every rank had come)."""
-    if not any(func in HOLD_WAITS for _, _, func in frames):
-        return None
-    return next((code for _, _, func in frames if (code := held_collective(func))), None)
 
 
 def _threads(stack_text: str) -> list[list[tuple[str, int, str]]]:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from qgather.runtime import gather_note
-from qgather.runtime.held_collectives import HELD_FRAME_PREFIX, HOLD_WAITS
+from qgather.runtime.held_collectives import inside_held, waits_at_hold
 from qgather.runtime.protocol import Whereabouts
 
 STALL_NOTE = "ended before its deadline: every rank stood still after unequal all-gather sizes"
@@ -67,11 +67,8 @@ def _evidence(seen: dict[int, Whereabouts], world_size: int) -> str:
     """Which stall the ranks' places show, if any (the note that says so)."""
     if len(gather_note.unequal_sizes({rank: w.notes for rank, w in seen.items()})) == world_size:
         return STALL_NOTE
-    at_hold = [rank for rank, w in seen.items() if any(f.rsplit(" ", 1)[-1] in HOLD_WAITS for f in w.frames)]
-    inside = [rank for rank, w in seen.items() if rank not in at_hold and _inside_held(w.frames)]
+    functions = {rank: [f.rsplit(" ", 1)[-1] for f in w.frames] for rank, w in seen.items()}
+    at_hold = [rank for rank, names in functions.items() if waits_at_hold(names)]
+    inside = [rank for rank, names in functions.items() if inside_held(names)]
     return SPLIT_NOTE if at_hold and inside and len(at_hold) + len(inside) == world_size else ""
 
-
-def _inside_held(frames: tuple[str, ...]) -> bool:
-    """Inside a collective its hold let the rank into: the holding wrapper's frame is on the stack."""
-    return any(f.rsplit(" ", 1)[-1].startswith(HELD_FRAME_PREFIX) for f in frames)

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 
-from qgather.runtime.held_collectives import HOLD_WAITS, held_collective
+from qgather.runtime.held_collectives import HOLD_WAITS, waits_at_hold
 from qgather.runtime.protocol import (
     WHERE_QUERIES,
     WHERE_REPLIES,
@@ -30,7 +30,6 @@ FRAMES = 12  # innermost frames sent back
 # A held collective's waits (runtime/agreement.py): the rank is outside the library's collective.
 # (the side all-reduce of every rank; the store's keys of the members of a smaller group)
 AGREEMENT_FILE = "runtime/agreement.py"
-AGREEMENT_WAITS = HOLD_WAITS
 # Frames of these files mean: inside a torch.distributed collective (c10d, FSDP2's collectives).
 COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
                     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "torch/distributed/c10d_logger.py")
@@ -54,6 +53,8 @@ NATIVE_COLLECTIVES = (
 #: read by the parent when the rank never answers: the evidence a HANG report shows per rank.
 NOTES: dict[str, str] = {}
 #: The held collective this rank waits at now (qgather.runtime.agreement), for the runner to release it.
+#: Module state for the reason NOTES is: one per rank process, set by its main thread and read by the
+#: whereabouts thread, which has no other object in common with the case.
 _held_at: list[HeldWait | None] = [None]
 
 
@@ -152,7 +153,7 @@ def at_agreement(frames: Sequence[str]) -> bool:
 
 
 def _is_agreement_wait(frame: str) -> bool:
-    return AGREEMENT_FILE in frame.replace("\\", "/") and frame.rpartition(" ")[2] in AGREEMENT_WAITS
+    return AGREEMENT_FILE in frame.replace("\\", "/") and frame.rpartition(" ")[2] in HOLD_WAITS
 
 
 def held_back_notes(held_back: Mapping[int, str]) -> dict[int, dict[str, str]]:
@@ -166,15 +167,15 @@ def evidence(where: Whereabouts, left_behind: bool, asked_for: float) -> dict[st
     is: the evidence of where it waits (`asked_for`: the seconds it was given to answer)."""
     facts = dict(where.notes)
     if left_behind:
-        facts["main thread at"] = _hold_named(where.frames) or (
-            where.frames[-1].replace("\\", "/").rsplit("/", 1)[-1] if where.frames else
-            f"(no answer within {asked_for:g} s: the rank holds the GIL)")
+        facts["main thread at"] = _main_thread_at(where.frames, asked_for)
     return facts
 
 
-def _hold_named(frames: Sequence[str]) -> str | None:
-    """At a held collective: which one, from its wrapper's frame name (runtime/held_collectives.py)."""
-    if not at_agreement(frames):
-        return None
-    held = next((code for f in reversed(frames) if (code := held_collective(f.rsplit(" ", 1)[-1]))), None)
-    return f"qgather's hold before {held}, waiting for every rank of its group to reach it" if held else None
+def _main_thread_at(frames: Sequence[str], asked_for: float) -> str:
+    if not frames:
+        return f"(no answer within {asked_for:g} s: the rank holds the GIL)"
+    held = waits_at_hold(f.rsplit(" ", 1)[-1] for f in frames)
+    if held:
+        return f"qgather's hold before {held}, waiting for every rank of its group to reach it"
+    return frames[-1].replace("\\", "/").rsplit("/", 1)[-1]
+
