@@ -300,3 +300,22 @@ def test_no_standby_starts_while_another_process_waits_for_seats(monkeypatch):
     monkeypatch.setattr(registry, "someone_waits", lambda: False)
     monkeypatch.setattr(RankPool, "start_in_background", lambda self: None)
     assert registry._standby_for(restarted.spec, restarted) is restarted and restarted.spec in registry._standby
+
+
+def test_the_seat_plan_closes_a_quiet_run_whose_header_pytest_did_not_show():
+    from qgather.pytest_plugin import gpu_schedule, session
+
+    class Terminal:
+        def __init__(self, verbosity: int) -> None:
+            self.verbosity, self.lines = verbosity, []
+
+        def write_line(self, line: str) -> None:
+            self.lines.append(line)
+
+    config = type("Config", (), {"stash": {gpu_schedule.seat_plan_key: plan_seats([139 * GIB], 120 * GIB)}})()
+    quiet, verbose = Terminal(-1), Terminal(0)
+    session.pytest_terminal_summary(quiet, config)
+    session.pytest_terminal_summary(verbose, config)  # pytest's header said it already
+    assert quiet.lines == [f"qgather: {config.stash[gpu_schedule.seat_plan_key].describe()}"]
+    assert quiet.lines[0].startswith("qgather: GPU seats: 84 per GPU (tightest GPU 139.0 GiB free")
+    assert verbose.lines == []

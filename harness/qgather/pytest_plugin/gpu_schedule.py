@@ -29,8 +29,10 @@ from qgather.suite.shape_space import MAX_ELEMENTS
 
 GIB = 1 << 30
 # One CUDA rank's own device memory beside its case: its context, cuBLAS's and NCCL's workspaces and
-# TransformerEngine's (about 0.6 GiB seen per rank on an H200: docs/gpu-results.md), with room to spare.
-RANK_GPU_BYTES = 3 * GIB // 2
+# TransformerEngine's, with room to spare. On the 1 x H200 gate (2026-11-29, docs/gpu-results.md) the GPU
+# held 62 GB at 71 ranks (0.9 GB a rank, cases included; 0.95 GB in the TE gate): 1.5 GiB made K 71 there,
+# which the run's pools, standbys and restarts filled, so that workers stopped each other's warm pools.
+RANK_GPU_BYTES = 5 * GIB // 4
 RANK_HOST_BYTES = GIB  # a rank's private host memory (torch, CUDA's host side); the rest is shared
 # The largest weight of the suite in float32, held a few times over on a rank (the shard, the gathered
 # weight, the golden, the one-device twin, the dequantized copies), at most this many times.

@@ -91,6 +91,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return report_header(config)
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """The GPU seats again where pytest showed no header (-q, as `make test-multigpu` runs): a run's
+    pool starts and seat waits are read against K."""
+    if terminalreporter.verbosity < 0:
+        for line in report_header(config):
+            terminalreporter.write_line(line)
+
+
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Under a launcher, a broken world stops every rank at the same case."""
     broken = external.world_broken()
