@@ -66,8 +66,10 @@ class TransformerEngineRoute(TEAdapter):
         (which reduces the amax over the mesh's "shard" dimension under HSDP). `setup` is the
         scenario's qgather.scenarios.fsdp_setup.Setup, handed in as a value."""
         _check_no_leaked_autocast()
-        rows = setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype)
-        module = self._linear_on_meta(spec, rows, tp=setup.tp)
+        # No name here keeps the rows: init_method lets go of them once written, before TE quantizes the
+        # shard (they are a copy where the master's device or dtype differs from the case's).
+        module = self._linear_on_meta(spec, setup.master_slice(master).to(device=ctx.device, dtype=spec.torch_dtype),
+                                      tp=setup.tp)
         from torch.distributed.fsdp import fully_shard  # deferred: listing cases loads this adapter, not FSDP2
 
         fully_shard(module, **setup.kwargs)
