@@ -38,12 +38,17 @@ def note_lines(notes: dict[int, dict[str, str]]) -> list[str]:
 
 DETAIL_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 DETAIL_LIMIT = 600  # characters kept of a rank's DETAIL error (the fingerprints of both collectives)
+WARM_UP_S = 120.0  # the most the fresh pool's ranks may take to import the scenarios before the re-run
 
 
 def detail_evidence(pool_spec: PoolSpec, spec: CaseSpec, kwargs: dict) -> list[str]:
     """Re-run a hung case once on a fresh pool under TORCH_DISTRIBUTED_DEBUG=DETAIL and say what it showed."""
     pool = RankPool(pool_spec, env=DETAIL_ENV)
     try:
+        # A fresh pool's ranks import the scenarios inside their first case: on a loaded host that took
+        # longer than a short case timeout, and the re-run "hung again" in an import. Here they import
+        # them first (unpickling this module's function does), outside the re-run's deadline.
+        pool.run(_ready, timeout=WARM_UP_S)
         outcome = pool.run(run_on_rank, spec, **kwargs)
     finally:
         pool.shutdown()
@@ -59,6 +64,10 @@ def detail_evidence(pool_spec: PoolSpec, spec: CaseSpec, kwargs: dict) -> list[s
     if outcome.status is OutcomeStatus.HANG:
         return [f"{head} hung again; no collective mismatch detected ({outcome.summary()})"]
     return [f"{head} {outcome.headline()}"]
+
+
+def _ready(ctx: object) -> None:
+    """Nothing: a rank that runs it has imported this module, and with it the scenarios."""
 
 
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),?\s*"
