@@ -269,15 +269,16 @@ class StandInQuantizer:
     """TE's current-scaling quantizer as the hold sees it: with amax reduction, quantize_impl all-reduces
     the amax inside a call no torch.distributed frame shows (here the unheld all-reduce, one level down)."""
 
-    def __init__(self, reduce_amax: bool) -> None:
+    def __init__(self, reduce_amax: bool, skips_reduction: bool = False) -> None:
         self.with_amax_reduction = reduce_amax
         self.amax_reduction_group = None
+        self.skips_reduction = skips_reduction  # a defect the hold cannot foresee: skips it with rows
 
     def quantize_impl(self, tensor):
         if tensor.numel() == 0:  # as TE's native code on a zero-row rank: no amax, and no reduction
             return []
         amax = tensor.abs().max().reshape(1)
-        if self.with_amax_reduction:
+        if self.with_amax_reduction and not self.skips_reduction:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # inside the held call: not held again
         return amax
 
@@ -321,12 +322,48 @@ def test_a_library_method_that_reduces_the_amax_natively_is_held():
         pool.shutdown()
 
 
-def zero_row_rank_skips_the_reduction_inside(ctx):
-    """Every rank comes to the held quantizer call; the zero-row rank's skips the reduction inside it and
-    goes on to the next collective, where it waits at the hold while the others wait inside."""
-    rows = 0 if ctx.rank == ctx.world_size - 1 else 2
-    StandInQuantizer(reduce_amax=True).quantize_impl(torch.ones(rows))
+def last_rank_skips_the_reduction_inside(ctx):
+    """Every rank comes to the held quantizer call with rows; the last rank's skips the reduction inside it
+    and goes on to the next collective, where it waits at the hold while the others wait inside."""
+    StandInQuantizer(reduce_amax=True, skips_reduction=ctx.rank == ctx.world_size - 1).quantize_impl(torch.ones(2))
     dist.barrier()
+
+
+def last_rank_has_no_rows(ctx):
+    rows = 0 if ctx.rank == ctx.world_size - 1 else 2 + ctx.rank  # uneven rows: the quantizer's normal case
+    return StandInQuantizer(reduce_amax=True).quantize_impl(torch.ones(rows))
+
+
+def every_rank_has_rows_of_its_own(ctx):
+    return StandInQuantizer(reduce_amax=True).quantize_impl(torch.full((1 + ctx.rank,), float(ctx.rank))).tolist()
+
+
+def no_rank_has_rows(ctx):
+    return StandInQuantizer(reduce_amax=True).quantize_impl(torch.ones(0))
+
+
+def test_a_zero_row_rank_beside_ranks_with_rows_stops_every_rank_before_the_native_reduction():
+    """TE's quantizers return before their amax all-reduce on an empty input: the ranks with rows would
+    wait in it forever (a pool aborted). Held, every rank raises before it, and the pool stays warm."""
+    pool = RankPool(SPEC, hold_collectives=True)
+    try:
+        assert pool.run(install_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"
+        pids = pool.pids
+        out = pool.run(last_rank_has_no_rows, timeout=CASE_TIMEOUT_S)
+        assert out.status == "error" and sorted(out.errors) == [0, 1, 2], out.summary()
+        assert {error.type_name for error in out.errors.values()} == {"UnjoinedCollective"}
+        found = classify_outcome(out, SPEC.world_size)
+        assert found.verdict == Verdict.ERROR, found
+        assert "ranks 2 handed Float8CurrentScalingQuantizer.quantize_impl an empty input" in found.reason, found
+        assert "which ranks 0,1 would enter and wait in forever" in found.reason, found
+        assert pool.pids == pids  # nobody was left inside the reduction
+        out = pool.run(every_rank_has_rows_of_its_own, timeout=CASE_TIMEOUT_S)  # uneven, none empty: held, run
+        assert out.status == "ok" and out.results == [[2.0]] * 3, out.summary()
+        assert pool.run(no_rank_has_rows, timeout=CASE_TIMEOUT_S).status == "ok"  # nobody reduces: no hang
+        assert pool.pids == pids
+        assert pool.run(remove_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"
+    finally:
+        pool.shutdown()
 
 
 def test_ranks_split_between_the_hold_and_the_collective_it_let_them_into_end_as_a_hang_early(monkeypatch):
@@ -336,7 +373,7 @@ def test_ranks_split_between_the_hold_and_the_collective_it_let_them_into_end_as
     pool = RankPool(SPEC, hold_collectives=True)
     try:
         assert pool.run(install_stand_in, timeout=CASE_TIMEOUT_S).status == "ok"
-        out = pool.run(zero_row_rank_skips_the_reduction_inside, timeout=CASE_TIMEOUT_S)
+        out = pool.run(last_rank_skips_the_reduction_inside, timeout=CASE_TIMEOUT_S)
         assert out.status == "hang" and out.note == stall.SPLIT_NOTE, out.summary()
         assert out.duration_s < CASE_TIMEOUT_S / 2, out.summary()
         summary = classify_outcome(out, SPEC.world_size).reason

@@ -15,7 +15,7 @@ from qgather.engine.evidence import note_lines, stack_lines
 from qgather.model.phases import BEFORE_DATA_MOVED
 from qgather.model.records import Comparison, ModuleCheck, RankResult, Stage, WireSummary
 from qgather.model.verdict import Verdict
-from qgather.runtime.agreement import UnequalCollectiveSizes
+from qgather.runtime.agreement import UnequalCollectiveSizes, UnjoinedCollective
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_error_on_every_rank
 
 
@@ -41,12 +41,13 @@ def no_declared_rejections(error: RankError) -> str:
 
 
 # Exception types that say the implementation's own code broke (a None where a tensor belongs, a
-# missing attribute, a bad key or index; ranks handing one collective different sizes, which a held
-# collective stops on every rank: qgather.runtime.agreement), not that it refused a shape: never a
-# rejection, even when every rank raises the same one.
+# missing attribute, a bad key or index; ranks handing one collective different sizes, or an amax
+# reduction some of them would skip, which a held collective stops on every rank:
+# qgather.runtime.agreement), not that it refused a shape: never a rejection, even when every rank
+# raises the same one.
 INTERNAL_ERRORS = frozenset({"AttributeError", "TypeError", "NameError", "UnboundLocalError", "KeyError",
                              "IndexError", "ZeroDivisionError", "RecursionError", "HarnessFault",
-                             UnequalCollectiveSizes.__name__})
+                             UnequalCollectiveSizes.__name__, UnjoinedCollective.__name__})
 
 # Messages of Python's own faults that arrive as a ValueError (a hook unpacking fewer buffers than
 # it expects): an internal fault, not a constraint being named.

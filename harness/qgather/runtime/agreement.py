@@ -33,14 +33,20 @@ forever or reads past the shorter buffer, gloo aborts the process. Held, every m
 `UnequalCollectiveSizes` instead, naming each member's bytes, before any of it enters the collective;
 the pool stays warm.
 
+The library methods that all-reduce an amax from native code (NATIVE) hand the agreement the bytes of
+the input they quantize. TE's return before that all-reduce on an empty input (EMPTY_INPUT_SKIPS): where
+some members come with a zero-row shard and others with rows, every member raises `UnjoinedCollective`
+before the call, naming the empty ones; the ranks with rows would otherwise wait inside it for ranks that
+never come, and only killing them ends that (a HANG, or an ERROR whose ranks are left behind).
+
 Held, besides torch.distributed's functions: torch's functional collectives (the ops DTensor and
 torchao's amax reduction issue), and the library methods that all-reduce an amax from native code
 (TransformerEngine's current-scaling and NVFP4 quantizers, with amax reduction), over every rank or
 some (runtime/held_collectives.py names them). On the GPU gate (1 x H200, 2026-11-29) ranks left in
 torchao's functional all-reduce aborted 43 pools in one run; in the next, 39 such cases were released at
 the hold instead, while 25 cases still left ranks in collectives over part of the ranks (held since).
-No case has been released at TE's quantizers yet: 16 TE cases still left a rank inside `quantize_impl`'s
-native call (docs/gpu-results.md).
+TE cases still left a rank inside `quantize_impl`'s native call: 40 in one run, each a zero-row shard
+beside shards with rows (stopped at the hold since, as above; docs/gpu-results.md).
 
 What it cannot hold: native collectives it does not know, collectives a compiled graph issues (its ops
 are bound when it compiles), and a collective over a group torch.distributed does not list. A rank
@@ -63,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from qgather.runtime import whereabouts
-from qgather.runtime.held_collectives import CODES, held_frame_name
+from qgather.runtime.held_collectives import CODES, EMPTY_INPUT_SKIPS, held_frame_name
 from qgather.runtime.hold_sites import NOT_HELD, HeldOp, Site, every_site, native_sites
 from qgather.runtime.outcome import format_ranks
 from qgather.runtime.protocol import HeldWait
@@ -95,6 +101,21 @@ class UnequalCollectiveSizes(BaseException):
         handed = ", ".join(f"rank {rank}: {size} bytes" for rank, size in sorted(sizes.items()))
         super().__init__(f"the ranks handed {collective} different sizes ({handed}): qgather held every rank "
                          "before it (NCCL would wait forever or read past the shorter buffers; gloo aborts)")
+        self.collective = collective
+        self.sizes = dict(sizes)
+
+
+class UnjoinedCollective(BaseException):
+    """Every rank of a group came to a library method that all-reduces its amax from native code, some of
+    them with an empty input, on which the method returns before the all-reduce (EMPTY_INPUT_SKIPS): the
+    others would wait in it forever. Raised on each of them before any enters it, as UnequalCollectiveSizes."""
+
+    def __init__(self, collective: str, sizes: Mapping[int, int]) -> None:
+        empty = [rank for rank, size in sorted(sizes.items()) if size == 0]
+        others = [rank for rank, size in sorted(sizes.items()) if size > 0]
+        super().__init__(f"ranks {format_ranks(empty)} handed {collective} an empty input, on which it returns before "
+                         f"its amax all-reduce, which ranks {format_ranks(others)} would enter and wait in forever: "
+                         "qgather held every rank before it")
         self.collective = collective
         self.sizes = dict(sizes)
 
@@ -221,16 +242,18 @@ class Agreement:
         try:
             if len(members) == self.world_size:
                 failed = self._wait_for_every_rank(0, code, nbytes)
-                sizes = dict(enumerate(self._every_ranks_bytes(nbytes))) if not failed and self._sizes_differ() \
-                    else {}
+                sizes = dict(enumerate(self._every_ranks_bytes(nbytes))) \
+                    if not failed and self._sizes_matter(collective) else {}
             else:
                 arrivals = self._wait_for_members(wait, _Arrival(False, code, nbytes))
                 failed = any(arrival.failed for arrival in arrivals.values())
-                sizes = _unequal_sizes(arrivals)
+                sizes = _sizes_that_matter(collective, arrivals)
         finally:
             whereabouts.waiting_at(None)
         if failed:
             raise HeldBackError(collective)
+        if sizes and collective in EMPTY_INPUT_SKIPS:
+            raise UnjoinedCollective(collective, sizes)
         if sizes:
             raise UnequalCollectiveSizes(collective, sizes)
 
@@ -265,27 +288,38 @@ class Agreement:
     def _key(self, wait: HeldWait, rank: int) -> str:
         return f"{self._case}/{format_ranks(list(wait.ranks))}/{wait.sequence}/{rank}"
 
-    def _sizes_differ(self) -> bool:
-        """After the side all-reduce: every rank came to one SIZED collective, with different sizes."""
+    def _sizes_matter(self, collective: str) -> bool:
+        """After the side all-reduce: every rank came to `collective` with sizes that stop it (_stops)."""
         same_collective = int(self._flag[CODE_MAX]) == -int(self._flag[CODE_MIN])
-        sized = int(self._flag[BYTES_MAX]) >= 0 and -int(self._flag[BYTES_MIN]) >= 0
-        return same_collective and sized and int(self._flag[BYTES_MAX]) != -int(self._flag[BYTES_MIN])
+        return same_collective and _stops(collective, int(self._flag[BYTES_MAX]), -int(self._flag[BYTES_MIN]))
 
     def _unheld(self, name: str) -> Callable[..., Any]:
         """torch.distributed's own function, not the wrapper a case sees."""
         return self._held[(id(dist), name)][1]
 
     def _every_ranks_bytes(self, nbytes: int) -> list[int]:
-        """What each rank handed the collective (every rank asks: every rank saw the sizes differ)."""
+        """What each rank handed the collective (every rank asks: every rank saw sizes that stop it)."""
         gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self._unheld("all_gather")(gathered, torch.tensor([nbytes]), group=self.group)
         return [int(t.item()) for t in gathered]
 
 
-def _unequal_sizes(arrivals: Mapping[int, _Arrival]) -> dict[int, int]:
-    """Each member's bytes where every member came to one SIZED collective with different sizes, else {}."""
+def _sizes_that_matter(collective: str, arrivals: Mapping[int, _Arrival]) -> dict[int, int]:
+    """Each member's bytes where every member came to `collective` with sizes that stop it (_stops), else {}."""
     said = list(arrivals.values())
-    alike = len({arrival.code for arrival in said}) == 1 and all(arrival.nbytes >= 0 for arrival in said)
-    if alike and len({arrival.nbytes for arrival in said}) > 1:
-        return {member: arrival.nbytes for member, arrival in arrivals.items()}
-    return {}
+    if len({arrival.code for arrival in said}) != 1:
+        return {}
+    sizes = [arrival.nbytes for arrival in said]
+    return {member: arrival.nbytes for member, arrival in arrivals.items()} \
+        if _stops(collective, max(sizes), min(sizes)) else {}
+
+
+def _stops(collective: str, largest: int, smallest: int) -> bool:
+    """Whether inputs from `smallest` to `largest` bytes (-1: not read) keep the ranks out of `collective`:
+    an empty input beside others where it skips its reduction on one (EMPTY_INPUT_SKIPS: uneven inputs are
+    its normal case), else unequal sizes (a SIZED collective: only those have their bytes read)."""
+    if smallest < 0:
+        return False
+    if collective in EMPTY_INPUT_SKIPS:
+        return smallest == 0 < largest
+    return largest != smallest

@@ -30,6 +30,11 @@ FUNCTIONAL_SIZED = frozenset({"all_reduce", "all_gather_into_tensor", "reduce_sc
 NATIVE = (("transformer_engine.pytorch.tensor.float8_tensor", "Float8CurrentScalingQuantizer",
            ("quantize_impl", "update_quantized")),
           ("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Quantizer", ("quantize_impl", "update_quantized")))
+# The NATIVE methods that return before their amax all-reduce when handed an empty input (TE 2.20's
+# quantizer.cpp: Float8CurrentScalingQuantizer's and NVFP4Quantizer's quantize_impl, "Nothing to be done
+# if input is empty", which update_quantized reaches too): a rank with a zero-row shard never joins the
+# all-reduce that the ranks with rows enter and wait in.
+EMPTY_INPUT_SKIPS = frozenset(f"{cls}.{method}" for _, cls, methods in NATIVE for method in methods)
 # Each held collective's code in the side all-reduce: its place in one list that every rank builds alike.
 CODES = (*HELD, *(f"{name} (functional)" for name in FUNCTIONAL),
          *(f"{cls}.{method}" for _, cls, methods in NATIVE for method in methods))

@@ -86,14 +86,17 @@ def native_sites() -> list[Site]:
 
 def _amax_group(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, int]:
     """A quantizer's amax reduction group for this call (self, src[, dst]): the destination's group
-    where it has one (update_quantized), else the quantizer's own if it reduces the amax; None: WORLD."""
+    where it has one (update_quantized), else the quantizer's own if it reduces the amax; None: WORLD.
+    With it, the bytes of the input it quantizes (held_collectives.EMPTY_INPUT_SKIPS: none, no reduction)."""
     quantizer = args[0] if args else None
+    source = kwargs.get("src", kwargs.get("tensor", args[1] if len(args) > 1 else None))
+    nbytes = source.numel() * source.element_size() if isinstance(source, torch.Tensor) else -1
     destination = kwargs.get("dst", args[2] if len(args) > 2 else None)
     group = getattr(destination, "amax_reduction_group", None)
     if group is not None:
-        return group, -1
+        return group, nbytes
     if getattr(quantizer, "with_amax_reduction", False):
-        return getattr(quantizer, "amax_reduction_group", None), -1
+        return getattr(quantizer, "amax_reduction_group", None), nbytes
     return NOT_HELD, -1
 
 
