@@ -319,3 +319,25 @@ def test_the_seat_plan_closes_a_quiet_run_whose_header_pytest_did_not_show():
     assert quiet.lines == [f"qgather: {config.stash[gpu_schedule.seat_plan_key].describe()}"]
     assert quiet.lines[0].startswith("qgather: GPU seats: 84 per GPU (tightest GPU 139.0 GiB free")
     assert verbose.lines == []
+
+
+def test_a_gpu_jobs_worker_launches_its_forkserver_with_the_compile_warm_up_before_it_collects(monkeypatch):
+    from qgather.pytest_plugin import gpu_schedule
+    from qgather.pytest_plugin.collection import preload_before_key
+    from qgather.runtime import gpu_lease
+    from qgather.runtime.helpers import COMPILE_WARMUP, PRELOAD_ENV
+
+    launched = []
+    monkeypatch.setattr(gpu_schedule, "mp_context", lambda: launched.append(os.environ.get(PRELOAD_ENV)))
+    monkeypatch.setenv(PRELOAD_ENV, "transformer_engine.pytorch")
+    monkeypatch.delenv(gpu_lease.LEASE_DIR_ENV, raising=False)
+    cpu = type("Config", (), {"stash": {}})()
+    gpu_schedule.boot_forkserver_early(cpu)  # not a GPU job: its pools start as before
+    assert launched == [] and cpu.stash == {}
+    monkeypatch.setenv(gpu_lease.LEASE_DIR_ENV, "/tmp/qgather-pool-x")
+    gpu = type("Config", (), {"stash": {}})()
+    gpu_schedule.boot_forkserver_early(gpu)
+    assert launched == [f"transformer_engine.pytorch,{COMPILE_WARMUP}"]  # the preloads read at the launch
+    assert gpu.stash[preload_before_key] == "transformer_engine.pytorch"  # what pytest_unconfigure restores
+    gpu_schedule.boot_forkserver_early(gpu)
+    assert len(launched) == 1  # once

@@ -15,7 +15,7 @@ import pytest
 
 from qgather.pytest_plugin.collection import impl_problems_key, preload_before_key, sweep_sizes_key
 from qgather.pytest_plugin.fixture import RECORD_KEY
-from qgather.pytest_plugin.gpu_schedule import make_lease_dir, remove_lease_dir, report_header
+from qgather.pytest_plugin.gpu_schedule import boot_forkserver_early, make_lease_dir, remove_lease_dir, report_header
 from qgather.pytest_plugin.options import Settings, settings_key
 from qgather.pytest_plugin.recorder import Recorder, recorder_key
 from qgather.pytest_plugin.role import Role, role
@@ -40,6 +40,8 @@ def pytest_configure(config: pytest.Config) -> None:
         options = replace(options, run=replace(options.run, say=functools.partial(_uncaptured, config)))
     config.stash[settings_key] = options
     config.stash[sweep_sizes_key] = []
+    if this is Role.XDIST_WORKER:
+        boot_forkserver_early(config)
     if this is Role.QUIET_RANK:  # one report per job: rank 0's
         config.pluginmanager.set_blocked("terminalreporter")
         config.option.xmlpath = None

@@ -176,7 +176,7 @@ class RankPool:
         if self._ranks:
             return None
         start = time.monotonic()
-        mp_context()  # the forkserver boots (seconds, TE preloaded) before this pool holds any GPU seat
+        mp_context()  # the forkserver launched (its preloads import in the server: the spawn waits for them)
         booted = time.monotonic()
         refused = self._take_lease(case_id)
         if refused is not None:
