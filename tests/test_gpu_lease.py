@@ -167,11 +167,15 @@ def test_the_flag_of_a_waiter_that_died_is_stale(tmp_path):
     dead = ctx.Process(target=os._exit, args=(0,))
     dead.start()
     dead.join(timeout=30)
-    (tmp_path / gpu_lease.WANT).write_text(str(dead.pid))
-    assert not gpu_lease.someone_waits(str(tmp_path))
-    assert not (tmp_path / gpu_lease.WANT).exists()
-    (tmp_path / gpu_lease.WANT).write_text(str(os.getpid()))
-    assert gpu_lease.someone_waits(str(tmp_path))
+    stale = gpu_lease.Want(dead.pid, 2).text()
+    for reader in (gpu_lease.someone_waits, gpu_lease.seats_wanted):
+        (tmp_path / gpu_lease.WANT).write_text(stale)
+        assert not reader(str(tmp_path))
+        assert not (tmp_path / gpu_lease.WANT).exists()
+    (tmp_path / gpu_lease.WANT).write_text(stale)
+    assert gpu_lease.claim_seats(1, str(tmp_path)) is None  # no yielder stops a pool for a dead waiter
+    (tmp_path / gpu_lease.WANT).write_text(gpu_lease.Want(os.getpid(), 2).text())
+    assert gpu_lease.someone_waits(str(tmp_path)) and gpu_lease.seats_wanted(str(tmp_path)) == 2
 
 
 @pytest.mark.parametrize(("world_size", "gpus", "expected"),

@@ -16,10 +16,17 @@ lock when its holder dies however it dies, so a killed worker never keeps a seat
 Acquiring: take the gate (one acquirer at a time: while it counts free seats nobody else takes one, so
 the count only grows), pick the m GPUs with the most free seats, take the seats. While seats are
 short, the gate holder calls `before_wait` (its process stops its own idle GPU pools) and raises the
-`want` flag, which tells every other process of the run to stop its idle GPU pools (`someone_waits`;
-each process's yielder thread in qgather.runtime.registry answers it, also while its main thread waits
-for the gate): no process waits while others sit on idle seats, so nobody starves and nothing
-deadlocks. Waiting for the gate itself gives nothing up. Every wait is bounded.
+`want` flag with its pid and how many seats it is short (`_shortfall`). Every other process of the run
+has a yielder thread (qgather.runtime.registry, also running while its main thread waits for the gate)
+that, while the flag says seats are missing, *claims* an idle pool's seats (`claim_seats`: under the
+`want.lock` flock, subtract them from the shortfall) and only then stops that pool; once the shortfall
+is claimed nobody else stops anything. So one waiter short of 2 seats costs one pool, not a pool of
+every other worker (which their next cases would start again, seconds of CUDA contexts each). Where
+the claimed seats came free but the waiter is still short (they were on GPUs it does not need: the
+shortfall is one count, not one per GPU), or where a claim frees nothing (its yielder died before the
+stop) and the free seats stopped growing for REARM_S, the waiter asks again for what is still missing
+(`_Asking`). So no process waits while others sit on idle seats, nobody starves and nothing deadlocks.
+Waiting for the gate itself gives nothing up. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 LEASE_DIR_ENV = "QGATHER_GPU_LEASE_DIR"
@@ -40,7 +48,15 @@ DEFAULT_LEASE_TIMEOUT_S = 1800.0
 LEASE_DIR_PREFIX = "qgather-pool-"  # lifeline's sweep removes it if its owner dies
 POLL_S = 0.02  # how often a waiting gate holder looks at the seats again
 GATE = "gate"
-WANT = "want"
+WANT = "want"  # "<pid> <seats short>" of the one waiting acquirer (the gate holder)
+WANT_LOCK = "want.lock"  # held while the want's shortfall is read and written back (claims, re-arms)
+WANT_LOCK_WAIT_S = 10.0  # its holders hold it for a file's read and write; the bound is for a frozen one
+# How long the free seats may stay still, the whole shortfall claimed but not all of it free yet,
+# before the waiter takes a claim for lost and asks again. Longer than a claimed pool's stop usually
+# takes (its ranks' graceful exit), so that a stop under way is not answered by a second pool; short
+# beside the time a waiter loses meanwhile, which it loses only where a claim frees nothing (a
+# yielder that died between its claim and its stop).
+REARM_S = 2.0
 
 
 class LeaseTimeout(RuntimeError):
@@ -150,7 +166,6 @@ def acquire(world_size: int, gpus: Sequence[str], *, seats: int | None = None, d
     try:
         taken = _take_seats(directory, need, len(gpus), seats, deadline, before_wait)
     finally:
-        _lower_want(directory)
         os.close(gate)
     if taken is None:
         raise LeaseTimeout(f"no seats for {world_size} rank(s) within {limit:.0f} s "
@@ -159,22 +174,123 @@ def acquire(world_size: int, gpus: Sequence[str], *, seats: int | None = None, d
     return Lease(tuple(gpus[i] for i in order), tuple(sorted(held)), time.monotonic() - began, list(held.values()))
 
 
+@dataclass(frozen=True)
+class Want:
+    """The waiting acquirer's flag: its pid, and the seats it is still short of less what yielders
+    claimed (<= 0: claimed in full, nobody else need stop a pool)."""
+
+    pid: int
+    short: int
+
+    def text(self) -> str:
+        return f"{self.pid} {self.short}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Seats a yielder promised to free for the waiter `pid` (claim_seats); given back if it cannot."""
+
+    directory: str
+    pid: int
+    seats: int
+
+    def give_back(self) -> None:
+        """The pool could not be stopped: the seats are missing again, for another yielder to claim."""
+        with _want_locked(self.directory):
+            want = _read_want(self.directory)
+            if want is not None and want.pid == self.pid:
+                _write_want(self.directory, Want(want.pid, want.short + self.seats))
+
+
 def someone_waits(directory: str | None = None) -> bool:
-    """Whether an acquirer of this run waits for seats: then a process should stop its idle GPU pools.
-    A flag whose acquirer died (SIGKILLed while it waited) is stale, and removed."""
-    directory = directory or os.environ.get(LEASE_DIR_ENV) or _own_dir
+    """Whether an acquirer of this run waits for seats (claimed in full or not): then no spare pool
+    should be started. A flag whose acquirer died (SIGKILLed while it waited) is stale, and removed."""
+    return _live_want(directory) is not None
+
+
+def seats_wanted(directory: str | None = None) -> int:
+    """The seats the waiting acquirer of this run still lacks that no yielder has claimed (0 if none
+    waits): while > 0 a process should claim and stop an idle GPU pool (claim_seats)."""
+    want = _live_want(directory)
+    return max(0, want.short) if want is not None else 0
+
+
+def claim_seats(seats: int, directory: str | None = None) -> Claim | None:
+    """Claim `seats` of the waiter's shortfall for a pool the caller will stop, or None if nothing is
+    missing (then it stops nothing). Read and written back under the want lock, so that of several
+    yielders only as many claim as the shortfall needs."""
+    directory = _run_dir(directory)
+    if directory is None:
+        return None
+    with _want_locked(directory):
+        want = _read_want(directory)
+        if want is None or want.short <= 0 or not _alive(want.pid):
+            return None
+        _write_want(directory, Want(want.pid, want.short - seats))
+    return Claim(directory, want.pid, seats)
+
+
+def _run_dir(directory: str | None) -> str | None:
+    return directory or os.environ.get(LEASE_DIR_ENV) or _own_dir
+
+
+def _live_want(directory: str | None) -> Want | None:
+    directory = _run_dir(directory)
     if not directory:
-        return False
-    path = os.path.join(directory, WANT)
+        return None
+    want = _read_want(directory)
+    if want is None or _alive(want.pid):
+        return want
+    _remove_stale(directory, want)
+    return None
+
+
+def _remove_stale(directory: str, stale: Want) -> None:
+    """Remove the flag of a dead waiter, not another's raised since (under the want lock, if free now:
+    a reader never waits; the next one removes it otherwise)."""
+    fd = _try_lock(os.path.join(directory, WANT_LOCK))
+    if fd is None:
+        return
     try:
-        with open(path) as f:
-            pid = int(f.read().strip() or 0)
+        if _read_want(directory) == stale:
+            _remove_want(directory)
+    finally:
+        os.close(fd)
+
+
+def _read_want(directory: str) -> Want | None:
+    try:
+        with open(os.path.join(directory, WANT)) as f:
+            pid, short = f.read().split()
+        return Want(int(pid), int(short))
     except (OSError, ValueError):
-        return False
-    if _alive(pid):
-        return True
-    _lower_want(directory)
-    return False
+        return None
+
+
+def _write_want(directory: str, want: Want) -> None:
+    """Written whole and renamed into place: a reader without the lock sees the old flag or the new."""
+    path = os.path.join(directory, WANT)
+    with open(f"{path}.{os.getpid()}", "w") as f:
+        f.write(want.text())
+    os.replace(f"{path}.{os.getpid()}", path)
+
+
+def _remove_want(directory: str) -> None:
+    try:
+        os.remove(os.path.join(directory, WANT))
+    except FileNotFoundError:
+        pass
+
+
+@contextmanager
+def _want_locked(directory: str) -> Iterator[None]:
+    fd = _lock(os.path.join(directory, WANT_LOCK), time.monotonic() + WANT_LOCK_WAIT_S)
+    if fd is None:
+        raise LeaseTimeout(f"the want lock of {directory} stayed held for {WANT_LOCK_WAIT_S:.0f} s")
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -195,22 +311,83 @@ def _alive(pid: int) -> bool:
 def _take_seats(directory: str, need: list[int], total: int, seats: int, deadline: float,
                 before_wait: Callable[[], None] | None) -> tuple[list[int], dict[tuple[int, int], int]] | None:
     """(the GPUs in rank order, (GPU, seat) -> locked fd), or None at the deadline (nothing held then)."""
-    waited = False
-    while True:
-        order = _choose(need, _free_seats(directory, total, seats))
-        if order is not None:
-            held = _lock_seats(directory, order, need, seats)
-            if held is not None:
-                return order, held
-        if not waited:
+    asking: _Asking | None = None
+    try:
+        while True:
+            free = _free_seats(directory, total, seats)
+            order = _choose(need, free)
+            if order is not None:
+                held = _lock_seats(directory, order, need, seats)
+                if held is not None:
+                    return order, held
             if before_wait is not None:
                 before_wait()
-            _raise_want(directory)
-            waited = True
-            continue  # what before_wait freed may be enough
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(POLL_S)
+                before_wait = None  # once
+                continue  # what it freed may be enough
+            if asking is None:
+                asking = _Asking.raise_want(directory, _shortfall(need, free), sum(free))
+            else:
+                asking.poll(_shortfall(need, free), sum(free))
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(POLL_S)
+    finally:
+        if asking is not None:
+            asking.lower()
+
+
+@dataclass
+class _Asking:
+    """The gate holder's want flag while it waits: raised with its shortfall, and asked again (re-armed)
+    for what is still missing once the yielders claimed it all and either every claimed seat came free
+    (they were on GPUs this waiter does not need) or the free seats stopped growing for REARM_S (a
+    claim will not come free)."""
+
+    directory: str
+    free_at_raise: int
+    free: int  # the free seats when they last grew
+    grew_at: float
+    asked: int  # every seat asked for (the first shortfall, plus each re-arm's): less the flag's, the claimed
+
+    @classmethod
+    def raise_want(cls, directory: str, short: int, free: int) -> _Asking:
+        with _want_locked(directory):
+            _write_want(directory, Want(os.getpid(), short))
+        return cls(directory, free, free, time.monotonic(), short)
+
+    def poll(self, short: int, free: int) -> None:
+        """Called at each look at the seats, still `short` of them with `free` free."""
+        now = time.monotonic()
+        if free > self.free:
+            self.free, self.grew_at = free, now
+        want = _read_want(self.directory)
+        left = want.short if want is not None else 0
+        if left > 0:
+            return  # not all claimed yet
+        landed_all = free - self.free_at_raise >= self.asked - left  # a seat an abort freed counts too
+        if landed_all or now - self.grew_at >= REARM_S:
+            self._rearm(short)
+            self.grew_at = now  # a stalled claim is waited for REARM_S again
+
+    def _rearm(self, short: int) -> None:
+        with _want_locked(self.directory):
+            want = _read_want(self.directory)
+            left = want.short if want is not None else 0
+            if left <= 0:  # not given back meanwhile
+                _write_want(self.directory, Want(os.getpid(), short))
+                self.asked += short - left
+
+    def lower(self) -> None:
+        """Served or given up: under the lock, so that no claim writes the flag back after it."""
+        with _want_locked(self.directory):
+            _remove_want(self.directory)
+
+
+def _shortfall(need: list[int], free: list[int]) -> int:
+    """The seats missing on the GPUs the waiter would choose (_choose's pairing), summed over them: a
+    yielder cannot pick the GPU its pool frees, so where a claimed pool's seats land on GPUs this
+    waiter does not need, the re-arm asks again (exact on one GPU, and for a pool spanning every GPU)."""
+    return sum(max(0, n - f) for n, f in zip(need, sorted(free, reverse=True)))
 
 
 def _choose(need: list[int], free: list[int]) -> list[int] | None:
@@ -247,22 +424,11 @@ def _lock_seats(directory: str, order: list[int], need: list[int], seats: int) -
     return held
 
 
-def _raise_want(directory: str) -> None:
-    with open(os.path.join(directory, WANT), "w") as f:
-        f.write(str(os.getpid()))
-
-
-def _lower_want(directory: str) -> None:
-    try:
-        os.remove(os.path.join(directory, WANT))
-    except FileNotFoundError:
-        pass
-
-
 def _lock(path: str, deadline: float) -> int | None:
-    """The gate, waited for without giving anything up: its holder counts and takes seats in
-    milliseconds, and one that must wait for seats raises `want`, to which every process's yielder
-    answers (a waiter here included), so waiting for the gate sheds no warm pool."""
+    """A lock file's flock by `deadline`, else None. The gate is waited for without giving anything up:
+    its holder counts and takes seats in milliseconds, and one that must wait for seats raises `want`,
+    to which every process's yielder answers (a waiter here included), so waiting for the gate sheds
+    no warm pool."""
     while True:
         fd = _try_lock(path)
         if fd is not None:

@@ -10,7 +10,14 @@ import time
 from collections.abc import Callable, Collection
 
 from qgather.runtime.external import ExternalPool
-from qgather.runtime.gpu_lease import POLL_S, remove_own_lease_dir, someone_waits
+from qgather.runtime.gpu_lease import (
+    POLL_S,
+    LeaseTimeout,
+    claim_seats,
+    remove_own_lease_dir,
+    seats_wanted,
+    someone_waits,
+)
 from qgather.runtime.helpers import stop_helpers
 from qgather.runtime.launch import external_world
 from qgather.runtime.pool import RankPool
@@ -81,21 +88,12 @@ def _rank_pool(spec: PoolSpec) -> RankPool:
     return RankPool(spec, before_lease_wait=lambda: release_gpu_pools(keep=(spec,)))
 
 
-def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) -> int:
-    """Stop this process's idle CUDA pools other than `keep` (at most `most` of them, the widest first),
-    giving their GPU seats back; how many it stopped. A pool running a case is never stopped.
-
-    Called before a pool waits for seats (a process never waits while holding idle ones), and by this
-    process's yielder while another process of the run waits for seats. Standby pools go first: they are
-    spares (idle between failures), where a stopped pool in use costs its next case a start."""
-    with _lock:
-        standbys = [pool for spec, pool in _standby.items() if spec.device == "cuda"]
-        in_use = [pool for spec, pool in _pools.items()
-                  if spec.device == "cuda" and spec not in keep and isinstance(pool, RankPool)]
+def release_gpu_pools(keep: Collection[PoolSpec] = ()) -> int:
+    """Stop this process's idle CUDA pools other than `keep`, giving their GPU seats back; how many it
+    stopped. A pool running a case is never stopped. Called before a pool waits for seats: a process
+    never waits while holding idle ones."""
     stopped = 0
-    for pool in _widest_first(standbys) + _widest_first(in_use):
-        if most is not None and stopped >= most:
-            break
+    for pool in _stoppable(keep):
         if not pool.in_use.acquire(blocking=False):
             continue
         try:
@@ -107,14 +105,55 @@ def release_gpu_pools(keep: Collection[PoolSpec] = (), most: int | None = None) 
     return stopped
 
 
+def yield_seats_wanted() -> bool:
+    """For another process of the run that waits for GPU seats: claim an idle pool's seats from its
+    shortfall, then stop that pool; whether one was stopped. Nothing is stopped once the shortfall is
+    claimed, so the other workers' pools stay warm (each stopped one costs its next case a start)."""
+    for pool in _stoppable(()):
+        if not pool.in_use.acquire(blocking=False):
+            continue
+        try:
+            if pool.started:
+                return _stop_claimed(pool)
+        finally:
+            pool.in_use.release()
+    return False
+
+
+def _stop_claimed(pool: RankPool) -> bool:
+    """Stop `pool` (idle, its in_use held) if the waiter still lacks seats; a stop that raises gives
+    the claim back, so that another process's pool frees them."""
+    claim = claim_seats(pool.spec.world_size)  # a rank per seat
+    if claim is None:
+        return False
+    try:
+        pool.shutdown()
+    except BaseException:
+        claim.give_back()
+        raise
+    return True
+
+
+def _stoppable(keep: Collection[PoolSpec]) -> list[RankPool]:
+    """This process's CUDA pools but `keep`, in the order they give their seats up: standby pools
+    first (spares, idle between failures, where a stopped pool in use costs its next case a start),
+    then the widest first."""
+    with _lock:
+        standbys = [pool for spec, pool in _standby.items() if spec.device == "cuda"]
+        in_use = [pool for spec, pool in _pools.items()
+                  if spec.device == "cuda" and spec not in keep and isinstance(pool, RankPool)]
+    return _widest_first(standbys) + _widest_first(in_use)
+
+
 def _widest_first(pools: list[RankPool]) -> list[RankPool]:
     return sorted(pools, key=lambda p: -p.spec.world_size)
 
 
 def _start_yielder() -> None:
     """Once per process that has CUDA pools: a daemon thread that, while another process of the run
-    waits for GPU seats, stops this process's idle CUDA pools one at a time, so that a worker waiting
-    for its next test (or finishing a long case) never sits on seats another one needs."""
+    waits for GPU seats that nobody has claimed yet, stops one of this process's idle CUDA pools at a
+    time (yield_seats_wanted), so that a worker waiting for its next test (or finishing a long case)
+    never sits on seats another one needs."""
     global _yielder
     if _yielder is None or not _yielder.is_alive():
         _yielder = threading.Thread(target=_yield_seats, name="qgather-seat-yielder", daemon=True)
@@ -124,8 +163,11 @@ def _start_yielder() -> None:
 def _yield_seats() -> None:
     while True:
         time.sleep(YIELD_POLL_S)
-        if someone_waits():
-            release_gpu_pools(most=1)
+        if seats_wanted() > 0:
+            try:
+                yield_seats_wanted()
+            except LeaseTimeout:
+                pass  # the want lock stayed held (a frozen process): the next poll tries again
 
 
 def shutdown_pools(keep_helpers: bool = False) -> None:
