@@ -354,7 +354,7 @@ def test_a_zero_row_rank_beside_ranks_with_rows_stops_every_rank_before_the_nati
         assert {error.type_name for error in out.errors.values()} == {"UnjoinedCollective"}
         found = classify_outcome(out, SPEC.world_size)
         assert found.verdict == Verdict.ERROR, found
-        assert "ranks 2 handed Float8CurrentScalingQuantizer.quantize_impl an empty input" in found.reason, found
+        assert "rank 2 handed Float8CurrentScalingQuantizer.quantize_impl an empty input" in found.reason, found
         assert "which ranks 0,1 would enter and wait in forever" in found.reason, found
         assert pool.pids == pids  # nobody was left inside the reduction
         out = pool.run(every_rank_has_rows_of_its_own, timeout=CASE_TIMEOUT_S)  # uneven, none empty: held, run

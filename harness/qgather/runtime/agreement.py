@@ -71,7 +71,7 @@ import torch.distributed as dist
 from qgather.runtime import whereabouts
 from qgather.runtime.held_collectives import CODES, EMPTY_INPUT_SKIPS, held_frame_name
 from qgather.runtime.hold_sites import NOT_HELD, HeldOp, Site, every_site, native_sites
-from qgather.runtime.outcome import format_ranks
+from qgather.runtime.outcome import format_ranks, ranks_word
 from qgather.runtime.protocol import HeldWait
 
 # The store's keys of the held collectives over part of the ranks: <case>/<group's ranks>/<sequence>/<rank>.
@@ -113,8 +113,8 @@ class UnjoinedCollective(BaseException):
     def __init__(self, collective: str, sizes: Mapping[int, int]) -> None:
         empty = [rank for rank, size in sorted(sizes.items()) if size == 0]
         others = [rank for rank, size in sorted(sizes.items()) if size > 0]
-        super().__init__(f"ranks {format_ranks(empty)} handed {collective} an empty input, on which it returns before "
-                         f"its amax all-reduce, which ranks {format_ranks(others)} would enter and wait in forever: "
+        super().__init__(f"{ranks_word(empty)} handed {collective} an empty input, on which it returns before "
+                         f"its amax all-reduce, which {ranks_word(others)} would enter and wait in forever: "
                          "qgather held every rank before it")
         self.collective = collective
         self.sizes = dict(sizes)

@@ -283,10 +283,11 @@ def _others(outcome: CaseOutcome) -> str:
         else:
             place = where_blocked(outcome.stacks[rank]) if rank in outcome.stacks else "did not report"
         by_place.setdefault(place, []).append(rank)
-    return "; ".join(f"{_ranks_word(ranks)} {_were(ranks)} {place}" for place, ranks in by_place.items())
+    return "; ".join(f"{ranks_word(ranks)} {_were(ranks)} {place}" for place, ranks in by_place.items())
 
 
-def _ranks_word(ranks: list[int]) -> str:
+def ranks_word(ranks: list[int]) -> str:
+    """"rank 2", or "ranks 0,1" for several."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
 
 
@@ -306,7 +307,7 @@ def _summary_error(outcome: CaseOutcome) -> str:
     first = errors[0]
     text = str(first)
     if len(errors) > 1:
-        text += f" (also raised on {_ranks_word([e.rank for e in errors[1:]])})"
+        text += f" (also raised on {ranks_word([e.rank for e in errors[1:]])})"
     others = _others(outcome)
     return f"{text} ({others})" if others else text
 
@@ -334,7 +335,7 @@ def _summary_crash(outcome: CaseOutcome) -> str:
         by_type: dict[str, list[RankError]] = {}
         for error in outcome.errors.values():
             by_type.setdefault(error.type_name, []).append(error)
-        then = "; ".join(f"{_ranks_word([e.rank for e in errors])} raised {errors[0].first_line(limit=80)}"
+        then = "; ".join(f"{ranks_word([e.rank for e in errors])} raised {errors[0].first_line(limit=80)}"
                          for errors in by_type.values())
         text += f" (then {then})"
     return text
