@@ -64,3 +64,22 @@ def test_cli_case_reproduces_and_sets_the_exit_code():
 
 # Plain pytest's refusal of a bad option value (`pytest cases --formats fp7`: exit 4, the value named, no
 # traceback, nothing run) is test_cli_ux's test_a_bad_selection_value_is_one_line_exit_4[pytest-...].
+
+
+def test_a_dcp_case_starts_its_own_cuda_pool_while_the_save_runs(monkeypatch):
+    from qgather.engine import run
+    from qgather.runtime import PoolSpec, RankPool
+
+    started = []
+
+    class Pool(RankPool):
+        def start_in_background(self) -> None:
+            started.append(self.spec.world_size)
+
+    monkeypatch.setattr(run, "get_pool", lambda spec, say=None: Pool(spec))
+    monkeypatch.setattr(PoolSpec, "validate", lambda self: self)  # no GPU here: the decision alone
+    gpu = RunOptions(backend="gloo", device="cuda")
+    run._start_own_pool_early(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2"), gpu)
+    run._start_own_pool_early(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws4"), gpu)
+    run._start_own_pool_early(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2"), CPU)
+    assert started == [4]  # not the save's own pool (same size), not a CPU pool (a start costs no CUDA contexts)

@@ -23,7 +23,7 @@ from qgather.runtime.agreement import Agreement
 from qgather.runtime.held_collectives import HOLD_WAITS, NATIVE
 from qgather.runtime.protocol import HeldWait
 from qgather.runtime.replies import Replies
-from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT
+from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT, START_PHASE, START_WAIT
 
 SPEC = PoolSpec("gloo", 3, "cpu")
 SPEC4 = PoolSpec("gloo", 4, "cpu")
@@ -426,6 +426,23 @@ def test_a_case_that_waits_for_the_restart_counts_the_wait_as_its_pool_start():
         if out.startup_s:  # the restart's own phases beside the wait: what the wait was made of
             assert set(phases) == {RESTART_WAIT, *(RESTART_PHASE + phase for phase, _ in pool.start_phases)}, phases
             assert f"{RESTART_PHASE}spawn" in phases, phases
+    finally:
+        pool.shutdown()
+
+
+def test_a_case_after_a_first_start_in_the_background_counts_its_wait_as_that_start():
+    pool = RankPool(PoolSpec("gloo", 2, "cpu"), restart_in_background=True)
+    try:
+        pool.start_in_background()  # under way from here: the case below waits for it (or finds it done)
+        out = pool.run(everyone, timeout=CASE_TIMEOUT_S)
+        assert out.status == "ok", out.summary()
+        phases = dict(out.startup_phases)
+        assert set(phases) == {START_WAIT, *(START_PHASE + phase for phase, _ in pool.start_phases)}, phases
+        assert out.startup_s == phases[START_WAIT] > 0
+        assert pool.run(rank1_dies, timeout=CASE_TIMEOUT_S).status == "crash"
+        out = pool.run(everyone, timeout=CASE_TIMEOUT_S)  # a restart, under its own names
+        assert RESTART_WAIT in dict(out.startup_phases) or out.startup_s == 0.0, out.startup_phases
+        assert START_WAIT not in dict(out.startup_phases)
     finally:
         pool.shutdown()
 

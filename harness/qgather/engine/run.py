@@ -23,7 +23,7 @@ from qgather.model.policy import expectation
 from qgather.model.report import UNPLACED, CaseReport
 from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
-from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool
+from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, RankPool, get_pool
 from qgather.runtime.launch import detect_launch
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.registry import run_on_rank
@@ -117,6 +117,7 @@ def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> _Ran:
         return _Ran(_run_virtual(spec, impl), "virtual")
     if spec.config.saved_at_world_size is None:
         return _run_on_pool(spec, impl, options)
+    _start_own_pool_early(spec, options)
     with saved_checkpoint(spec, impl, options) as save:
         saving = save_seconds(save.outcome) if save.outcome is not None else ()
         if save.failure:
@@ -124,6 +125,20 @@ def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> _Ran:
             return _Ran(save.failure, f"{pool.backend}/{pool.device}", seconds=saving)
         ran = _run_on_pool(spec, impl, options, save.path)
         return ran._replace(seconds=added(saving, ran.seconds))
+
+
+def _start_own_pool_early(spec: CaseSpec, options: RunOptions) -> None:
+    """A dcp-wsA case's own CUDA pool, not up yet, starts in the background while the save's pool starts
+    and saves at A: on the GPU gate these cases' pool starts were the most after each worker's first."""
+    own = _pool_spec(spec, options)
+    if own.device != "cuda" or spec.config.saved_at_world_size == spec.world_size:
+        return
+    try:
+        pool = get_pool(own.validate(), options.say)
+    except PoolSpecError:
+        return  # the case itself reports it
+    if isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way:
+        pool.start_in_background()
 
 
 def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:

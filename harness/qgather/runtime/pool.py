@@ -39,7 +39,7 @@ from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
 from qgather.runtime.protocol import decode, encode, send
 from qgather.runtime.rank import RankConfig, rank_main
 from qgather.runtime.replies import WAIT_EVIDENCE_S, Replies
-from qgather.runtime.restart import RESTART_PHASE, RESTART_WAIT, BackgroundRestart
+from qgather.runtime.restart import BackgroundRestart
 from qgather.runtime.spec import PoolSpec, check_timeout, rank_cpus, rank_env, threads_per_rank, visible_gpus
 from qgather.runtime.stall import StallWatch
 
@@ -121,13 +121,13 @@ class RankPool:
         spec's default for its backend.
         """
         asked = time.monotonic()
-        restarting = self.restart.under_way
+        restarting, (wait_label, phase_prefix) = self.restart.under_way, self.restart.labels()
         with self.in_use:
             waited = time.monotonic() - asked if restarting else 0.0
             outcome = self._run(fn, args, timeout, case_id, seed)
-        if waited and not outcome.startup_s:  # the case waited for the restart: that was its pool start
-            restart_phases = tuple((f"{RESTART_PHASE}{phase}", seconds) for phase, seconds in self.start_phases)
-            outcome = replace(outcome, startup_s=waited, startup_phases=((RESTART_WAIT, waited), *restart_phases))
+        if waited and not outcome.startup_s:  # the case waited for the start in the background: its pool start
+            start_phases = tuple((f"{phase_prefix}{phase}", seconds) for phase, seconds in self.start_phases)
+            outcome = replace(outcome, startup_s=waited, startup_phases=((wait_label, waited), *start_phases))
         # not under plain spawn: spawned ranks die with the thread that spawned them
         if self.restarts_in_background and not self._ranks and self._last_start_ok \
                 and mp_context().get_start_method() == "forkserver":
@@ -136,7 +136,7 @@ class RankPool:
 
     def start_in_background(self) -> None:
         """Start the ranks in a thread of their own (restart.py); a case that comes first waits for them."""
-        self.restart.launch(self.in_use, self.start)
+        self.restart.launch(self.in_use, self.start, first=self.spawn_count == 0)
 
     def _run(self, fn: Callable[..., Any], args: tuple, timeout: float | None, case_id: str,
              seed: int) -> CaseOutcome:

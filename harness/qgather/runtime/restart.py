@@ -11,6 +11,10 @@ from collections.abc import Callable
 RESTART_WAIT = "waiting for a restart in the background"
 #: the restart's own phases (RankPool.start_phases) beside that wait, each under this prefix: what the wait was
 RESTART_PHASE = "the restart: "
+#: the same for a pool's first start, begun in the background before a case asked (a dcp-wsA case's own
+#: pool, while the save runs at the other world size)
+START_WAIT = "waiting for its start in the background"
+START_PHASE = "the early start: "
 
 
 class BackgroundRestart:
@@ -19,18 +23,23 @@ class BackgroundRestart:
     def __init__(self, name: str) -> None:
         self.name = name
         self.under_way = False  # read without a lock: a case that saw it counts its wait for the pool
+        self.first = False  # the pool's first start (no ranks ever), not a restart
         self.thread: threading.Thread | None = None
         self._generation = 0
+
+    def labels(self) -> tuple[str, str]:
+        """The wait's phase name and its start's prefix in timings.md."""
+        return (START_WAIT, START_PHASE) if self.first else (RESTART_WAIT, RESTART_PHASE)
 
     def cancel(self) -> None:
         """A restart launched before this call and not yet begun does not begin."""
         self._generation += 1
 
-    def launch(self, lock: threading.Lock, start: Callable[[], object]) -> None:
-        """Run `start` under `lock` in a daemon thread. What fails there is left to the next case, which
-        starts the pool itself and reports it."""
+    def launch(self, lock: threading.Lock, start: Callable[[], object], first: bool = False) -> None:
+        """Run `start` under `lock` in a daemon thread (`first`: the pool's first start). What fails there is
+        left to the next case, which starts the pool itself and reports it."""
         generation = self._generation
-        self.under_way = True
+        self.under_way, self.first = True, first
 
         def restart() -> None:
             try:
