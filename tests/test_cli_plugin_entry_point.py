@@ -44,3 +44,19 @@ def test_autoloaded_and_named_plugins_collect_the_same_cases():
 def test_without_the_plugin_the_qgather_options_are_unknown():
     result = _pytest(*COLLECT, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     assert result.returncode == 4 and "--formats" in result.stderr, result.stderr[-2000:]
+
+
+def test_every_hook_the_plugins_parts_define_is_one_the_plugin_gathers():
+    """pytest finds the hooks of the module the entry point names, not of its parts: a part's hook that
+    the package does not import is never called (the GPU seats' end-of-summary line once was not)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import qgather.pytest_plugin as plugin
+
+    for info in pkgutil.iter_modules(plugin.__path__):
+        part = importlib.import_module(f"{plugin.__name__}.{info.name}")
+        for name, function in inspect.getmembers(part, inspect.isfunction):
+            if name.startswith("pytest_") and function.__module__ == part.__name__:
+                assert getattr(plugin, name, None) is function, f"{part.__name__}.{name} is not gathered"

@@ -33,6 +33,7 @@ from qgather.pytest_plugin.session import (  # noqa: E402
     pytest_runtest_teardown,
     pytest_sessionfinish,
     pytest_sessionstart,
+    pytest_terminal_summary,
     pytest_unconfigure,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "pytest_runtest_teardown",
     "pytest_sessionfinish",
     "pytest_sessionstart",
+    "pytest_terminal_summary",
     "pytest_unconfigure",
     "pytest_xdist_make_scheduler",
     "qgather",
