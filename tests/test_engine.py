@@ -68,18 +68,33 @@ def test_cli_case_reproduces_and_sets_the_exit_code():
 
 def test_a_dcp_case_starts_its_own_cuda_pool_while_the_save_runs(monkeypatch):
     from qgather.engine import run
-    from qgather.runtime import PoolSpec, RankPool
+    from qgather.runtime import PoolSpec, registry
 
     started = []
-
-    class Pool(RankPool):
-        def start_in_background(self) -> None:
-            started.append(self.spec.world_size)
-
-    monkeypatch.setattr(run, "get_pool", lambda spec, say=None: Pool(spec))
+    monkeypatch.setattr(registry, "get_pool", lambda spec, say=None: registry.RankPool(spec))
+    monkeypatch.setattr(registry.RankPool, "start_in_background", lambda self: started.append(self.spec.world_size))
     monkeypatch.setattr(PoolSpec, "validate", lambda self: self)  # no GPU here: the decision alone
     gpu = RunOptions(backend="gloo", device="cuda")
     run._start_own_pool_early(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2"), gpu)
     run._start_own_pool_early(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws4"), gpu)
     run._start_own_pool_early(CaseSpec.parse("reference:fp8_tensor:128x64:bf16:ws4:gather:s0:dcp-ws2"), CPU)
     assert started == [4]  # not the save's own pool (same size), not a CPU pool (a start costs no CUDA contexts)
+
+
+def test_a_pool_started_ahead_is_started_once(monkeypatch):
+    from qgather.runtime import PoolSpec, registry
+
+    spec = PoolSpec("gloo", 7, "cpu")  # a size no other test keeps a pool of
+    launched = []
+
+    def launch(pool) -> None:
+        launched.append(pool)
+        pool.restart.under_way = True  # as BackgroundRestart.launch leaves it until the start is done
+
+    monkeypatch.setattr(registry.RankPool, "start_in_background", launch)
+    try:
+        registry.start_ahead(spec)
+        registry.start_ahead(spec)  # starting already: not again
+        assert len(launched) == 1 and launched[0] is registry.get_pool(spec)
+    finally:
+        registry._pools.pop(spec, None)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from qgather.runtime import gpu_lease
+from qgather.runtime import gpu_lease, seat_want
 
 WORKERS = 5
 ROUNDS = 8
@@ -135,16 +135,16 @@ def test_before_wait_runs_and_want_is_raised_only_when_seats_are_short(tmp_path)
     directory = str(tmp_path)
     calls = []
     first = gpu_lease.acquire(2, ["0", "1"], seats=1, directory=directory, before_wait=lambda: calls.append(1))
-    assert calls == [] and not gpu_lease.someone_waits(directory)
+    assert calls == [] and not seat_want.someone_waits(directory)
 
     def free_the_first() -> None:  # what the registry does: stop this process's idle GPU pools
         calls.append(2)
-        assert gpu_lease.someone_waits(directory) is False  # raised only after before_wait freed nothing
+        assert seat_want.someone_waits(directory) is False  # raised only after before_wait freed nothing
         first.release()
 
     second = gpu_lease.acquire(1, ["0", "1"], seats=1, directory=directory, timeout=10, before_wait=free_the_first)
     assert calls == [2] and second.gpus == ("0",)
-    assert not gpu_lease.someone_waits(directory)  # lowered once served
+    assert not seat_want.someone_waits(directory)  # lowered once served
     second.release()
     second.release()  # idempotent
     assert not second.held
@@ -154,11 +154,11 @@ def test_a_waiter_raises_want_for_the_others(tmp_path, monkeypatch):
     directory = str(tmp_path)
     held = gpu_lease.acquire(1, ["0"], seats=1, directory=directory)
     seen = []
-    monkeypatch.setattr(gpu_lease.time, "sleep", lambda _: seen.append(gpu_lease.someone_waits(directory)))
+    monkeypatch.setattr(gpu_lease.time, "sleep", lambda _: seen.append(seat_want.someone_waits(directory)))
     with pytest.raises(gpu_lease.LeaseTimeout):
         gpu_lease.acquire(1, ["0"], seats=1, directory=directory, timeout=0.5)
     assert seen and all(seen)  # up while it waited
-    assert not gpu_lease.someone_waits(directory)  # down once it gave up
+    assert not seat_want.someone_waits(directory)  # down once it gave up
     held.release()
 
 
@@ -167,15 +167,15 @@ def test_the_flag_of_a_waiter_that_died_is_stale(tmp_path):
     dead = ctx.Process(target=os._exit, args=(0,))
     dead.start()
     dead.join(timeout=30)
-    stale = gpu_lease.Want(dead.pid, 2).text()
-    for reader in (gpu_lease.someone_waits, gpu_lease.seats_wanted):
-        (tmp_path / gpu_lease.WANT).write_text(stale)
+    stale = seat_want.Want(dead.pid, 2).text()
+    for reader in (seat_want.someone_waits, seat_want.seats_wanted):
+        (tmp_path / seat_want.WANT).write_text(stale)
         assert not reader(str(tmp_path))
-        assert not (tmp_path / gpu_lease.WANT).exists()
-    (tmp_path / gpu_lease.WANT).write_text(stale)
-    assert gpu_lease.claim_seats(1, str(tmp_path)) is None  # no yielder stops a pool for a dead waiter
-    (tmp_path / gpu_lease.WANT).write_text(gpu_lease.Want(os.getpid(), 2).text())
-    assert gpu_lease.someone_waits(str(tmp_path)) and gpu_lease.seats_wanted(str(tmp_path)) == 2
+        assert not (tmp_path / seat_want.WANT).exists()
+    (tmp_path / seat_want.WANT).write_text(stale)
+    assert seat_want.claim_seats(1, str(tmp_path)) is None  # no yielder stops a pool for a dead waiter
+    (tmp_path / seat_want.WANT).write_text(seat_want.Want(os.getpid(), 2).text())
+    assert seat_want.someone_waits(str(tmp_path)) and seat_want.seats_wanted(str(tmp_path)) == 2
 
 
 @pytest.mark.parametrize(("world_size", "gpus", "expected"),

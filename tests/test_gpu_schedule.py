@@ -21,7 +21,7 @@ import pytest
 
 from qgather.model.case import CaseSpec
 from qgather.pytest_plugin.gpu_schedule import GIB, plan_seats
-from qgather.runtime import gpu_lease, pool, registry, spec
+from qgather.runtime import gpu_lease, pool, registry, seat_want, spec
 from qgather.runtime.pool import RankPool
 from qgather.runtime.spec import PoolSpec
 
@@ -285,7 +285,7 @@ def test_a_process_gives_its_standby_pools_up_before_a_pool_it_uses(monkeypatch)
         registry._pools[PoolSpec("gloo", size, "cuda")] = IdlePool(PoolSpec("gloo", size, "cuda"))
     for size in (2, 1):
         registry._standby[PoolSpec("nccl", size, "cuda")] = IdlePool(PoolSpec("nccl", size, "cuda"))
-    monkeypatch.setattr(registry, "claim_seats", lambda seats: gpu_lease.Claim("", 0, seats))  # seats missing
+    monkeypatch.setattr(registry, "claim_seats", lambda seats: seat_want.Claim("", 0, seats))  # seats missing
     assert registry.yield_seats_wanted() and IdlePool.stopped == [2]
     assert registry.release_gpu_pools() == 4 and IdlePool.stopped == [2, 2, 1, 8, 4]
 

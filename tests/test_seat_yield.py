@@ -15,7 +15,7 @@ from multiprocessing.synchronize import Event
 
 import pytest
 
-from qgather.runtime import gpu_lease, registry, spec
+from qgather.runtime import gpu_lease, registry, seat_want, spec
 from qgather.runtime.pool import RankPool
 from qgather.runtime.spec import PoolSpec
 
@@ -138,7 +138,7 @@ def test_a_waiter_asks_again_when_the_claimed_seats_came_free_on_a_gpu_it_does_n
     """Two GPUs of 2 seats; GPU 0 full, GPU 1 half: a 2-rank NCCL pool is 1 seat short, on GPU 0. The
     first claim stops a pool on GPU 1, which does not help; once that seat is free the waiter asks
     again, at once (REARM_S, the bound for a claim that never comes free, is out of reach here)."""
-    monkeypatch.setattr(gpu_lease, "REARM_S", 2 * WAIT_S)
+    monkeypatch.setattr(seat_want, "REARM_S", 2 * WAIT_S)
     workers = Workers(str(tmp_path), ["0", "1"], 2)
     try:
         gpu1_free = lambda: _until(lambda: workers.free() == [0, 2])  # noqa: E731
@@ -166,30 +166,30 @@ def test_a_claim_whose_pool_cannot_stop_is_given_back(tmp_path, monkeypatch):
         raise OSError("the ranks did not stop")
 
     monkeypatch.setattr(stuck, "shutdown", cannot_stop)
-    (tmp_path / gpu_lease.WANT).write_text(gpu_lease.Want(os.getpid(), 3).text())  # this process waits
+    (tmp_path / seat_want.WANT).write_text(seat_want.Want(os.getpid(), 3).text())  # this process waits
     with pytest.raises(OSError, match="did not stop"):
         registry.yield_seats_wanted()
-    assert gpu_lease.seats_wanted(directory) == 3  # missing again, for another worker's pool
+    assert seat_want.seats_wanted(directory) == 3  # missing again, for another worker's pool
     stuck._lease.release()
 
 
 def test_claims_take_the_shortfall_down_to_nothing(tmp_path):
     directory = str(tmp_path)
-    (tmp_path / gpu_lease.WANT).write_text(gpu_lease.Want(os.getpid(), 3).text())
-    first = gpu_lease.claim_seats(2, directory)
-    second = gpu_lease.claim_seats(2, directory)
-    assert first is not None and second is not None and gpu_lease.seats_wanted(directory) == 0
-    assert gpu_lease.claim_seats(1, directory) is None and gpu_lease.someone_waits(directory)  # claimed in full
+    (tmp_path / seat_want.WANT).write_text(seat_want.Want(os.getpid(), 3).text())
+    first = seat_want.claim_seats(2, directory)
+    second = seat_want.claim_seats(2, directory)
+    assert first is not None and second is not None and seat_want.seats_wanted(directory) == 0
+    assert seat_want.claim_seats(1, directory) is None and seat_want.someone_waits(directory)  # claimed in full
     second.give_back()
-    assert gpu_lease.seats_wanted(directory) == 1
+    assert seat_want.seats_wanted(directory) == 1
 
 
 def _claim_and_keep(directory: str, claimed: Event, done: Event) -> None:
     """A worker whose claim frees nothing: it claims the whole shortfall, then keeps its seats (as one
     whose yielder died between its claim and its stop)."""
     lease = gpu_lease.acquire(SEATS - POOL.world_size, ["0"], seats=SEATS, directory=directory, timeout=WAIT_S)
-    if _until(lambda: gpu_lease.seats_wanted(directory) > 0):
-        if gpu_lease.claim_seats(gpu_lease.seats_wanted(directory), directory) is not None:
+    if _until(lambda: seat_want.seats_wanted(directory) > 0):
+        if seat_want.claim_seats(seat_want.seats_wanted(directory), directory) is not None:
             claimed.set()
     done.wait(WAIT_S)
     lease.release()
@@ -197,7 +197,7 @@ def _claim_and_keep(directory: str, claimed: Event, done: Event) -> None:
 
 def test_a_waiter_asks_again_when_a_claim_frees_nothing(tmp_path, monkeypatch):
     directory = str(tmp_path)
-    monkeypatch.setattr(gpu_lease, "REARM_S", 0.5)  # the waiter's own bound, short here
+    monkeypatch.setattr(seat_want, "REARM_S", 0.5)  # the waiter's own bound, short here
     workers = Workers(directory, ["0"], SEATS)
     claimed = workers.ctx.Event()
     keeper = workers.ctx.Process(target=_claim_and_keep, args=(directory, claimed, workers.done))

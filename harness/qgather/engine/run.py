@@ -23,7 +23,7 @@ from qgather.model.policy import expectation
 from qgather.model.report import UNPLACED, CaseReport
 from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
-from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, RankPool, get_pool
+from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool, start_ahead
 from qgather.runtime.launch import detect_launch
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.registry import run_on_rank
@@ -134,11 +134,9 @@ def _start_own_pool_early(spec: CaseSpec, options: RunOptions) -> None:
     if own.device != "cuda" or spec.config.saved_at_world_size == spec.world_size:
         return
     try:
-        pool = get_pool(own.validate(), options.say)
+        start_ahead(own.validate())
     except PoolSpecError:
         return  # the case itself reports it
-    if isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way:
-        pool.start_in_background()
 
 
 def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:

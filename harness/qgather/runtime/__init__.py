@@ -20,7 +20,8 @@ Modules: spec (what a pool is), pool (the runner side), replies (what one exchan
 when the pool looks again), rank (the rank side), protocol (their messages), outcome (what a case
 run returns), whereabouts (where a running case is), helpers (the forkserver and resource
 tracker), lifeline (nothing outlives the runner), registry (one pool per spec, started side by
-side), gpu_lease (the seats a CUDA pool's ranks take on GPUs that every pool of the run shares),
+side), gpu_lease (the seats a CUDA pool's ranks take on GPUs that every pool of the run shares; its
+directory and locks: lease_files; a waiter's ask for seats: seat_want),
 launch/job/external (ranks a launcher started), probes and bench (the runtime's benchmark).
 
 Environment knobs: QGATHER_START_METHOD=spawn (instead of a forkserver with torch preloaded),
@@ -34,7 +35,7 @@ from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_
 from qgather.runtime.pool import RankPool
 from qgather.runtime.protocol import ProtocolError
 from qgather.runtime.rank import CaseContext
-from qgather.runtime.registry import get_pool, shutdown_pools
+from qgather.runtime.registry import get_pool, shutdown_pools, start_ahead
 from qgather.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
 
 __all__ = [
@@ -52,5 +53,6 @@ __all__ = [
     "is_reporting_rank",
     "same_error_on_every_rank",
     "shutdown_pools",
+    "start_ahead",
     "visible_gpus",
 ]

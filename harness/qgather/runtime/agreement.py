@@ -92,32 +92,37 @@ class HeldBackError(BaseException):
         self.collective = collective
 
 
-class UnequalCollectiveSizes(BaseException):
-    """Every rank of a group came to the same collective with inputs of different sizes: raised on each
-    of them before any of them enters it. A BaseException, as HeldBackError is: no `except Exception`
-    of a case or library takes it for its own."""
+class _StoppedBeforeCollective(BaseException):
+    """Every member of a group came to one collective with inputs that keep them out of it: raised on each
+    of them before any of them enters it. A BaseException, as HeldBackError is: no `except Exception` of a
+    case or library takes it for its own."""
 
-    def __init__(self, collective: str, sizes: Mapping[int, int]) -> None:
-        handed = ", ".join(f"rank {rank}: {size} bytes" for rank, size in sorted(sizes.items()))
-        super().__init__(f"the ranks handed {collective} different sizes ({handed}): qgather held every rank "
-                         "before it (NCCL would wait forever or read past the shorter buffers; gloo aborts)")
+    def __init__(self, collective: str, sizes: Mapping[int, int], message: str) -> None:
+        super().__init__(message)
         self.collective = collective
         self.sizes = dict(sizes)
 
 
-class UnjoinedCollective(BaseException):
-    """Every rank of a group came to a library method that all-reduces its amax from native code, some of
-    them with an empty input, on which the method returns before the all-reduce (EMPTY_INPUT_SKIPS): the
-    others would wait in it forever. Raised on each of them before any enters it, as UnequalCollectiveSizes."""
+class UnequalCollectiveSizes(_StoppedBeforeCollective):
+    """The members handed a SIZED collective inputs of different sizes."""
+
+    def __init__(self, collective: str, sizes: Mapping[int, int]) -> None:
+        handed = ", ".join(f"rank {rank}: {size} bytes" for rank, size in sorted(sizes.items()))
+        super().__init__(collective, sizes, f"the ranks handed {collective} different sizes ({handed}): qgather held "
+                         "every rank before it (NCCL would wait forever or read past the shorter buffers; gloo aborts)")
+
+
+class UnjoinedCollective(_StoppedBeforeCollective):
+    """Some members came with an empty input to a library method that all-reduces its amax from native
+    code and returns before that all-reduce on an empty input (EMPTY_INPUT_SKIPS): the others would wait
+    in it forever."""
 
     def __init__(self, collective: str, sizes: Mapping[int, int]) -> None:
         empty = [rank for rank, size in sorted(sizes.items()) if size == 0]
         others = [rank for rank, size in sorted(sizes.items()) if size > 0]
-        super().__init__(f"{ranks_word(empty)} handed {collective} an empty input, on which it returns before "
-                         f"its amax all-reduce, which {ranks_word(others)} would enter and wait in forever: "
-                         "qgather held every rank before it")
-        self.collective = collective
-        self.sizes = dict(sizes)
+        super().__init__(collective, sizes, f"{ranks_word(empty)} handed {collective} an empty input, on which it "
+                         f"returns before its amax all-reduce, which {ranks_word(others)} would enter and wait in "
+                         "forever: qgather held every rank before it")
 
 
 class HeldWaitTimeout(RuntimeError):

@@ -10,17 +10,11 @@ import time
 from collections.abc import Callable, Collection
 
 from qgather.runtime.external import ExternalPool
-from qgather.runtime.gpu_lease import (
-    POLL_S,
-    LeaseTimeout,
-    claim_seats,
-    remove_own_lease_dir,
-    seats_wanted,
-    someone_waits,
-)
 from qgather.runtime.helpers import stop_helpers
 from qgather.runtime.launch import external_world
+from qgather.runtime.lease_files import POLL_S, LeaseTimeout, remove_own_lease_dir
 from qgather.runtime.pool import RankPool
+from qgather.runtime.seat_want import claim_seats, seats_wanted, someone_waits
 from qgather.runtime.spec import PoolSpec
 
 _pools: dict[PoolSpec, RankPool | ExternalPool] = {}
@@ -58,6 +52,16 @@ def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPo
         elif isinstance(pool, RankPool):
             pool = _standby_for(spec, pool)
         return pool
+
+
+def start_ahead(spec: PoolSpec) -> None:
+    """The pool for `spec` starts in the background unless it is up or starting already (a pool a case
+    will need soon); nothing under a launcher, whose world is up (and whose pool writes with the case's `say`)."""
+    if external_world() is not None:
+        return
+    pool = get_pool(spec)
+    if isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way:
+        pool.start_in_background()
 
 
 def _standby_for(spec: PoolSpec, pool: RankPool) -> RankPool:
