@@ -4,10 +4,14 @@ On one GPU the ranks all-gather through gloo, which copies through the host: its
 a good part of a second where NCCL moves the same bytes in well under a millisecond. The
 projection replaces the measured collective by NCCL's time for the same bytes at an assumed
 all-gather bus bandwidth (`BUS_BANDWIDTH`, printed with every result), in the case and in the bare
-work alike:
+work alike. The collective taken out of a case is the one that case's own run measured on each
+rank (its seconds in the collective once the last rank had arrived): a case's overhead is a few
+milliseconds beside a gloo all-gather of a few hundred, and the spread of two separate
+all-gathers is larger than that, so subtracting another measurement's collective projected noise
+(ratios from 0.1 to 11 for one case in one session). Per rank r of the run:
 
-    projected case = case - measured collective + NCCL collective
-    projected bare = the library's shard quantization + NCCL collective
+    projected case = max over r of (the run's seconds on r - r's own collective) + NCCL collective
+    projected bare = the library's shard quantization (and module build) + NCCL collective
 
 NCCL's bus bandwidth follows nccl-tests' definition: an all-gather of S output bytes over n ranks
 moves S * (n - 1) / n bytes through each rank's links, so its time is that over the bus bandwidth.
@@ -19,6 +23,7 @@ card's bandwidth (`HBM_BANDWIDTH`, by the card's name).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qgather.model.phases import Phase, Step
@@ -40,13 +45,26 @@ def nccl_all_gather_s(bytes_per_rank: int, world_size: int, bus_bandwidth: float
 
 
 @dataclass(frozen=True)
+class RankRun:
+    """One rank's seconds in one run of a case: the whole run, and its own collective in it (from the
+    last rank's arrival on: the wait for the others is the work of the rank that came last)."""
+
+    rank: int
+    run_s: float
+    collective_s: float
+
+
+@dataclass(frozen=True)
 class Projection:
-    """A case and its bare work, measured on one backend and projected onto NCCL."""
+    """A case and its bare work, measured on one backend and projected onto NCCL: `case_s` and
+    `measured_collective_s` are the run's and its collective's seconds on the rank whose projection
+    is the longest."""
 
     case_s: float
     bare_quantize_s: float
-    measured_collective_s: float  # the collective alone, same bytes, on the backend that ran
+    measured_collective_s: float  # the case's own collective on that rank, on the backend that ran
     nccl_collective_s: float
+    rank: int = 0
 
     @property
     def case_on_nccl_s(self) -> float:
@@ -61,10 +79,14 @@ class Projection:
         return self.case_on_nccl_s / self.bare_on_nccl_s if self.bare_on_nccl_s else float("inf")
 
 
-def project(case_s: float, bare_quantize_s: float, measured_collective_s: float, bytes_per_rank: int,
-            world_size: int, bus_bandwidth: float = BUS_BANDWIDTH) -> Projection:
-    return Projection(case_s, bare_quantize_s, measured_collective_s,
-                      nccl_all_gather_s(bytes_per_rank, world_size, bus_bandwidth))
+def project(ranks: Sequence[RankRun], bare_quantize_s: float, bytes_per_rank: int, world_size: int,
+            bus_bandwidth: float = BUS_BANDWIDTH) -> Projection:
+    """The case's run on each rank with its own collective swapped for NCCL's; the longest rank's."""
+    if not ranks:
+        raise ValueError("a projection needs the run of at least one rank")
+    longest = max(ranks, key=lambda r: r.run_s - r.collective_s)
+    return Projection(longest.run_s, bare_quantize_s, longest.collective_s,
+                      nccl_all_gather_s(bytes_per_rank, world_size, bus_bandwidth), longest.rank)
 
 
 def hbm_bandwidth(device_name: str) -> tuple[float, str]:
