@@ -11,18 +11,62 @@ from qgather.pytest_plugin.timings import render
 from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError
 
 
+class FakeDevice:
+    """A DeviceClock whose work for each mark is done at `delays[i]` seconds after the host marked it
+    (0 when not given); `reads` counts the waits for it."""
+
+    def __init__(self, now=lambda: 0.0, delays=()) -> None:
+        self.now, self.delays, self.marks, self.reads = now, list(delays), [], 0
+
+    def mark(self) -> int:
+        self.marks.append(self.now())
+        return len(self.marks) - 1
+
+    def done_at(self, marks) -> list[float]:
+        self.reads += 1
+        return [self.marks[m] + (self.delays[m] if m < len(self.delays) else 0.0) for m in marks]
+
+
 def test_clock_charges_each_phase_and_label(monkeypatch):
     ticks = itertools.count()
     monkeypatch.setattr("qgather.model.phases.time.perf_counter", lambda: float(next(ticks)))
-    synced = []
-    phases = PhaseTracker(sync=lambda: synced.append(1))  # t=0
+    device = FakeDevice()
+    phases = PhaseTracker(device=device)  # t=0
     with phases.labelled(Step.GOLDEN):  # lap at 1 (build), 2 (golden), the label spans a phase change
         phases.current = Phase.SHARD  # 2 -> golden 1 s so far
     with phases.at(Phase.COLLECTIVE):  # lap at 4: 1 s of shard
         pass
     got = dict(phases.seconds())  # lap at 5: 1 s of collective
     assert got == {Phase.BUILD.value: 1.0, "golden": 2.0, Phase.SHARD.value: 1.0, Phase.COLLECTIVE.value: 1.0}
-    assert len(synced) == 5  # every reading waited for the device first
+    assert len(device.marks) == 5  # every change marked the device's queue
+    assert device.reads == 1  # and it was waited for once, when the seconds were asked for
+
+
+def test_device_work_is_charged_to_the_step_that_queued_it(monkeypatch):
+    """The host queues the build (0-1 s) and moves on; the device finishes the build's work at 4 s,
+    while the host already ran the shard (1-2 s): the build takes 4 s, the shard starts at 4 s."""
+    clock = [0.0]
+    monkeypatch.setattr("qgather.model.phases.time.perf_counter", lambda: clock[0])
+    walls = iter([100.0, 101.0, 102.0])
+    monkeypatch.setattr("qgather.model.phases.time.time", lambda: next(walls))
+    device = FakeDevice(now=lambda: clock[0], delays=[3.0, 0.0, 0.5])
+    phases = PhaseTracker(device=device)  # build starts at 0 (wall 100)
+    clock[0] = 1.0
+    phases.current = Phase.SHARD  # build's host part ends at 1, its device work at 4 (wall 101 for the host)
+    clock[0] = 2.0
+    phases.current = Phase.COLLECTIVE  # shard's host part ends at 2; its device work is done by then
+    clock[0] = 5.0
+    got = dict(phases.seconds())  # collective: 2-5 on the host, its device work done at 5.5
+    assert got == {Phase.BUILD.value: 4.0, Phase.SHARD.value: 0.0, Phase.COLLECTIVE.value: 1.5}
+    assert sum(got.values()) == 5.5  # the case's time, host and device together
+    started = dict(phases.started())
+    assert started == {Phase.BUILD.value: 100.0, Phase.SHARD.value: 104.0, Phase.COLLECTIVE.value: 104.0}
+
+
+def test_without_a_device_the_clock_is_the_hosts():
+    phases = PhaseTracker()
+    phases.current = Phase.SHARD
+    assert [step for step, _ in phases.seconds()] == [Phase.BUILD.value, Phase.SHARD.value]
 
 
 def test_clock_notes_when_each_step_first_started(monkeypatch):
@@ -38,8 +82,8 @@ def test_clock_notes_when_each_step_first_started(monkeypatch):
 
 
 def test_each_rise_of_the_memory_mark_is_charged_to_the_step_that_raised_it():
-    marks = iter([10, 30, 35, 20, 30, 50, 40, 60])  # one reading per synced lap; 20, 30 and 40 raise nothing
-    phases = PhaseTracker(sync=lambda: None, memory=lambda: next(marks))
+    marks = iter([10, 30, 35, 20, 30, 50, 40, 60])  # one reading per lap; 20, 30 and 40 raise nothing
+    phases = PhaseTracker(device=FakeDevice(), memory=lambda: next(marks))
     with phases.labelled(Step.GOLDEN):  # build 10; golden 30, then 35 (the label spans a phase change)
         phases.current = Phase.SHARD
     phases.current = Phase.COLLECTIVE  # shard after the label: 20
@@ -50,15 +94,16 @@ def test_each_rise_of_the_memory_mark_is_charged_to_the_step_that_raised_it():
     assert phases.high_water() == ((Phase.BUILD.value, 10), ("golden", 35), (Phase.SHARD.value, 60))
 
 
-def test_the_memory_mark_is_read_only_after_the_device_was_waited_for():
+def test_the_memory_mark_is_read_only_on_laps_that_mark_the_device():
     readings = []
-    phases = PhaseTracker(memory=lambda: readings.append(1) or 5)  # no sync: nothing read
+    phases = PhaseTracker(memory=lambda: readings.append(1) or 5)  # no device: nothing read
     phases.current = Phase.SHARD
     assert phases.high_water() == () and readings == []
-    phases = PhaseTracker(sync=lambda: None, memory=lambda: readings.append(1) or 5)
+    device = FakeDevice()
+    phases = PhaseTracker(device=device, memory=lambda: readings.append(1) or 5)
     phases.seconds(sync=False)  # an error's lap
-    assert phases.high_water() == () and readings == []
-    assert PhaseTracker(sync=lambda: None).high_water() == ()  # no memory reader
+    assert phases.high_water() == () and readings == [] and device.marks == [] and device.reads == 0
+    assert PhaseTracker(device=FakeDevice()).high_water() == ()  # no memory reader
 
 
 def test_reading_the_memory_mark_is_charged_to_no_step(monkeypatch):
@@ -69,7 +114,7 @@ def test_reading_the_memory_mark_is_charged_to_no_step(monkeypatch):
         clock[0] += 10.0
         return 1
 
-    phases = PhaseTracker(sync=lambda: None, memory=reading)
+    phases = PhaseTracker(device=FakeDevice(), memory=reading)
     clock[0] += 1.0
     phases.current = Phase.SHARD  # build: 1 s, then the reading
     clock[0] += 2.0
@@ -90,14 +135,14 @@ def test_labelled_block_keeps_the_error_phase():
 def test_an_error_carries_the_steps_until_it_without_waiting_for_the_device(monkeypatch):
     ticks = itertools.count()
     monkeypatch.setattr("qgather.model.phases.time.perf_counter", lambda: float(next(ticks)))
-    synced = []
-    phases = PhaseTracker(sync=lambda: synced.append(1))  # t=0
+    device = FakeDevice(delays=[10.0])  # the build's device work would end late: not asked for
+    phases = PhaseTracker(device=device)  # t=0
     try:
         with phases.tagging(), phases.labelled(Step.GOLDEN):  # lap at 1 (build)
             raise RuntimeError("CUDA error: an illegal memory access")  # lap at 2 (golden), 3 (build again)
     except RuntimeError as exc:
         error = RankError.from_exception(1, exc)
-    assert synced == [1]  # only the lap before the block: none once the error was raised
+    assert len(device.marks) == 1 and device.reads == 0  # only the lap before the block marked; none read
     assert dict(error.seconds) == {Phase.BUILD.value: 2.0, "golden": 1.0}
 
 

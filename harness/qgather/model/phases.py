@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 
 class Phase(str, enum.Enum):
@@ -45,30 +47,58 @@ class Step(str, enum.Enum):
 BEFORE_DATA_MOVED = frozenset({Phase.BUILD.value, Phase.SHARD.value, Phase.PRE_HOOK.value})
 
 
+class DeviceClock(Protocol):
+    """A device that runs queued work asynchronously (CUDA), as the step clock reads it."""
+
+    def mark(self) -> object:
+        """A point in the device's queue: the work queued so far."""
+
+    def done_at(self, marks: Sequence[object]) -> list[float]:
+        """When (time.perf_counter's seconds) the device had finished the work before each mark;
+        waits for the device once."""
+
+
+@dataclass
+class _Lap:
+    """One stretch of host time charged to `key`; `mark`: the device's queue at its end (None: none
+    read, e.g. an error's lap)."""
+
+    key: str
+    start: float
+    end: float
+    mark: object | None
+
+
 class PhaseTracker:
     """The phase this process is in, and how long it spent in each (one tracker per scenario run).
 
     The clock charges the time between two phase changes to the phase that ran, and a `labelled`
     block's time to its label (e.g. "golden"), so that a case's seconds can be read step by step.
-    `sync` (e.g. torch.cuda.synchronize) runs before every reading, so that device work queued in a
-    step is charged to that step and not to the next one that waits for it. It also notes the wall
-    clock (time.time(): one clock for every process of a host) when each step first starts, so that
-    ranks can be compared: a rank that reaches a collective first waits there for the last one.
-    `memory` (a high-water mark of device memory, e.g. the CUDA allocator's peak; never lowered by the
-    tracker) is read after each synced reading, off the clock, so that each rise of the mark is charged
-    to the step that raised it.
+    With a `device` (DeviceClock, e.g. CUDA's events) each change also marks the device's queue, and
+    a step ends when the host has left it and the device has finished the work queued in it, so that
+    device work queued in a step is charged to that step and not to the next one. The device is not
+    waited for at each change (a synchronize there kept the host from queueing the next step while the
+    device ran this one: the case took the sum of both): the marks are read once, when the seconds
+    are asked for. It also notes the wall clock (time.time(): one clock for every process of a host)
+    when each step first starts (with a device: once the device had finished the step before), so
+    that ranks can be compared: a rank that reaches a collective first waits there for the last one.
+    `memory` (a high-water mark of device memory, e.g. the CUDA allocator's peak, which counts an
+    allocation when it is queued; never lowered by the tracker) is read at each change, off the
+    clock, so that each rise of the mark is charged to the step that raised it.
     """
 
-    def __init__(self, sync: Callable[[], None] | None = None, memory: Callable[[], int] | None = None) -> None:
+    def __init__(self, device: DeviceClock | None = None, memory: Callable[[], int] | None = None) -> None:
         self._current = Phase.BUILD
         self._label = ""
-        self._sync = sync
+        self._device = device
         self._memory = memory
         self._highest = 0
         self._high_water: dict[str, int] = {}
         self._since = time.perf_counter()
-        self._seconds: dict[str, float] = {}
-        self._started: dict[str, float] = {self._key: time.time()}
+        self._laps: list[_Lap] = []
+        self._done: list[float] | None = None  # the device's done_at of every lap's mark, once read
+        self._first: dict[str, tuple[float, int]] = {}  # step -> (wall clock at its first start, its first lap)
+        self._mark_start()
 
     @property
     def current(self) -> Phase:
@@ -96,7 +126,7 @@ class PhaseTracker:
         try:
             yield
         except BaseException:
-            self._lap(sync=False)  # a failed device may not synchronize: the error is what matters
+            self._lap(device=False)  # a failed device may not answer: the error is what matters
             raise
         else:
             self._lap()
@@ -105,14 +135,23 @@ class PhaseTracker:
             self._mark_start()
 
     def seconds(self, sync: bool = True) -> tuple[tuple[str, float], ...]:
-        """(step, seconds) so far, in the order the steps first ran (sync=False: without waiting for
-        the device, e.g. after an error)."""
-        self._lap(sync)
-        return tuple(self._seconds.items())
+        """(step, seconds) so far, in the order the steps first ran. sync: the device's marks are read
+        (waiting for it once); False: host time only, without asking the device (e.g. after an error)."""
+        self._lap(device=sync)
+        seconds: dict[str, float] = {}
+        for lap, (start, end) in zip(self._laps, self._spans(sync), strict=True):
+            seconds[lap.key] = seconds.get(lap.key, 0.0) + end - start
+        return tuple(seconds.items())
 
     def started(self) -> tuple[tuple[str, float], ...]:
-        """(step, wall-clock second it first started), in the order the steps first ran."""
-        return tuple(self._started.items())
+        """(step, wall-clock second it first started), in the order the steps first ran: with a
+        device whose marks were read (`seconds`), once the device had finished the step before."""
+        spans = self._spans(self._done is not None)
+        started = {}
+        for key, (wall, index) in self._first.items():
+            delay = spans[index][0] - self._laps[index].start if index < len(self._laps) else 0.0
+            started[key] = wall + delay
+        return tuple(started.items())
 
     def high_water(self) -> tuple[tuple[str, int], ...]:
         """(step, bytes) for each step in which the memory mark rose, the highest reading charged to
@@ -124,23 +163,45 @@ class PhaseTracker:
         return self._label or self._current.value
 
     def _mark_start(self) -> None:
-        if self._key not in self._started:
-            self._started[self._key] = time.time()
+        if self._key not in self._first:
+            self._first[self._key] = (time.time(), len(self._laps))
 
-    def _lap(self, sync: bool = True) -> None:
-        synced = sync and self._sync is not None
-        if synced:
-            self._sync()
+    def _lap(self, device: bool = True) -> None:
         now = time.perf_counter()
-        key = self._key
-        self._seconds[key] = self._seconds.get(key, 0.0) + now - self._since
+        asked = device and self._device is not None
+        self._laps.append(_Lap(self._key, self._since, now, self._device.mark() if asked else None))
         self._since = now
-        if synced and self._memory is not None:
-            self._note_memory(key)
+        if asked and self._memory is not None:
+            self._note_memory(self._key)
             self._since = time.perf_counter()  # the reading is the clock's own cost: no step's
 
+    def _spans(self, with_device: bool) -> list[tuple[float, float]]:
+        """Each lap's (start, end): it starts when the host started it and the step before had ended,
+        and ends when the host left it and (with_device) the device had done the work queued in it."""
+        if with_device and self._device is not None and any(lap.mark is not None for lap in self._laps):
+            self._read_device()
+        spans, ended = [], float("-inf")
+        for index, lap in enumerate(self._laps):
+            start = max(lap.start, ended)
+            done = self._done[index] if with_device and self._done is not None and index < len(self._done) else None
+            ended = max(lap.end, start, done if done is not None else lap.end)
+            spans.append((start, ended))
+        return spans
+
+    def _read_device(self) -> None:
+        """The device's done_at for every lap that marked its queue (None for the others), read once
+        for all the laps so far."""
+        if self._done is not None and len(self._done) == len(self._laps):
+            return
+        marked = [index for index, lap in enumerate(self._laps) if lap.mark is not None]
+        times = self._device.done_at([self._laps[index].mark for index in marked])
+        done: list[float | None] = [None] * len(self._laps)
+        for index, at in zip(marked, times, strict=True):
+            done[index] = at
+        self._done = done
+
     def _note_memory(self, key: str) -> None:
-        # only on the laps that waited for the device: an error's lap (sync=False) asks the device nothing
+        # only on the laps that marked the device: an error's lap asks the device nothing
         reading = self._memory()
         if reading > self._highest:
             self._highest = reading

@@ -14,6 +14,7 @@ import torch
 
 from qgather.errors import HarnessFault
 from qgather.impls import get_impl
+from qgather.instruments.device_clock import CudaClock
 from qgather.model.case import SCENARIOS, CaseSpec
 from qgather.model.phases import PhaseTracker
 from qgather.model.records import RankResult
@@ -71,7 +72,7 @@ def run_on_rank(ctx: CaseContext, spec: CaseSpec, checkpoint: str | None = None)
     if runner is None:
         where = "runs in one process, not on a rank pool" if spec.scenario in IN_ONE_PROCESS else "is unknown"
         raise HarnessFault(f"case {spec.id}: scenario {spec.scenario!r} {where}")
-    phases = PhaseTracker(_device_sync(ctx.device), _device_memory(ctx.device))
+    phases = PhaseTracker(_device_clock(ctx.device), _device_memory(ctx.device))
     with phases.tagging():
         result = runner(ctx, spec, phases, checkpoint)
     if not isinstance(result, RankResult):
@@ -80,11 +81,9 @@ def run_on_rank(ctx: CaseContext, spec: CaseSpec, checkpoint: str | None = None)
     return replace(result, seconds=seconds, started=phases.started(), high_water=phases.high_water())
 
 
-def _device_sync(device: torch.device) -> Callable[[], None] | None:
-    """What makes the step clock wait for the device's queued work (CUDA runs asynchronously)."""
-    if device.type != "cuda":
-        return None
-    return lambda: torch.cuda.synchronize(device)
+def _device_clock(device: torch.device) -> CudaClock | None:
+    """How the step clock reads a device that runs its queued work asynchronously (CUDA)."""
+    return CudaClock(device) if device.type == "cuda" else None
 
 
 def _device_memory(device: torch.device) -> Callable[[], int] | None:
