@@ -96,7 +96,7 @@ class PhaseTracker:
         self._high_water: dict[str, int] = {}
         self._since = time.perf_counter()
         self._laps: list[_Lap] = []
-        self._done: list[float] | None = None  # the device's done_at of every lap's mark, once read
+        self._done: list[float | None] | None = None  # each lap's device done_at (None: unmarked), once read
         self._first: dict[str, tuple[float, int]] = {}  # step -> (wall clock at its first start, its first lap)
         self._mark_start()
 
@@ -180,11 +180,12 @@ class PhaseTracker:
         and ends when the host left it and (with_device) the device had done the work queued in it."""
         if with_device and self._device is not None and any(lap.mark is not None for lap in self._laps):
             self._read_device()
+        done = self._done if with_device and self._done is not None else []
         spans, ended = [], float("-inf")
         for index, lap in enumerate(self._laps):
             start = max(lap.start, ended)
-            done = self._done[index] if with_device and self._done is not None and index < len(self._done) else None
-            ended = max(lap.end, start, done if done is not None else lap.end)
+            device_end = done[index] if index < len(done) and done[index] is not None else lap.end
+            ended = max(lap.end, start, device_end)
             spans.append((start, ended))
         return spans
 
