@@ -7,12 +7,19 @@ pools that xdist's own scheduling, driven the same way, starts (one per worker a
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 from xdist.scheduler import LoadScheduling
 
-from qgather.pytest_plugin.affinity import CHECKPOINT, NO_POOL, WorldSizeScheduling, busiest, key_of, world_size_of
+from qgather.pytest_plugin.affinity import (
+    CHECKPOINT,
+    NO_POOL,
+    WorldSizeScheduling,
+    busiest,
+    key_of,
+    pool_sizes_of,
+    world_size_of,
+)
 
 WORKERS = 8
 SIZES = (1, 2, 3, 4, 8)
@@ -61,9 +68,7 @@ def gate_collection() -> list[str]:
 
 def pools_of(nodeid: str) -> set[int]:
     """The world sizes of the pools an item runs on: its own, and a dcp-wsA case's save at A."""
-    sizes = {world_size_of(nodeid)} - {NO_POOL}
-    saved = re.search(r":dcp-ws(\d+)", nodeid)
-    return sizes | {int(saved.group(1))} if saved else sizes
+    return set(pool_sizes_of(nodeid))
 
 
 def drive(scheduler: LoadScheduling, nodes: list[FakeNode], collection: list[str], seed: int,
@@ -105,6 +110,21 @@ def test_world_size_of_reads_the_case_id():
     assert world_size_of("cases/test_dispatch_ops.py::test_chunk[reference:fp8_tensor]") == NO_POOL
     assert key_of("cases/test_x.py::test_y[te:fp8_block:2x16:bf16:ws2:steps:s0:dcp-ws4]") == CHECKPOINT
     assert key_of("cases/test_x.py::test_y[te:fp8_block:2x16:bf16:ws2:steps:s0:raf-2]") == 2
+
+
+def test_a_checkpoint_case_is_keyed_by_its_pools_whatever_its_configuration_joins():
+    """The 1 x H200 gate's costliest pool starts were dcp-wsA cases whose configuration joins other
+    options (tp-2x2+dcp-ws8, compile+dcp-ws4): keyed by their own size, the workers of that size
+    started the saving sizes' pools too."""
+    for config in ("tp-2x2+dcp-ws8", "compile+dcp-ws8", "mp-bf16+raf-no+dcp-ws8"):
+        nodeid = f"cases/test_ckpt.py::test_config[reference:fp8_tensor:128x64:bf16:ws4:gather:s0:{config}]"
+        assert pool_sizes_of(nodeid) == (4, 8)
+        assert key_of(nodeid) == CHECKPOINT
+    # saved at its own size: one pool, its size's
+    assert key_of("cases/t.py::test_y[reference:fp8_tensor:128x64:bf16:ws2:gather:s0:compile+dcp-ws2]") == 2
+    # a virtual case runs in the runner's process, on no pool
+    assert key_of("cases/t.py::test_y[reference:fp8_tensor:128x64:bf16:ws2:virtual:s0]") == NO_POOL
+    assert key_of("tests/gpu/test_te.py::test_cross_check[3]") == NO_POOL
 
 
 def test_busiest_weighs_work_left_per_worker_already_there():

@@ -10,9 +10,10 @@ one pool per worker, and one for each move as the world sizes run dry at the end
 drives it (tests/test_affinity.py), 17-20 starts for 8 workers and 5 world sizes, against xdist's 40.
 
 The cases' order within a world size, the chunk sizes and the end of the run are xdist's
-`LoadScheduling`'s; only the choice of which pending cases a worker is sent differs. Items that name no
-world size (the GPU-only tests, the dispatch checks) are a "size" of their own, as cheap as a world
-size of one; so are the cases that save a checkpoint at another world size (`key_of`). Used where the
+`LoadScheduling`'s; only the choice of which pending cases a worker is sent differs. Items that run on
+no pool (the GPU-only tests, the dispatch checks, the virtual cases) are a "size" of their own, as cheap
+as a world size of one; so are the cases that save a checkpoint at another world size, whatever other
+options their configuration joins (`key_of`, from the case id as CaseSpec reads it). Used where the
 run's pools take GPU seats (qgather.pytest_plugin.gpu_schedule) and xdist's mode is its default `load`;
 an explicit `--dist` is the user's.
 """
@@ -27,30 +28,55 @@ from typing import Any
 import pytest
 from xdist.scheduler import LoadScheduling
 
+from qgather.model.case import CaseSpec, CaseSpecError
 from qgather.pytest_plugin import gpu_schedule
 
-_WORLD_SIZE = re.compile(r"\[[^\]]*?:ws(\d+):")
-_SAVED_AT = re.compile(r"\[[^\]]*?:dcp-ws\d")
-NO_POOL = 0  # the key of an item that names no world size
+_CASE_ID = re.compile(r"\[([^\]]*)\]$")
+NO_POOL = 0  # the key of an item that runs on no pool (no case id, or a virtual case)
 CHECKPOINT = -1  # the key of a dcp-wsA case: it runs on pools of two world sizes (the save's, its own)
+
+
+def pool_sizes_of(nodeid: str) -> tuple[int, ...]:
+    """The world sizes of the pools the case in `nodeid`'s brackets runs on (CaseSpec.pool_sizes: a
+    dcp-wsA case's saving size too, whatever other options its configuration joins with `+`); none
+    for an item whose brackets hold no case id."""
+    match = _CASE_ID.search(nodeid)
+    if match is None:
+        return ()
+    try:
+        return CaseSpec.parse(match.group(1)).pool_sizes
+    except CaseSpecError:
+        return ()
 
 
 def world_size_of(nodeid: str) -> int:
     """The world size a case id in `nodeid` names (NO_POOL: none)."""
-    match = _WORLD_SIZE.search(nodeid)
-    return int(match.group(1)) if match else NO_POOL
+    match = _CASE_ID.search(nodeid)
+    if match is None:
+        return NO_POOL
+    try:
+        return CaseSpec.parse(match.group(1)).world_size
+    except CaseSpecError:
+        return NO_POOL
 
 
 def key_of(nodeid: str) -> int:
-    """Which worker's cases an item is: its world size's, or CHECKPOINT's (a case that saves at another
-    world size needs a pool of each: kept to a few workers, they start every size's pool once, not
-    every worker)."""
-    return CHECKPOINT if _SAVED_AT.search(nodeid) else world_size_of(nodeid)
+    """Which worker's cases an item is: its pool's world size, CHECKPOINT's (a case that saves at
+    another world size needs a pool of each: kept to a few workers, they start every size's pool once,
+    not every worker), or NO_POOL's."""
+    sizes = pool_sizes_of(nodeid)
+    if len(sizes) > 1:
+        return CHECKPOINT
+    return sizes[0] if sizes else NO_POOL
 
 
 def weight(key: int) -> float:
     """A case's relative cost (1 x H200 gate, 2026-11-29: ~0.4 s a case at 3 to 8 ranks on gloo over
-    CUDA, ~0.25 s at one; a dcp-wsA case 3.2 s on average, its save and its load on two pools)."""
+    CUDA, ~0.25 s at one; a dcp-wsA case 3.2 s on average, its save and its load on two pools). Since
+    then the cases' own seconds fell (0.11-0.18 s, a dcp-wsA case 0.24 s, runs M and N of 2026-11-29
+    afternoon), but a worker that takes up dcp-wsA cases starts pools of several sizes: driven over
+    run N's own ids and seconds with 4 s a pool start (tests/test_affinity.py's driver), these
+    weights and weights from the cases' seconds alone start as many pools or more."""
     return 6.0 if key == CHECKPOINT else 1.0 + key / 8
 
 
