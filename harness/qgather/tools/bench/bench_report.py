@@ -173,7 +173,9 @@ def _projection_line(p: Projection, nbytes: int, args: argparse.Namespace) -> st
             f"[the case's own all-gather in the same run ({p.measured_collective_s * 1e3:.1f} ms on rank {p.rank}, "
             f"its slowest once projected) replaced by NCCL's "
             f"{p.nccl_collective_s * 1e3:.3f} ms for {megabytes:.0f} MB at {args.bus_bandwidth:g} GB/s bus "
-            f"bandwidth: {BUS_BANDWIDTH_SOURCE}]")
+            f"bandwidth: {BUS_BANDWIDTH_SOURCE}"
+            + ("; the ranks shared the GPUs, so their other steps' device work contended, which one GPU per "
+               "rank would not: the projection errs slow]" if args.device == "cuda" else "]"))
 
 
 def _print_steps(table: list, floors: dict[str, float], last_rank: int | None, rep: int,
