@@ -175,7 +175,7 @@ def _projection_line(p: Projection, nbytes: int, args: argparse.Namespace) -> st
             f"{p.nccl_collective_s * 1e3:.3f} ms for {megabytes:.0f} MB at {args.bus_bandwidth:g} GB/s bus "
             f"bandwidth: {BUS_BANDWIDTH_SOURCE}"
             + ("; the ranks shared the GPUs, so their other steps' device work contended, which one GPU per "
-               "rank would not: the projection errs slow]" if args.device == "cuda" else "]"))
+               "rank would not: the projected case errs slow]" if args.device == "cuda" else "]"))
 
 
 def _print_steps(table: list, floors: dict[str, float], last_rank: int | None, rep: int,
