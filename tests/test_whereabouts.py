@@ -1,6 +1,17 @@
-"""A rank counts as waiting for a failed one only inside a collective of its case."""
+"""A rank counts as waiting for a failed one only inside a collective of its case, as its whereabouts
+thread reads the frames of the thread running the case."""
 
-from qgather.runtime.whereabouts import at_agreement, in_collective
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from qgather.runtime.whereabouts import FRAMES, at_agreement, frames_of, in_collective
+
+RACE_SCRIPT = os.path.join(os.path.dirname(__file__), "_frames_race.py")
 
 C10D = "/x/torch/distributed/distributed_c10d.py:4000 all_reduce"
 
@@ -42,3 +53,43 @@ def test_a_held_collectives_wait_counts_as_a_collective_though_no_torch_frame_sh
     assert at_agreement(frames)
     assert in_collective(frames) == "agreement.py:290 _wait_for_members"
     assert not at_agreement(frames[:-1]) and in_collective(frames[:-1]) is None
+
+
+def _parked_deep(depth: int, parked: threading.Event, leave: threading.Event) -> None:
+    if depth:
+        return _parked_deep(depth - 1, parked, leave)
+    parked.set()
+    leave.wait(30)
+
+
+def test_frames_of_reads_another_threads_innermost_frames_oldest_first():
+    parked, leave = threading.Event(), threading.Event()
+    thread = threading.Thread(target=_parked_deep, args=(FRAMES, parked, leave), daemon=True)
+    thread.start()
+    try:
+        assert parked.wait(30)
+        frames = frames_of(thread.ident)
+    finally:
+        leave.set()
+        thread.join(30)
+    names = [frame.rsplit(" ", 1)[1] for frame in frames]
+    assert len(frames) == FRAMES
+    assert names[-2:] == ["wait", "wait"]  # Event.wait, then Condition.wait (threading.py), innermost last
+    assert names[:-3] == ["_parked_deep"] * (FRAMES - 3)
+    assert frames[-3].startswith(f"{__file__}:") and frames[-3].endswith(" _parked_deep")
+    assert frames_of(None) == [] and frames_of(threading.get_ident() + 1) == []
+
+
+def test_a_collection_inside_frames_of_that_lets_the_thread_move_on_does_not_crash_it():
+    """Seen in `make run`: a rank killed by SIGSEGV in its whereabouts thread (PyFrame_GetBack, core
+    dump). Read through frame objects, this interleaving fails every time on CPython 3.11.7: a SIGSEGV,
+    or the dead frame's memory read as another object ("'function' object has no attribute 'f_lineno'")."""
+    result = subprocess.run([sys.executable, RACE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-3000:]}"
+    seen = json.loads(result.stdout.splitlines()[-1])
+    if not seen["interrupted"]:
+        pytest.skip(f"Python {sys.version.split()[0]} did not collect inside frames_of (3.12+ collects at "
+                    "the eval loop's checks only): the interleaving cannot happen there")
+    # the frames are where the observed thread is once the collection let it move on (the collection
+    # starts before the dump: dump_stacks opens its file first), not where it was
+    assert seen["frames"][-4:] == ["observed", "parked_after", "wait", "wait"], seen

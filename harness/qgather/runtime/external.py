@@ -20,12 +20,10 @@ The store side channel and the case groups are runtime/job.py's; this module run
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import pickle
 import random
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -203,7 +201,7 @@ class _Watchdog(threading.Thread):
         state = self._watch()
         if state is None:
             return
-        stacks = _dump_stacks()
+        stacks = whereabouts.dump_stacks()
         self.world.post(self.step, RankReport(state, self.world.rank, self.world.host, self.timeout, stacks=stacks))
         if self._done.wait(self.grace):
             return
@@ -234,13 +232,6 @@ class _Watchdog(threading.Thread):
         """The case came back: stop watching."""
         self._done.set()
         self.join(timeout=5.0)
-
-
-def _dump_stacks() -> str:
-    with tempfile.TemporaryFile("w+") as f:
-        faulthandler.dump_traceback(file=f, all_threads=True)
-        f.seek(0)
-        return f.read()
 
 
 def _merge(reports: dict[int, RankReport], members: tuple[int, ...], kind: str, hosts: list[str],

@@ -27,7 +27,7 @@ CASE_FRAME = "run_case_on_rank"
 
 _NUMBER = re.compile(r"\d+")
 
-_THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x(?P<id>[0-9a-fA-F]+)")
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # "[.../pair.cc:537] " from C++
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
@@ -262,16 +262,28 @@ def where_blocked(stack_text: str) -> str:
     return f"in {func} ({file.rsplit('/', 1)[-1]}:{line})"
 
 
-def _threads(stack_text: str) -> list[list[tuple[str, int, str]]]:
-    threads: list[list[tuple[str, int, str]]] = []
+def thread_frames(stack_text: str) -> dict[int, list[Frame]]:
+    """Each thread's frames (innermost first) in a faulthandler dump of all threads, by thread id
+    (threading.get_ident's)."""
+    return {ident: frames for ident, frames in _dumped_threads(stack_text) if frames}
+
+
+def _threads(stack_text: str) -> list[list[Frame]]:
+    return [frames for _, frames in _dumped_threads(stack_text) if frames]
+
+
+def _dumped_threads(stack_text: str) -> list[tuple[int, list[Frame]]]:
+    """(thread id, frames innermost first) per thread, in the dump's order."""
+    threads: list[tuple[int, list[Frame]]] = []
     for line in stack_text.splitlines():
-        if _THREAD_HEADER.match(line):
-            threads.append([])
+        header = _THREAD_HEADER.match(line)
+        if header:
+            threads.append((int(header["id"], 16), []))
             continue
         match = _FRAME.match(line)
         if match and threads:
-            threads[-1].append((match["file"], int(match["line"]), match["func"]))
-    return [frames for frames in threads if frames]
+            threads[-1][1].append((match["file"], int(match["line"]), match["func"]))
+    return threads
 
 
 def _others(outcome: CaseOutcome) -> str:

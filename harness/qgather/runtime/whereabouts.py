@@ -9,13 +9,14 @@ parent counts a rank as waiting only when those frames are inside a collective.
 
 from __future__ import annotations
 
-import sys
+import faulthandler
+import tempfile
 import threading
-import traceback
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 
 from qgather.runtime.held_collectives import HOLD_WAITS, waits_at_hold
+from qgather.runtime.outcome import thread_frames
 from qgather.runtime.protocol import (
     WHERE_QUERIES,
     WHERE_REPLIES,
@@ -114,11 +115,26 @@ def _whereabouts(main: int | None) -> Whereabouts:
 
 
 def frames_of(thread_id: int | None) -> list[str]:
-    """The innermost FRAMES frames of a thread, as "file:line function" (oldest first)."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    if frame is None:
+    """The innermost FRAMES frames of a thread, as "file:line function" (oldest first).
+
+    Read from a faulthandler dump, never through frame objects of the other thread: on CPython 3.11
+    `sys._current_frames()` and `f_back` make a frame object for a frame of a running thread, and the
+    allocation may start a collection whose finalizers hand the GIL to that thread; it then pops the
+    frame, and the frame object is left pointing at a dead one. Reading it killed a rank by SIGSEGV
+    (found by a core dump of the whereabouts thread in PyFrame_GetBack; tests/test_whereabouts.py
+    replays it). The dump copies every thread's frames in C while holding the GIL, making no object."""
+    if thread_id is None:
         return []
-    return [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-FRAMES:]]
+    frames = thread_frames(dump_stacks()).get(thread_id, [])
+    return [f"{file}:{line} {func}" for file, line, func in reversed(frames[:FRAMES])]
+
+
+def dump_stacks() -> str:
+    """Every thread's stack, as faulthandler writes it (`outcome.thread_frames` reads it)."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read()
 
 
 # The rank's own barrier before each case: a rank still in it is late, not waiting for a failed one.
