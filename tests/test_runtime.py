@@ -346,6 +346,35 @@ def test_hang_report_shows_innermost_frames_then_the_implementation_frame():
     assert not any("multiprocessing" in line or "_serve" in line for line in lines)
 
 
+_CASE_THREAD = """Thread 0x00007f0000000001 (most recent call first):
+  File "/work/main/harness/qgather/runtime/rank.py", line 281 in run_case_on_rank
+  File "/work/main/harness/qgather/runtime/rank.py", line 249 in _serve
+"""
+_WHEREABOUTS_THREAD = """Current thread 0x00007f0000000004 (most recent call first):
+  File "/x/lib/python3.11/traceback.py", line 332 in walk_stack
+  File "/x/lib/python3.11/traceback.py", line 387 in extended_frame_gen
+  File "/work/main/harness/qgather/runtime/whereabouts.py", line 121 in frames_of
+"""
+
+
+def test_a_crash_in_another_thread_is_named_beside_the_case_threads_stack():
+    # seen in make run: rank 1 killed by SIGSEGV, the report showing only its case thread at rank.py:281
+    from qgather.engine.evidence import stack_lines as _stack_lines
+
+    fatal = "Fatal Python error: Segmentation fault\n\n"
+    lines = _stack_lines({1: fatal + _WHEREABOUTS_THREAD + "\n" + _CASE_THREAD})
+    assert lines[0] == "rank 1 stack (innermost first):"
+    assert lines[1].startswith("  run_case_on_rank (") and lines[1].endswith("rank.py:281)")  # the case thread
+    crashed = lines[-1].split(" <- ")
+    assert crashed[0].startswith("  ... crashed (Segmentation fault) in another thread: walk_stack (")
+    assert [part.split(" (")[0] for part in crashed[1:]] == ["extended_frame_gen", "frames_of"]
+    native = _stack_lines({1: fatal + _CASE_THREAD})  # no thread current: faulthandler ran in a native thread
+    assert native[-1].startswith("  ... crashed (Segmentation fault) in a thread without Python frames")
+    in_case = _stack_lines({1: fatal + _CASE_THREAD.replace("Thread", "Current thread", 1)})
+    assert not any("crashed" in line for line in in_case)
+    assert not any("crashed" in line for line in _stack_lines({0: ADAPTER_DUMP}))  # SIGTERM's dump: no crash
+
+
 def test_where_blocked_names_adapter_code_before_library_frames():
     spinning = HANG_DUMP.replace(
         '  File "/x/torch/distributed/distributed_c10d.py", line 4100 in barrier\n'

@@ -9,7 +9,7 @@ import re
 
 from qgather.model.case import CaseSpec
 from qgather.runtime import CaseOutcome, OutcomeStatus, PoolSpec, RankPool
-from qgather.runtime.outcome import case_frames, first_impl_frame, same_error_on_every_rank
+from qgather.runtime.outcome import case_frames, crash_elsewhere, first_impl_frame, same_error_on_every_rank
 from qgather.scenarios.registry import run_on_rank
 
 STACK_FRAMES = 6  # innermost frames shown per rank in a HANG report
@@ -97,7 +97,23 @@ def stack_lines(stacks: dict[int, str]) -> list[str]:
         impl = first_impl_frame(frames)
         if impl is not None and impl not in frames[:STACK_FRAMES]:
             lines.append(f"  ... implementation frame: {_frame_text(impl)}")
+        lines.extend(_crash_elsewhere_lines(text))
     return lines
+
+
+def _crash_elsewhere_lines(stack_text: str) -> list[str]:
+    """The thread a rank crashed in when it was not the case's: the case thread's stack above is then
+    only where that thread stood (a SIGSEGV once showed the case thread encoding its error while the
+    rank's whereabouts thread crashed)."""
+    crash = crash_elsewhere(stack_text)
+    if crash is None:
+        return []
+    what, frames = crash
+    if not frames:
+        return [f"  ... crashed ({what}) in a thread without Python frames (gloo's, OpenMP's, a library's own), "
+                "not in the case's thread"]
+    return [f"  ... crashed ({what}) in another thread: "
+            + " <- ".join(_frame_text(frame) for frame in frames[:STACK_FRAMES])]
 
 
 def _frame_text(frame: tuple[str, int, str]) -> str:

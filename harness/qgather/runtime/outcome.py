@@ -27,7 +27,8 @@ CASE_FRAME = "run_case_on_rank"
 
 _NUMBER = re.compile(r"\d+")
 
-_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x(?P<id>[0-9a-fA-F]+)")
+_THREAD_HEADER = re.compile(r"^(?P<kind>Current thread|Thread) 0x(?P<id>[0-9a-fA-F]+)")
+_FATAL = re.compile(r"^Fatal Python error: (?P<what>.+)$", re.MULTILINE)  # a fatal signal's dump, not SIGTERM's
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # "[.../pair.cc:537] " from C++
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
@@ -265,24 +266,45 @@ def where_blocked(stack_text: str) -> str:
 def thread_frames(stack_text: str) -> dict[int, list[Frame]]:
     """Each thread's frames (innermost first) in a faulthandler dump of all threads, by thread id
     (threading.get_ident's)."""
-    return {ident: frames for ident, frames in _dumped_threads(stack_text) if frames}
+    return {thread.ident: thread.frames for thread in _dumped_threads(stack_text) if thread.frames}
+
+
+def crash_elsewhere(stack_text: str) -> tuple[str, list[Frame]] | None:
+    """Where a fatal signal's dump (faulthandler's "Fatal Python error: ...") says the rank crashed, when
+    that was not the case's thread: the error and the crashing thread's frames (innermost first), or no
+    frames for a thread without Python ones (gloo's, OpenMP's, a library's own: faulthandler then marks
+    no thread current). None for a dump that is no crash's (SIGTERM's) or a crash in the case's thread."""
+    fatal = _FATAL.search(stack_text)
+    if fatal is None:
+        return None
+    current = next((t.frames for t in _dumped_threads(stack_text) if t.current), [])
+    if any(func == CASE_FRAME for _, _, func in current):
+        return None
+    return fatal["what"].strip(), current
 
 
 def _threads(stack_text: str) -> list[list[Frame]]:
-    return [frames for _, frames in _dumped_threads(stack_text) if frames]
+    return [thread.frames for thread in _dumped_threads(stack_text) if thread.frames]
 
 
-def _dumped_threads(stack_text: str) -> list[tuple[int, list[Frame]]]:
-    """(thread id, frames innermost first) per thread, in the dump's order."""
-    threads: list[tuple[int, list[Frame]]] = []
+@dataclass(frozen=True)
+class _DumpedThread:
+    ident: int
+    current: bool  # the thread faulthandler ran in ("Current thread"): a fatal signal's, for a crash
+    frames: list[Frame]  # innermost first
+
+
+def _dumped_threads(stack_text: str) -> list[_DumpedThread]:
+    """Every thread of a faulthandler dump, in the dump's order."""
+    threads: list[_DumpedThread] = []
     for line in stack_text.splitlines():
         header = _THREAD_HEADER.match(line)
         if header:
-            threads.append((int(header["id"], 16), []))
+            threads.append(_DumpedThread(int(header["id"], 16), header["kind"] == "Current thread", []))
             continue
         match = _FRAME.match(line)
         if match and threads:
-            threads[-1][1].append((match["file"], int(match["line"]), match["func"]))
+            threads[-1].frames.append((match["file"], int(match["line"]), match["func"]))
     return threads
 
 
