@@ -41,7 +41,8 @@ def test_the_report_projects_from_the_runs_own_collective_not_the_bare_one():
     """Two runs whose gloo collectives differ by 40 ms project the same case: each run's own
     collective leaves; the bare all-gather's median, measured apart, plays no part."""
     from qgather.model.phases import Phase
-    from qgather.tools.bench.bench_report import _rank_runs
+    from qgather.tools.bench import bench_steps
+    from qgather.tools.bench.bench_report import _rank_runs, _rank_steps
 
     def rank(rank: int, run_s: float, collective_s: float, arrived: float) -> dict:
         result = SimpleNamespace(rank=rank, seconds=((Phase.COLLECTIVE.value, collective_s),),
@@ -51,7 +52,8 @@ def test_the_report_projects_from_the_runs_own_collective_not_the_bare_one():
     for gloo_s in (0.20, 0.24):
         # rank 1 arrives 2 ms after rank 0, whose collective holds that wait
         results = [rank(0, 0.010 + gloo_s, gloo_s + 0.002, 100.0), rank(1, 0.010 + gloo_s, gloo_s, 100.002)]
-        p = project(_rank_runs(results, 0), bare_quantize_s=0.002, bytes_per_rank=370_000, world_size=2,
+        split, _ = bench_steps.split_waits([_rank_steps(r["runs"][0]["result"]) for r in results])
+        p = project(_rank_runs(results, split, 0), bare_quantize_s=0.002, bytes_per_rank=370_000, world_size=2,
                     bus_bandwidth=370e9)
         assert p.case_on_nccl_s == pytest.approx(0.010 + 1e-6)  # the wait stays in rank 0's run
 

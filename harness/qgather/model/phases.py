@@ -61,12 +61,13 @@ class DeviceClock(Protocol):
 @dataclass
 class _Lap:
     """One stretch of host time charged to `key`; `mark`: the device's queue at its end (None: none
-    read, e.g. an error's lap)."""
+    read, e.g. an error's lap); `done`: when the device had done the work before the mark, once read."""
 
     key: str
     start: float
     end: float
     mark: object | None
+    done: float | None = None
 
 
 class PhaseTracker:
@@ -96,7 +97,6 @@ class PhaseTracker:
         self._high_water: dict[str, int] = {}
         self._since = time.perf_counter()
         self._laps: list[_Lap] = []
-        self._done: list[float | None] | None = None  # each lap's device done_at (None: unmarked), once read
         self._first: dict[str, tuple[float, int]] = {}  # step -> (wall clock at its first start, its first lap)
         self._mark_start()
 
@@ -146,7 +146,7 @@ class PhaseTracker:
     def started(self) -> tuple[tuple[str, float], ...]:
         """(step, wall-clock second it first started), in the order the steps first ran: with a
         device whose marks were read (`seconds`), once the device had finished the step before."""
-        spans = self._spans(self._done is not None)
+        spans = self._spans(any(lap.done is not None for lap in self._laps))
         started = {}
         for key, (wall, index) in self._first.items():
             delay = spans[index][0] - self._laps[index].start if index < len(self._laps) else 0.0
@@ -178,28 +178,22 @@ class PhaseTracker:
     def _spans(self, with_device: bool) -> list[tuple[float, float]]:
         """Each lap's (start, end): it starts when the host started it and the step before had ended,
         and ends when the host left it and (with_device) the device had done the work queued in it."""
-        if with_device and self._device is not None and any(lap.mark is not None for lap in self._laps):
+        if with_device:
             self._read_device()
-        done = self._done if with_device and self._done is not None else []
         spans, ended = [], float("-inf")
-        for index, lap in enumerate(self._laps):
+        for lap in self._laps:
             start = max(lap.start, ended)
-            device_end = done[index] if index < len(done) and done[index] is not None else lap.end
-            ended = max(lap.end, start, device_end)
+            ended = max(start, lap.end, lap.done if with_device and lap.done is not None else lap.end)
             spans.append((start, ended))
         return spans
 
     def _read_device(self) -> None:
-        """The device's done_at for every lap that marked its queue (None for the others), read once
-        for all the laps so far."""
-        if self._done is not None and len(self._done) == len(self._laps):
+        """Each marked lap's `done`, for the marks not read yet: one wait for the device."""
+        unread = [lap for lap in self._laps if lap.mark is not None and lap.done is None]
+        if not unread:
             return
-        marked = [index for index, lap in enumerate(self._laps) if lap.mark is not None]
-        times = self._device.done_at([self._laps[index].mark for index in marked])
-        done: list[float | None] = [None] * len(self._laps)
-        for index, at in zip(marked, times, strict=True):
-            done[index] = at
-        self._done = done
+        for lap, at in zip(unread, self._device.done_at([lap.mark for lap in unread]), strict=True):
+            lap.done = at
 
     def _note_memory(self, key: str) -> None:
         # only on the laps that marked the device: an error's lap asks the device nothing

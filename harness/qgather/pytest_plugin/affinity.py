@@ -40,24 +40,25 @@ def pool_sizes_of(nodeid: str) -> tuple[int, ...]:
     """The world sizes of the pools the case in `nodeid`'s brackets runs on (CaseSpec.pool_sizes: a
     dcp-wsA case's saving size too, whatever other options its configuration joins with `+`); none
     for an item whose brackets hold no case id."""
-    match = _CASE_ID.search(nodeid)
-    if match is None:
-        return ()
-    try:
-        return CaseSpec.parse(match.group(1)).pool_sizes
-    except CaseSpecError:
-        return ()
+    spec = _case_of(nodeid)
+    return spec.pool_sizes if spec is not None else ()
 
 
 def world_size_of(nodeid: str) -> int:
     """The world size a case id in `nodeid` names (NO_POOL: none)."""
+    spec = _case_of(nodeid)
+    return spec.world_size if spec is not None else NO_POOL
+
+
+def _case_of(nodeid: str) -> CaseSpec | None:
+    """The case whose id `nodeid`'s brackets hold, or None (a test that is not one case)."""
     match = _CASE_ID.search(nodeid)
     if match is None:
-        return NO_POOL
+        return None
     try:
-        return CaseSpec.parse(match.group(1)).world_size
+        return CaseSpec.parse(match.group(1))
     except CaseSpecError:
-        return NO_POOL
+        return None
 
 
 def key_of(nodeid: str) -> int:

@@ -49,12 +49,13 @@ def report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespace
     nbytes = first["collective_bytes"]
     ratio = case_s / bare.total_s if bare.total_s else float("inf")
     print(f"    bare work, its slowest rank: {_bare_line(bare, case_id.split(':' + fmt + ':')[0], nbytes, backend)}")
+    ranks, last_rank = bench_steps.split_waits([_rank_steps(r["runs"][rep]["result"]) for r in results])
     timing = f"case {case_s * 1e3:.2f} ms (its slowest rank) vs bare {bare.total_s * 1e3:.2f} ms: ratio {ratio:.2f}"
     if backend == "nccl":
         goals.append(Goal("time", ratio <= TIME_GOAL, timing, f"ratio <= {TIME_GOAL:g}"))
     else:
         print(f"    time on {backend} (not a goal: its all-gather goes through the host): {timing}")
-        projection = project(_rank_runs(results, rep), bare.total_s - bare.collective_s, nbytes,
+        projection = project(_rank_runs(results, ranks, rep), bare.total_s - bare.collective_s, nbytes,
                              args.world_size, args.bus_bandwidth * 1e9)
         goals.append(Goal("time on NCCL (projected)", projection.ratio <= TIME_GOAL,
                           _projection_line(projection, nbytes, args), f"ratio <= {TIME_GOAL:g}"))
@@ -66,7 +67,6 @@ def report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespace
                           f"run, warm-up included: the warm-up run {warm_up:.2f}x, the measured runs {measured:.2f}x)",
                           f"<= {MEMORY_GOAL:g}x", _peak_where(results, range(runs))))
     print(f"    {_golden_line(results, rep)}")
-    ranks, last_rank = bench_steps.split_waits([_rank_steps(r["runs"][rep]["result"]) for r in results])
     table = bench_steps.spreads(ranks)
     floors = _floors(first, bare.own_quantizer, args) if args.device == "cuda" else {}
     if floors and backend == "nccl":
@@ -124,10 +124,10 @@ def _median_rep(results: list[dict]) -> int:
     return by_time[len(by_time) // 2]
 
 
-def _rank_runs(results: list[dict], rep: int) -> list[RankRun]:
-    """Each rank's run `rep` and its own collective in it (the wait for the last rank to arrive left
-    in the run: on NCCL the ranks would wait for each other's work as well)."""
-    split, _ = bench_steps.split_waits([_rank_steps(r["runs"][rep]["result"]) for r in results])
+def _rank_runs(results: list[dict], split: list[bench_steps.RankSteps], rep: int) -> list[RankRun]:
+    """Each rank's run `rep` and its own collective in it (`split`: its steps with the wait for the last
+    rank split out, bench_steps.split_waits; the wait stays in the run: on NCCL the ranks would wait for
+    each other's work as well)."""
     return [RankRun(steps.rank, r["runs"][rep]["full_s"], steps.seconds.get(bench_steps.COLLECTIVE, 0.0))
             for r, steps in zip(results, split, strict=True)]
 
