@@ -170,21 +170,48 @@ def test_checkpoint_cases_kept_to_a_few_workers_start_fewer_pools(monkeypatch):
     assert sum(kept) < sum(spread), (kept, spread)
 
 
-def test_a_worker_is_sent_one_world_size_at_a_time():
-    collection = gate_collection()
-    scheduler = WorldSizeScheduling(FakeConfig(WORKERS))
-    nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
-    sent: dict[str, list[set[int]]] = {node.name: [] for node in nodes}
+def _record_batches(nodes: list[FakeNode], collection: list[str]) -> dict[str, list[list[int]]]:
+    """Each node's batches as sent, as the keys of their items in order."""
+    sent: dict[str, list[list[int]]] = {node.name: [] for node in nodes}
     for node in nodes:
         original = node.send_runtest_some
 
         def recording(indices, node=node, original=original):
-            sent[node.name].append({key_of(collection[i]) for i in indices})
+            sent[node.name].append([key_of(collection[i]) for i in indices])
             original(indices)
 
         node.send_runtest_some = recording
-    drive(scheduler, nodes, collection, seed=7)
-    assert all(len(sizes) == 1 for batches in sent.values() for sizes in batches)
+    return sent
+
+
+def test_a_worker_is_sent_one_world_size_at_a_time():
+    """Past the no-pool items at the head of its first batch (test below), a batch is of one size."""
+    collection = gate_collection()
+    nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+    sent = _record_batches(nodes, collection)
+    drive(WorldSizeScheduling(FakeConfig(WORKERS)), nodes, collection, seed=7)
+    for batches in sent.values():
+        first, *later = batches
+        assert len(set(first[_lead(first):])) == 1 and all(len(set(batch)) == 1 for batch in later), batches
+
+
+def _lead(batch: list[int]) -> int:
+    """How many no-pool items lead a batch that has cases of a size."""
+    return 0 if set(batch) == {NO_POOL} else next(i for i, key in enumerate(batch) if key != NO_POOL)
+
+
+def test_a_workers_first_batch_leads_with_its_share_of_the_no_pool_items():
+    """They run while the worker's first pool starts in the background (qgather.pytest_plugin.lookahead)."""
+    collection = gate_collection()
+    no_pool = sum(key_of(nodeid) == NO_POOL for nodeid in collection)
+    nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+    sent = _record_batches(nodes, collection)
+    done = drive(WorldSizeScheduling(FakeConfig(WORKERS)), nodes, collection, seed=3)
+    assert sorted(done) == list(range(len(collection)))
+    firsts = [batches[0] for batches in sent.values() if batches[0][-1] != NO_POOL]
+    assert len(firsts) >= WORKERS - 1 and no_pool // WORKERS >= 2
+    for first in firsts:
+        assert _lead(first) == no_pool // WORKERS, first[:4]
 
 
 def test_a_worker_that_dies_leaves_its_cases_to_the_others():

@@ -109,8 +109,12 @@ class _Ran(NamedTuple):
     seconds: Seconds = ()
 
 
+def _skip_reason(spec: CaseSpec, impl: Implementation, options: RunOptions) -> str | None:
+    return impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl)
+
+
 def _run(spec: CaseSpec, impl: Implementation, options: RunOptions) -> _Ran:
-    reason = impl.skip_reason(spec, torch.device(options.device_type())) or fsdp_setup.skip_reason(spec, impl)
+    reason = _skip_reason(spec, impl, options)
     if reason:
         return _Ran(Classification(Verdict.SKIPPED, reason))
     if spec.scenario == "virtual":
@@ -139,9 +143,29 @@ def _start_own_pool_early(spec: CaseSpec, options: RunOptions) -> None:
         return  # the case itself reports it
 
 
+def start_pools_ahead(spec: CaseSpec, options: RunOptions) -> int:
+    """Start in the background the CUDA pools that a case of `spec`, soon to run, will run on and that are
+    not up or starting yet (qgather.pytest_plugin.lookahead); how many pools it asked for. None for a case
+    that runs on no pool (virtual, skipped) or cannot run as asked (the case itself reports that)."""
+    if options.device_type() != "cuda" or spec.scenario == "virtual":
+        return 0
+    try:
+        if _skip_reason(spec, check_case(spec), options):
+            return 0
+        pools = [_pool_of(size, options).validate() for size in spec.pool_sizes]
+    except Exception:  # noqa: BLE001 - whatever keeps the case from running, the case itself reports
+        return 0
+    for pool in pools:
+        start_ahead(pool)
+    return len(pools)
+
+
 def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:
-    return PoolSpec(backend=options.backend_for(spec.world_size), world_size=spec.world_size,
-                    device=options.device_type())
+    return _pool_of(spec.world_size, options)
+
+
+def _pool_of(world_size: int, options: RunOptions) -> PoolSpec:
+    return PoolSpec(backend=options.backend_for(world_size), world_size=world_size, device=options.device_type())
 
 
 def _run_virtual(spec: CaseSpec, impl: Implementation) -> Classification:

@@ -5,6 +5,7 @@ gathers the hooks and the fixture of its parts, which pytest finds here by name.
     collection  a case module's SWEEP -> the `case` parametrization
     fixture     the documented `qgather` fixture (QgatherFixture): runs, records, checks a case
     affinity    the GPU job's xdist scheduling: a worker keeps to one world size
+    lookahead   the GPU job's pools start ahead of the cases queued for a worker
     role        this process's role: reporter, xdist worker, or a launched job's quiet rank
     session     configure/unconfigure per role; the pools' shutdown
     recorder    the session's records on config.stash (the reporting process only)
@@ -26,6 +27,7 @@ from qgather.pytest_plugin.collection import (  # noqa: E402
     pytest_generate_tests,
 )
 from qgather.pytest_plugin.fixture import QgatherFixture, qgather  # noqa: E402
+from qgather.pytest_plugin.lookahead import pytest_runtest_protocol  # noqa: E402
 from qgather.pytest_plugin.options import pytest_addoption  # noqa: E402
 from qgather.pytest_plugin.session import (  # noqa: E402
     pytest_configure,
@@ -45,6 +47,7 @@ __all__ = [
     "pytest_configure",
     "pytest_generate_tests",
     "pytest_report_header",
+    "pytest_runtest_protocol",
     "pytest_runtest_teardown",
     "pytest_sessionfinish",
     "pytest_sessionstart",

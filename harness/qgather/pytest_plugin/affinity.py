@@ -13,7 +13,9 @@ The cases' order within a world size, the chunk sizes and the end of the run are
 `LoadScheduling`'s; only the choice of which pending cases a worker is sent differs. Items that run on
 no pool (the GPU-only tests, the dispatch checks, the virtual cases) are a "size" of their own, as cheap
 as a world size of one; so are the cases that save a checkpoint at another world size, whatever other
-options their configuration joins (`key_of`, from the case id as CaseSpec reads it). Used where the
+options their configuration joins (`key_of`, from the case id as CaseSpec reads it). A worker's first
+batch leads with its share of the no-pool items, which it runs while its first pool starts
+(qgather.pytest_plugin.lookahead). Used where the
 run's pools take GPU seats (qgather.pytest_plugin.gpu_schedule) and xdist's mode is its default `load`;
 an explicit `--dist` is the user's.
 """
@@ -34,23 +36,26 @@ from qgather.pytest_plugin import gpu_schedule
 _CASE_ID = re.compile(r"\[([^\]]*)\]$")
 NO_POOL = 0  # the key of an item that runs on no pool (no case id, or a virtual case)
 CHECKPOINT = -1  # the key of a dcp-wsA case: it runs on pools of two world sizes (the save's, its own)
+# No-pool items at the head of a worker's first batch, for its first pool to start beside (lookahead.py):
+# on the 2 x H200 gate (2026-11-29) a first start took 3-17 s, and a virtual case 0.12 s on average.
+LEAD_ITEMS = 48
 
 
 def pool_sizes_of(nodeid: str) -> tuple[int, ...]:
     """The world sizes of the pools the case in `nodeid`'s brackets runs on (CaseSpec.pool_sizes: a
     dcp-wsA case's saving size too, whatever other options its configuration joins with `+`); none
     for an item whose brackets hold no case id."""
-    spec = _case_of(nodeid)
+    spec = case_of(nodeid)
     return spec.pool_sizes if spec is not None else ()
 
 
 def world_size_of(nodeid: str) -> int:
     """The world size a case id in `nodeid` names (NO_POOL: none)."""
-    spec = _case_of(nodeid)
+    spec = case_of(nodeid)
     return spec.world_size if spec is not None else NO_POOL
 
 
-def _case_of(nodeid: str) -> CaseSpec | None:
+def case_of(nodeid: str) -> CaseSpec | None:
     """The case whose id `nodeid`'s brackets hold, or None (a test that is not one case)."""
     match = _CASE_ID.search(nodeid)
     if match is None:
@@ -97,21 +102,33 @@ class WorldSizeScheduling(LoadScheduling):
         self.node2size: dict[Any, int] = {}
         self.node2served: dict[Any, set[int]] = {}  # the sizes a node has pools of (warm ones, unless yielded)
         self._sizes: list[int] = []
+        self._lead: int | None = None  # _lead_share's equal share, fixed at the first batch
 
     def _send_tests(self, node: Any, num: int) -> None:
         if num <= 0:
             return
         if self.collection is not None and len(self._sizes) != len(self.collection):
             self._sizes = [key_of(nodeid) for nodeid in self.collection]
+        first = node not in self.node2served
         size = self._size_for(node)
         if size is None:
             return
-        positions = self._first_of_size(size, num)
+        lead = self._first_of_size(NO_POOL, self._lead_share(num)) if first and size != NO_POOL else []
+        positions = [*lead, *self._first_of_size(size, num)]
         chosen = [self.pending[p] for p in positions]
-        for position in reversed(positions):
+        for position in sorted(positions, reverse=True):
             del self.pending[position]
         self.node2pending[node].extend(chosen)
         node.send_runtest_some(chosen)
+
+    def _lead_share(self, num: int) -> int:
+        """How many no-pool items go ahead of a worker's first cases: an equal share of those of the
+        run (at most LEAD_ITEMS) and at most half the batch (qgather.pytest_plugin.lookahead starts the
+        worker's pool meanwhile)."""
+        if self._lead is None:
+            no_pool = sum(1 for index in self.pending if self._sizes[index] == NO_POOL)
+            self._lead = min(no_pool // max(len(self.nodes), 1), LEAD_ITEMS)
+        return min(self._lead, num // 2)
 
     def remove_node(self, node: Any) -> str | None:
         self.node2size.pop(node, None)
