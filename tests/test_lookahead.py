@@ -20,19 +20,26 @@ DCP = "cases/test_checkpoint_compile.py::test_config[reference:fp8_tensor:4x64:b
 OTHER = "tests/gpu/test_te.py::test_cross_check"
 
 
-def test_each_queued_case_is_looked_at_once_and_other_tests_start_nothing():
+def test_one_case_at_a_time_asks_for_its_pools_and_each_is_looked_at_once():
     asked: list[str] = []
 
     def start(spec: CaseSpec, options: RunOptions) -> int:
         asked.append(spec.id)
-        return 1
+        return 0 if spec.world_size == 4 else len(spec.pool_sizes)  # the ws4 case: skipped, say
 
+    skipped = GATHER.replace(":ws2:", ":ws4:")
     looked: set[int] = set()
-    queued = [(4, OTHER), (5, GATHER), (6, DCP)]
-    assert lookahead.start_ahead_of(queued, looked, RunOptions(), start) == 2
-    assert asked == [GATHER.split("[")[1][:-1], DCP.split("[")[1][:-1]]
-    assert lookahead.start_ahead_of([(6, DCP), (7, GATHER)], looked, RunOptions(), start) == 1
-    assert looked == {4, 5, 6, 7}
+    queued = [(3, OTHER), (4, skipped), (5, GATHER), (6, DCP)]
+    assert lookahead.start_ahead_of(queued, looked, RunOptions(), start) == 1
+    assert asked == [case_id(skipped), case_id(GATHER)] and looked == {3, 4, 5}
+    assert lookahead.start_ahead_of(queued, looked, RunOptions(), start) == 2  # the dcp case: two pools
+    assert lookahead.start_ahead_of([*queued, (7, GATHER)], looked, RunOptions(), start) == 1
+    assert lookahead.start_ahead_of([*queued, (7, GATHER)], looked, RunOptions(), start) == 0
+    assert asked == [case_id(skipped), case_id(GATHER), case_id(DCP), case_id(GATHER)]
+
+
+def case_id(nodeid: str) -> str:
+    return nodeid.split("[")[1][:-1]
 
 
 def _worker(queued: list[int], following: int | None, count: int) -> types.SimpleNamespace:
@@ -68,7 +75,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[PoolSpec]:
 
 
 def test_a_checkpoint_case_asks_for_the_saves_pool_and_its_own(started):
-    assert start_pools_ahead(CaseSpec.parse(DCP.split("[")[1][:-1]), RunOptions(device="cuda")) == 2
+    assert start_pools_ahead(CaseSpec.parse(case_id(DCP)), RunOptions(device="cuda")) == 2
     assert [(pool.world_size, pool.device) for pool in started] == [(1, "cuda"), (3, "cuda")]
 
 
@@ -91,14 +98,31 @@ def test_the_hook_does_nothing_outside_a_gpu_job(monkeypatch):
     assert called == []
 
 
-def test_the_hook_starts_the_queued_cases_pools_in_a_gpu_jobs_worker(monkeypatch):
+@pytest.mark.parametrize("starting", [False, True])
+def test_the_hook_starts_the_queued_cases_pools_in_a_gpu_jobs_worker_one_start_at_a_time(monkeypatch, starting):
     monkeypatch.setenv("QGATHER_GPU_LEASE_DIR", "/nonexistent")
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     monkeypatch.setattr(lookahead, "settings", lambda config: types.SimpleNamespace(run=RunOptions()))
-    monkeypatch.setattr(lookahead, "upcoming", lambda config: [(1, GATHER), (2, OTHER)])
+    monkeypatch.setattr(lookahead, "upcoming", lambda config: [(1, OTHER), (2, GATHER)])
+    monkeypatch.setattr(lookahead, "starting_in_background", lambda: starting)
     asked: list[str] = []
     monkeypatch.setattr(lookahead, "start_pools_ahead", lambda spec, options: asked.append(spec.id) or 1)
     item = types.SimpleNamespace(config=types.SimpleNamespace(stash=pytest.Stash()))
     lookahead.pytest_runtest_protocol(item, None)
     lookahead.pytest_runtest_protocol(item, None)
-    assert asked == ["reference:fp8_tensor:4x64:bf16:ws2:gather:s0"]
+    assert asked == ([] if starting else [case_id(GATHER)])
+
+
+def test_a_pool_starting_in_the_background_is_seen_by_the_registry():
+    from qgather.runtime import get_pool, registry, starting_in_background
+
+    spec = PoolSpec(backend="gloo", world_size=1, device="cpu")
+    pool = get_pool(spec)
+    try:
+        assert not starting_in_background()
+        pool.restart.under_way = True
+        assert starting_in_background()
+    finally:
+        pool.restart.under_way = False
+        with registry._lock:
+            registry._pools.pop(spec, None)

@@ -26,7 +26,7 @@ from qgather.engine.run import RunOptions, start_pools_ahead
 from qgather.model.case import CaseSpec
 from qgather.pytest_plugin.affinity import case_of
 from qgather.pytest_plugin.options import settings
-from qgather.runtime import gpu_lease
+from qgather.runtime import gpu_lease, starting_in_background
 
 #: how many of the worker's queued items it looks at: past the no-pool items the scheduler puts ahead of
 #: a worker's first cases (affinity.LEAD_ITEMS), not much further (a pool started too early holds seats)
@@ -52,17 +52,19 @@ def upcoming(config: pytest.Config) -> list[tuple[int, str]]:
 
 def start_ahead_of(queued: Sequence[tuple[int, str]], looked: set[int], options: RunOptions,
                    start: Callable[[CaseSpec, RunOptions], int]) -> int:
-    """`start` the pools of the queued cases not looked at yet (`looked`, updated; e.g. start_pools_ahead);
-    how many pools it asked for."""
-    asked = 0
+    """`start` (e.g. start_pools_ahead) the pools of the first queued case not looked at yet that asks for
+    any; the cases looked at are added to `looked`. How many pools it asked for: one case's at a time, so
+    that a worker whose queue holds cases of several sizes (the `dcp-wsA` cases) does not start them all
+    at once beside every other worker's first start."""
     for index, nodeid in queued:
         if index in looked:
             continue
         looked.add(index)
         spec = case_of(nodeid)
-        if spec is not None:
-            asked += start(spec, options)
-    return asked
+        asked = start(spec, options) if spec is not None else 0
+        if asked:
+            return asked
+    return 0
 
 
 def in_gpu_job() -> bool:
@@ -81,7 +83,7 @@ def _worker_interactor(config: pytest.Config) -> object | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Before each test of a GPU job's worker: the pools of the cases queued next start, if not yet."""
-    if not in_gpu_job():
-        return
+    if not in_gpu_job() or starting_in_background():
+        return  # one start at a time: the next test looks again
     looked = item.config.stash.setdefault(looked_key, set())
     start_ahead_of(upcoming(item.config), looked, settings(item.config).run, start_pools_ahead)

@@ -35,7 +35,7 @@ from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_
 from qgather.runtime.pool import RankPool
 from qgather.runtime.protocol import ProtocolError
 from qgather.runtime.rank import CaseContext
-from qgather.runtime.registry import get_pool, shutdown_pools, start_ahead
+from qgather.runtime.registry import get_pool, shutdown_pools, start_ahead, starting_in_background
 from qgather.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
 
 __all__ = [
@@ -54,5 +54,6 @@ __all__ = [
     "same_error_on_every_rank",
     "shutdown_pools",
     "start_ahead",
+    "starting_in_background",
     "visible_gpus",
 ]

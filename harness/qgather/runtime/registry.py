@@ -64,6 +64,13 @@ def start_ahead(spec: PoolSpec) -> None:
         pool.start_in_background()
 
 
+def starting_in_background() -> bool:
+    """Whether one of this process's pools is starting (or restarting) in the background now."""
+    with _lock:
+        pools = [*_pools.values(), *_standby.values()]
+    return any(isinstance(pool, RankPool) and pool.restart.under_way for pool in pools)
+
+
 def _standby_for(spec: PoolSpec, pool: RankPool) -> RankPool:
     """The pool a case of `spec` should use (under _lock). A pool restarting in the background (a failed
     case left it without ranks) hands the case to its standby if that is up, and becomes the standby.
