@@ -165,10 +165,11 @@ def test_a_failing_case_reports_its_steps():
 
 
 def test_step_seconds_takes_the_slowest_rank_and_the_pool_start():
+    """Rank 1 waited 0.75 s in the collective for rank 0's golden: the case took 2.25 s, not 3."""
     results = [RankResult(0, (), seconds=(("golden", 1.0), ("collective", 0.5))),
                RankResult(1, (), seconds=(("golden", 0.25), ("collective", 2.0)))]
     outcome = CaseOutcome(OutcomeStatus.OK, results, startup_s=3.0)
-    assert step_seconds(outcome) == ((POOL_START, 3.0), ("golden", 1.0), ("collective", 2.0))
+    assert step_seconds(outcome) == ((POOL_START, 3.0), ("golden", 0.25), ("collective", 2.0))
     assert step_seconds(CaseOutcome(OutcomeStatus.OK, results[:1])) == (("golden", 1.0), ("collective", 0.5))
     leased = CaseOutcome(OutcomeStatus.OK, results[:1], startup_s=3.0, lease_wait_s=2.5)  # an NCCL pool's GPUs
     assert step_seconds(leased) == ((LEASE_WAIT, 2.5), (POOL_START, 0.5), ("golden", 1.0), ("collective", 0.5))

@@ -211,18 +211,17 @@ SAVE_STEP = Phase.SAVE.value  # a dcp-wsA case's save at A ranks, on a pool of i
 
 
 def step_seconds(outcome: CaseOutcome) -> Seconds:
-    """Where the case's seconds went: the pool's start (when it was cold), then each step as long as
-    its slowest rank took (the ranks wait for each other in every collective); a rank that raised
-    counts with the steps it ran until then."""
-    slowest: dict[str, float] = {}
-    for result in (*outcome.results, *outcome.errors.values()):
-        for step, seconds in getattr(result, "seconds", ()):
-            slowest[step] = max(slowest.get(step, 0.0), seconds)
+    """Where the case's seconds went: the pool's start (when it was cold), then the steps of the rank
+    that took longest in all (a rank that raised: the steps it ran until then). One rank's steps: the
+    slowest rank of each step, summed, would count a wait twice (rank 0 slow in one step, rank 1
+    waiting for it in the next collective) and add up to more than the case took."""
+    ranks = [getattr(result, "seconds", ()) for result in (*outcome.results, *outcome.errors.values())]
+    slowest = max(ranks, key=lambda steps: sum(seconds for _, seconds in steps), default=())
     head = ((LEASE_WAIT, outcome.lease_wait_s),) if outcome.lease_wait_s else ()
     if outcome.startup_s:
         head += ((POOL_START, outcome.startup_s - outcome.lease_wait_s),)
         head += tuple((POOL_START_PHASE + phase, seconds) for phase, seconds in outcome.startup_phases)
-    return head + tuple(slowest.items())
+    return head + added(slowest)
 
 
 def save_seconds(outcome: CaseOutcome) -> Seconds:
