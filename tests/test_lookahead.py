@@ -10,7 +10,7 @@ import pytest
 from xdist import remote
 
 from qgather.engine import run as engine_run
-from qgather.engine.run import RunOptions, start_pools_ahead
+from qgather.engine.run import RunOptions, cold_pools, start_pools_ahead
 from qgather.model.case import CaseSpec
 from qgather.pytest_plugin import lookahead
 from qgather.runtime import PoolSpec
@@ -67,19 +67,23 @@ def test_outside_an_xdist_worker_nothing_is_upcoming():
 
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> list[PoolSpec]:
-    """The pools start_pools_ahead asks for, recorded instead of started; any pool spec valid here."""
+    """The pools start_pools_ahead starts, recorded instead of started; any pool spec valid here, every
+    pool cold until recorded."""
     asked: list[PoolSpec] = []
-    monkeypatch.setattr(engine_run, "start_ahead", asked.append)
+    monkeypatch.setattr(engine_run, "start_ahead", lambda pool: asked.append(pool) or True)
+    monkeypatch.setattr(engine_run, "is_cold", lambda pool: pool not in asked)
     monkeypatch.setattr(PoolSpec, "validate", lambda self: self)
     return asked
 
 
-def test_a_checkpoint_case_asks_for_the_saves_pool_and_its_own(started):
-    assert start_pools_ahead(CaseSpec.parse(case_id(DCP)), RunOptions(device="cuda")) == 2
+def test_a_checkpoint_case_starts_the_saves_pool_and_its_own_once(started):
+    case = CaseSpec.parse(case_id(DCP))
+    assert start_pools_ahead(case, RunOptions(device="cuda")) == 2
     assert [(pool.world_size, pool.device) for pool in started] == [(1, "cuda"), (3, "cuda")]
+    assert cold_pools(case, RunOptions(device="cuda")) == [] and start_pools_ahead(case, RunOptions(device="cuda")) == 0
 
 
-def test_cases_that_run_on_no_cuda_pool_ask_for_none(started, monkeypatch):
+def test_cases_that_run_on_no_cuda_pool_start_none(started, monkeypatch):
     case = CaseSpec.parse("reference:fp8_tensor:4x64:bf16:ws2:gather:s0")
     assert start_pools_ahead(case, RunOptions(device="cpu")) == 0
     virtual = CaseSpec.parse("reference:fp8_tensor:4x64:bf16:ws2:virtual:s0")
@@ -89,39 +93,33 @@ def test_cases_that_run_on_no_cuda_pool_ask_for_none(started, monkeypatch):
     assert started == []
 
 
-def test_the_hook_does_nothing_outside_a_gpu_job(monkeypatch):
-    monkeypatch.delenv("QGATHER_GPU_LEASE_DIR", raising=False)
-    called = []
-    monkeypatch.setattr(lookahead, "start_ahead_of", lambda *args: called.append(args))
-    item = types.SimpleNamespace(config=None)
-    lookahead.pytest_runtest_protocol(item, None)
-    assert called == []
-
-
-@pytest.mark.parametrize("starting", [False, True])
-def test_the_hook_starts_the_queued_cases_pools_in_a_gpu_jobs_worker_one_start_at_a_time(monkeypatch, starting):
+@pytest.mark.parametrize("busy", ["", "a start in the background", "this test's own start"])
+def test_the_hook_starts_the_queued_cases_pools_in_a_gpu_jobs_worker_one_start_at_a_time(monkeypatch, busy):
     monkeypatch.setenv("QGATHER_GPU_LEASE_DIR", "/nonexistent")
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     monkeypatch.setattr(lookahead, "settings", lambda config: types.SimpleNamespace(run=RunOptions()))
     monkeypatch.setattr(lookahead, "upcoming", lambda config: [(1, OTHER), (2, GATHER)])
-    monkeypatch.setattr(lookahead, "starting_in_background", lambda: starting)
+    monkeypatch.setattr(lookahead, "starting_in_background", lambda: busy == "a start in the background")
+    own_start = ["cold"] if busy == "this test's own start" else []
+    monkeypatch.setattr(lookahead, "cold_pools", lambda spec, options: own_start)
     asked: list[str] = []
     monkeypatch.setattr(lookahead, "start_pools_ahead", lambda spec, options: asked.append(spec.id) or 1)
-    item = types.SimpleNamespace(config=types.SimpleNamespace(stash=pytest.Stash()))
+    item = types.SimpleNamespace(config=types.SimpleNamespace(stash=pytest.Stash()), nodeid=DCP)
     lookahead.pytest_runtest_protocol(item, None)
     lookahead.pytest_runtest_protocol(item, None)
-    assert asked == ([] if starting else [case_id(GATHER)])
+    assert asked == ([] if busy else [case_id(GATHER)])
 
 
 def test_a_pool_starting_in_the_background_is_seen_by_the_registry():
-    from qgather.runtime import get_pool, registry, starting_in_background
+    from qgather.runtime import get_pool, is_cold, registry, starting_in_background
 
     spec = PoolSpec(backend="gloo", world_size=1, device="cpu")
+    assert is_cold(spec)  # no pool yet
     pool = get_pool(spec)
     try:
-        assert not starting_in_background()
+        assert is_cold(spec) and not starting_in_background()
         pool.restart.under_way = True
-        assert starting_in_background()
+        assert starting_in_background() and not is_cold(spec)
     finally:
         pool.restart.under_way = False
         with registry._lock:

@@ -23,7 +23,7 @@ from qgather.model.policy import expectation
 from qgather.model.report import UNPLACED, CaseReport
 from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
-from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool, start_ahead
+from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool, is_cold, start_ahead
 from qgather.runtime.launch import detect_launch
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.registry import run_on_rank
@@ -143,21 +143,25 @@ def _start_own_pool_early(spec: CaseSpec, options: RunOptions) -> None:
         return  # the case itself reports it
 
 
-def start_pools_ahead(spec: CaseSpec, options: RunOptions) -> int:
-    """Start in the background the CUDA pools that a case of `spec`, soon to run, will run on and that are
-    not up or starting yet (qgather.pytest_plugin.lookahead); how many pools it asked for. None for a case
-    that runs on no pool (virtual, skipped) or cannot run as asked (the case itself reports that)."""
+def cold_pools(spec: CaseSpec, options: RunOptions) -> list[PoolSpec]:
+    """The CUDA pools a case of `spec` will run on whose ranks are neither up nor starting (the case
+    would start them itself); none for a case that runs on no pool (virtual, skipped) or cannot run as
+    asked (the case itself reports that)."""
     if options.device_type() != "cuda" or spec.scenario == "virtual":
-        return 0
+        return []
     try:
         if _skip_reason(spec, check_case(spec), options):
-            return 0
+            return []
         pools = [_pool_of(size, options).validate() for size in spec.pool_sizes]
     except Exception:  # noqa: BLE001 - whatever keeps the case from running, the case itself reports
-        return 0
-    for pool in pools:
-        start_ahead(pool)
-    return len(pools)
+        return []
+    return [pool for pool in pools if is_cold(pool)]
+
+
+def start_pools_ahead(spec: CaseSpec, options: RunOptions) -> int:
+    """Start in the background the cold pools (cold_pools) of a case of `spec` soon to run
+    (qgather.pytest_plugin.lookahead); how many began to start."""
+    return sum(start_ahead(pool) for pool in cold_pools(spec, options))
 
 
 def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:

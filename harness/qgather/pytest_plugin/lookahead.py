@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from qgather.engine.run import RunOptions, start_pools_ahead
+from qgather.engine.run import RunOptions, cold_pools, start_pools_ahead
 from qgather.model.case import CaseSpec
 from qgather.pytest_plugin.affinity import case_of
 from qgather.pytest_plugin.options import settings
@@ -82,8 +82,14 @@ def _worker_interactor(config: pytest.Config) -> object | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Before each test of a GPU job's worker: the pools of the cases queued next start, if not yet."""
+    """Before each test of a GPU job's worker: the pools of the cases queued next start, if not yet.
+    One start at a time: none while one is under way in the background or this test's case will start
+    its own (the next test looks again)."""
     if not in_gpu_job() or starting_in_background():
-        return  # one start at a time: the next test looks again
+        return
+    options = settings(item.config).run
+    current = case_of(item.nodeid)
+    if current is not None and cold_pools(current, options):
+        return
     looked = item.config.stash.setdefault(looked_key, set())
-    start_ahead_of(upcoming(item.config), looked, settings(item.config).run, start_pools_ahead)
+    start_ahead_of(upcoming(item.config), looked, options, start_pools_ahead)

@@ -35,7 +35,7 @@ from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_
 from qgather.runtime.pool import RankPool
 from qgather.runtime.protocol import ProtocolError
 from qgather.runtime.rank import CaseContext
-from qgather.runtime.registry import get_pool, shutdown_pools, start_ahead, starting_in_background
+from qgather.runtime.registry import get_pool, is_cold, shutdown_pools, start_ahead, starting_in_background
 from qgather.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "RankPool",
     "external_world",
     "get_pool",
+    "is_cold",
     "is_reporting_rank",
     "same_error_on_every_rank",
     "shutdown_pools",

@@ -54,14 +54,27 @@ def get_pool(spec: PoolSpec, say: Callable[[str], None] | None = None) -> RankPo
         return pool
 
 
-def start_ahead(spec: PoolSpec) -> None:
+def start_ahead(spec: PoolSpec) -> bool:
     """The pool for `spec` starts in the background unless it is up or starting already (a pool a case
-    will need soon); nothing under a launcher, whose world is up (and whose pool writes with the case's `say`)."""
-    if external_world() is not None:
-        return
+    will need soon); whether it began to. Nothing under a launcher, whose world is up (and whose pool
+    writes with the case's `say`)."""
+    if not is_cold(spec):
+        return False
     pool = get_pool(spec)
     if isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way:
         pool.start_in_background()
+        return True
+    return False
+
+
+def is_cold(spec: PoolSpec) -> bool:
+    """Whether a case of `spec` would start its pool's ranks: none made yet, or made but neither up nor
+    starting in the background; never under a launcher, whose world is up."""
+    if external_world() is not None:
+        return False
+    with _lock:
+        pool = _pools.get(spec)
+    return pool is None or (isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way)
 
 
 def starting_in_background() -> bool:
