@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from qgather.check import golden_cache
+from qgather.check.golden import _same_view
 from qgather.engine.classify import classify_results
 from qgather.instruments import patches
 from qgather.model.case import CaseSpec
@@ -127,10 +128,14 @@ def _parked_during_unshard(ctx, mode: str) -> Iterator[None]:
 
 
 def _hold(golden, rows: torch.Tensor) -> None:
-    """The golden's rowwise bytes are `rows` from now on; its columnwise bytes, its transposed view."""
+    """The golden's rowwise bytes are `rows` from now on, and each buffer held as a view of them
+    (Golden.keep_on_device: fp8_block's columnwise bytes) a view of `rows`; every other buffer stays."""
+    views = golden.fmt.derived_views(golden.q)
+    derived = [name for name, view in views.items() if _same_view(golden.q.buffers[name], view)]
     golden._hold("rowwise_data", rows)
-    if "columnwise_data" in golden.q.buffers:
-        golden._hold("columnwise_data", rows.t())
+    views = golden.fmt.derived_views(golden.q)
+    for name in derived:
+        golden._hold(name, views[name])
 
 
 def _summary(mode: str, results: list[dict]) -> str:
