@@ -166,7 +166,9 @@ def test_a_golden_aside_reads_the_same_blocks_and_comes_back_as_it_was(fmt, host
     assert (views == ["columnwise_data"]) == (fmt == "fp8_block")  # fp8_block's columnwise bytes: a view
     assert golden.step_aside() and golden._aside is not None
     held = dict(golden.q.buffers)
-    assert all(held[n] is not before[n] for n in before if n not in views)  # held by their host copies
+    aside = {n for n, (axis, _) in FORMATS[fmt].rowwise_rows.items() if axis == 0}  # the buffers along the rows
+    assert set(golden._aside.names) == aside and aside
+    assert all((held[n] is not before[n]) == (n in aside) for n in before if n not in views)  # their host copies
     assert golden._held_views() == views  # views of the copies
     assert golden.q.mismatches(kept.q) == []  # every check reads the same bits meanwhile
     blocks = list(golden.dequantized_blocks(deferred=True))
@@ -176,7 +178,7 @@ def test_a_golden_aside_reads_the_same_blocks_and_comes_back_as_it_was(fmt, host
         assert rows == want_rows and torch.equal(values.view(torch.int32), want.view(torch.int32))
     golden.arrived()
     assert golden._aside is None and golden.q.mismatches(kept.q) == [] and golden._held_views() == views
-    assert all(golden.q.buffers[n] is not held[n] for n in held if n not in views)  # the copies that came back
+    assert all((golden.q.buffers[n] is not held[n]) == (n in aside) for n in held if n not in views)  # came back
     copies = len(host_on_cpu)
     assert golden.step_aside() and len(host_on_cpu) == copies  # the host copies are made once
     golden.keep_on_device()  # the next case finds it back

@@ -125,14 +125,16 @@ class Golden:
         (FSDP2's lazy initialization there may hold temporaries of several times the rank's shard:
         docs/findings.md, te-fp8-block-flat-view-copy): each of its large buffers is held by its host
         copy (pinned, made once and kept with the golden), a buffer held as a view of one of them
-        (keep_on_device) by the same view of the copy. Every check reads the same bits meanwhile (from
-        the host, slowly); `come_back` starts their way back, `arrived` ends it. Whether it stepped aside."""
+        (keep_on_device) by the same view of the copy. Only buffers that follow the rows step aside (the
+        rowwise ones): the value checks read them check block by check block, so their way back runs
+        beside the checks of the blocks before. Every check reads the same bits meanwhile (from the
+        host, slowly); `come_back` starts their way back, `arrived` ends it. Whether it stepped aside."""
         self.arrived()
         if self.q is None or self.parked or not host.worth_parking(self.nbytes, self.device):
             return False
         views = self._held_views()
-        names = [name for name, t in self.q.buffers.items()
-                 if name not in views and host.worth_parking(t.numel() * t.element_size(), t.device)]
+        names = [name for name, t in self.q.buffers.items() if name not in views and self._follows_rows(name)
+                 and host.worth_parking(t.numel() * t.element_size(), t.device)]
         if not names:
             return False
         device = self.q.device
@@ -146,9 +148,8 @@ class Golden:
 
     def come_back(self) -> None:
         """Start the way back of the buffers that stepped aside (host.WayBack, on a copy stream of the
-        golden's own): first those the value checks read that do not follow the rows, then the row
-        buffers check block by check block (Format.check_blocks), a mark after each, then the rest. The
-        golden holds the host copies until `arrived`; `dequantized_blocks(deferred=True)` reads each
+        golden's own), check block by check block (Format.check_blocks), a mark after each block's rows.
+        The golden holds the host copies until `arrived`; `dequantized_blocks(deferred=True)` reads each
         block from the device once its copies are done. Once per stepping aside."""
         aside = self._aside
         if aside is None or aside.way is not None:
@@ -156,21 +157,17 @@ class Golden:
         if self._stream is None:
             self._stream = host.copy_stream(aside.device)
         way = host.WayBack(aside.device, self._stream)
-        rows = [n for n in aside.names if self.fmt.rowwise_rows.get(n, (None, 1))[0] == 0]
-        read = set(self.value_buffers())
-        for name in aside.names:
-            if name in read and name not in rows:
-                way.copy(name, self._pinned[name])
         m, _ = flat_dims(self.q.shape)
         for start, stop in self.fmt.check_blocks(self.q.shape):
-            for name in rows:
+            for name in aside.names:
                 per_entry = self.fmt.rowwise_rows[name][1]
                 way.copy(name, self._pinned[name], start // per_entry, None if stop == m else -(-stop // per_entry))
             aside.marks.append(way.mark())
-        for name in aside.names:
-            if name not in read and name not in rows:
-                way.copy(name, self._pinned[name])
         aside.way = way
+
+    def _follows_rows(self, name: str) -> bool:
+        """Whether buffer `name`'s first dimension runs along the rows (Format.rowwise_rows)."""
+        return self.fmt is not None and self.fmt.rowwise_rows.get(name, (None, 1))[0] == 0
 
     def arrived(self) -> None:
         """The end of the way back (started here if `come_back` was not called): the case's stream waits
