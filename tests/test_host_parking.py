@@ -147,3 +147,103 @@ def test_te_columnwise_derived_for_the_comparison_is_not_left_on_the_weight(scal
     assert torch.equal(buffers["columnwise_data"], param._rowwise_data.t())
     assert float(buffers["columnwise_scale_inv"]) == 2.0
     assert param._columnwise_data is None and param._columnwise_scale_inv is scales
+
+
+# ------------------------------------------------------------------ a kept golden steps aside for the first unshard
+def _kept_golden(fmt: str):
+    golden = golden_module.golden_for(FORMATS[fmt], _weight())
+    golden.keep_on_device()
+    return golden
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4_2d"])
+def test_a_golden_aside_reads_the_same_blocks_and_comes_back_as_it_was(fmt, host_on_cpu, monkeypatch):
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    kept, golden = _kept_golden(fmt), _kept_golden(fmt)
+    before = dict(golden.q.buffers)
+    views = golden._held_views()
+    assert (views == ["columnwise_data"]) == (fmt == "fp8_block")  # fp8_block's columnwise bytes: a view
+    assert golden.step_aside() and golden._aside is not None
+    held = dict(golden.q.buffers)
+    aside = {n for n, (axis, _) in FORMATS[fmt].rowwise_rows.items() if axis == 0}  # the buffers along the rows
+    assert set(golden._aside.names) == aside and aside
+    assert all((held[n] is not before[n]) == (n in aside) for n in before if n not in views)  # their host copies
+    assert golden._held_views() == views  # views of the copies
+    assert golden.q.mismatches(kept.q) == []  # every check reads the same bits meanwhile
+    blocks = list(golden.dequantized_blocks(deferred=True))
+    assert len(blocks) > 1 and golden._aside is not None  # read on the way back, block by block
+    for (rows, got), (want_rows, want) in zip(blocks, kept.dequantized_blocks(), strict=True):
+        values = got.values() if isinstance(got, golden_module.Deferred) else got
+        assert rows == want_rows and torch.equal(values.view(torch.int32), want.view(torch.int32))
+    golden.arrived()
+    assert golden._aside is None and golden.q.mismatches(kept.q) == [] and golden._held_views() == views
+    assert all((golden.q.buffers[n] is not held[n]) == (n in aside) for n in held if n not in views)  # came back
+    copies = len(host_on_cpu)
+    assert golden.step_aside() and len(host_on_cpu) == copies  # the host copies are made once
+    golden.keep_on_device()  # the next case finds it back
+    assert golden._aside is None and golden.q.mismatches(kept.q) == []
+
+
+def test_a_golden_aside_comes_back_whole_for_any_other_read(host_on_cpu, monkeypatch):
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
+    kept, golden = _kept_golden("fp8_block"), _kept_golden("fp8_block")
+    assert golden.step_aside()
+    assert torch.equal(golden.dequantized_as(torch.bfloat16), kept.dequantized_as(torch.bfloat16))
+    assert golden._aside is None  # the values made whole: the way back ended first
+    small = _kept_golden("fp8_block")
+    monkeypatch.setattr(host, "worth_parking", lambda nbytes, device: False)
+    assert not small.step_aside() and small._aside is None  # a small golden stays where it is
+
+
+def gather_with_golden_aside(ctx, case_id: str, aside: bool) -> tuple[int, int, list]:
+    """On a pool rank: the case twice from a fresh cache (the second finds its golden kept), with small
+    check blocks, and with `aside` every tensor worth parking (a clone standing in for the pinned copy):
+    how many times a golden stepped aside, how many check blocks were read on its way back, and the results."""
+    from qgather.scenarios.registry import run_on_rank
+
+    ctx.kept.clear()
+    stepped: list[bool] = []
+    read: list[tuple[int, int, int]] = []  # the check blocks read on the way back
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(format_base, "ROW_BLOCK_ELEMENTS", SMALL_BLOCKS)
+        patch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", SMALL_BLOCKS)
+        if aside:
+            patch.setattr(host, "worth_parking", lambda nbytes, device: True)
+            patch.setattr(host, "pinned_copy", lambda tensor: tensor.clone())
+            step_aside, arriving = golden_module.Golden.step_aside, golden_module.Golden._arriving_rows
+            patch.setattr(golden_module.Golden, "step_aside", lambda self: stepped.append(step_aside(self)) or
+                          stepped[-1])
+            patch.setattr(golden_module.Golden, "_arriving_rows", lambda self, *rows: read.append(rows) or
+                          arriving(self, *rows))
+        results = [run_on_rank(ctx, CaseSpec.parse(case_id)) for _ in range(2)]
+    ctx.kept.clear()
+    return sum(stepped), len(read), results
+
+
+class OwnDequantizing(ReferenceImplementation):
+    """The reference with a dequantization of its own: the inspection reads the golden block by block,
+    deferred (the blocks a golden on its way back serves once they are there)."""
+
+    def own_dequantize(self, param):
+        return param.dequantize()
+
+
+@pytest.mark.parametrize("case_id", ["tests.test_host_parking:OwnDequantizing:fp8_block:1024x64:bf16:ws2:gather:s0",
+                                     "mutant:nibble_swap:nvfp4_2d:512x64:bf16:ws2:gather:s0"])
+def test_a_case_whose_golden_steps_aside_for_the_first_unshard_gets_the_same_records(case_id):
+    from qgather.runtime import PoolSpec, get_pool
+
+    pool = get_pool(PoolSpec("gloo", 2, "cpu"))
+    plain = pool.run(gather_with_golden_aside, case_id, False, timeout=120)
+    aside = pool.run(gather_with_golden_aside, case_id, True, timeout=120)
+    assert plain.status == aside.status == "ok", (plain.summary(), aside.summary())
+    for (_, _, plain_runs), (stepped, read, aside_runs) in zip(plain.results, aside.results, strict=True):
+        assert stepped == 2, "no golden stepped aside: the test proves nothing"
+        assert read == (2 * 8 if "OwnDequantizing" in case_id else 0)  # 1024x64 in 8 check blocks, in each case
+        for one, other in zip(plain_runs, aside_runs, strict=True):
+            assert other.stages == one.stages and other.wire == one.wire
+    first = plain.results[0][2][0].stages[0]
+    assert ("nibble_swap" in case_id) == bool(first.buffer_diffs)  # the right bytes EXACT, the wrong ones found
+    assert "nibble_swap" in case_id or first.own_dequantized.equal  # the library's own values compared

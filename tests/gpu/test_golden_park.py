@@ -97,3 +97,41 @@ def test_a_parked_golden_judges_as_one_that_never_left_the_gpu(fmt, cuda, monkey
         assert inspector.judge(param, parked, "unshard 1") == want
         assert parked.parked and {n: t.data_ptr() for n, t in parked.q.buffers.items()} == pinned
     assert parked._digest_parts  # the second judge took them from the golden
+
+
+@pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4_2d"))
+def test_a_kept_golden_steps_aside_for_the_unshard_and_is_read_on_its_way_back(fmt, cuda, monkeypatch):
+    """Golden.step_aside lets the device copy of a kept golden's large buffers go (the allocator holds
+    that much less), `come_back` copies them back on a stream of the golden's own while the case's
+    stream runs other work, each deferred check block is read once its copies are done, and `arrived`
+    leaves the golden on the device as it was, bit for bit, with fp8_block's columnwise view."""
+    from qgather.formats import base as format_base
+    from qgather.instruments.compare import Deferred
+
+    monkeypatch.setattr(host, "PARK_BYTES", 1 << 16)
+    monkeypatch.setattr(format_base, "ROW_BLOCK_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(format_base, "CHECK_BLOCK_ELEMENTS", 1 << 20)
+    weight = torch.randn(4096, 1024, generator=torch.Generator(device="cuda").manual_seed(6), device=cuda)
+    kept = golden_module.golden_for(FORMATS[fmt], weight.bfloat16())
+    golden = golden_module.golden_for(FORMATS[fmt], weight.bfloat16())
+    golden.keep_on_device()
+    views = golden._held_views()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    assert golden.step_aside()
+    aside = golden._aside.names
+    freed = sum(kept.q.buffers[n].numel() * kept.q.buffers[n].element_size() for n in aside)
+    assert torch.cuda.memory_allocated() == before - freed and "rowwise_data" in aside
+    busy = torch.randn(4096, 4096, device=cuda)  # the case's stream has work queued while the copies run
+    for _ in range(20):
+        busy = busy @ busy / 64
+    golden.come_back()
+    blocks = list(golden.dequantized_blocks(deferred=True))
+    assert len(blocks) > 1 and golden._aside is not None
+    for (rows, got), (want_rows, want) in zip(blocks, kept.dequantized_blocks(), strict=True):
+        values = got.values() if isinstance(got, Deferred) else got
+        assert rows == want_rows and torch.equal(values.view(torch.int32), want.view(torch.int32))
+    golden.arrived()
+    assert golden._aside is None and golden._held_views() == views
+    assert all(t.device.type == "cuda" for t in golden.q.buffers.values())
+    assert golden.q.mismatches(kept.q) == []

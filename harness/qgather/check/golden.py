@@ -45,6 +45,9 @@ class Golden:
     _output: tuple[torch.Tensor, bool, torch.Tensor] | None = field(default=None, repr=False)  # kept_output's
     _output_digest: str | None = field(default=None, repr=False)  # output_digest's, of _output's output
     _parts: dict[tuple[int, int], DequantizeParts | None] = field(default_factory=dict, repr=False)  # _deferred_parts'
+    _pinned: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # step_aside's host copies, kept
+    _aside: _Aside | None = field(default=None, repr=False)  # while stepped aside (step_aside .. arrived)
+    _stream: torch.cuda.Stream | None = field(default=None, repr=False)  # come_back's copy stream, kept
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +59,7 @@ class Golden:
         `unpark` brings back what a check reads. `keep`: buffers that stay on the device. A buffer's
         host copy is made once and kept: parking it again only lets its device copy go. Whether
         (some of) it is parked."""
+        self.arrived()
         if self.q is None or not host.worth_parking(self.nbytes, self.device):
             return self.parked
         device, keep = self.device, set(keep)
@@ -76,7 +80,9 @@ class Golden:
     @property
     def device(self) -> torch.device:
         """Where the golden's values are computed and compared: its GPU, also while it is parked."""
-        return self._device if self._device is not None else self.q.device
+        if self._device is not None:
+            return self._device
+        return self._aside.device if self._aside is not None else self.q.device
 
     def unpark(self, names: Iterable[str] | None = None) -> None:
         """Back onto the device: the buffers `names` (None: every buffer), copied without waiting
@@ -95,6 +101,7 @@ class Golden:
         and cross-checked, a kept golden is read by every inspection where it is, with no copy from
         the host; each buffer the format derives from another is then held as a view of it where
         their bits agree (Format.derived_views)."""
+        self.arrived()
         self.unpark()
         self._host.clear()
         if self.q is None:
@@ -112,6 +119,94 @@ class Golden:
         views of the one held before, which they would keep alive and read)."""
         self.q.buffers[name] = tensor
         self._parts.clear()
+
+    def step_aside(self) -> bool:
+        """A large golden kept on a GPU lets its device copy go while the library's first unshard runs
+        (FSDP2's lazy initialization there may hold temporaries of several times the rank's shard:
+        docs/findings.md, te-fp8-block-flat-view-copy): each of its large buffers is held by its host
+        copy (pinned, made once and kept with the golden), a buffer held as a view of one of them
+        (keep_on_device) by the same view of the copy. Only buffers that follow the rows step aside (the
+        rowwise ones): the value checks read them check block by check block, so their way back runs
+        beside the checks of the blocks before. Every check reads the same bits meanwhile (from the
+        host, slowly); `come_back` starts their way back, `arrived` ends it. Whether it stepped aside."""
+        self.arrived()
+        if self.q is None or self.parked or not host.worth_parking(self.nbytes, self.device):
+            return False
+        views = self._held_views()
+        names = [name for name, t in self.q.buffers.items() if name not in views and self._follows_rows(name)
+                 and host.worth_parking(t.numel() * t.element_size(), t.device)]
+        if not names:
+            return False
+        device = self.q.device
+        for name in names:
+            if name not in self._pinned:
+                self._pinned[name] = host.pinned_copy(self.q.buffers[name])
+            self._hold(name, self._pinned[name])
+        self._derive(views)
+        self._aside = _Aside(device, tuple(names))
+        return True
+
+    def come_back(self) -> None:
+        """Start the way back of the buffers that stepped aside (host.WayBack, on a copy stream of the
+        golden's own), check block by check block (Format.check_blocks), a mark after each block's rows.
+        The golden holds the host copies until `arrived`; `dequantized_blocks(deferred=True)` reads each
+        block from the device once its copies are done. Once per stepping aside."""
+        aside = self._aside
+        if aside is None or aside.way is not None:
+            return
+        if self._stream is None:
+            self._stream = host.copy_stream(aside.device)
+        way = host.WayBack(aside.device, self._stream)
+        m, _ = flat_dims(self.q.shape)
+        for start, stop in self.fmt.check_blocks(self.q.shape):
+            for name in aside.names:
+                per_entry = self.fmt.rowwise_rows[name][1]
+                way.copy(name, self._pinned[name], start // per_entry, None if stop == m else -(-stop // per_entry))
+            aside.marks.append(way.mark())
+        aside.way = way
+
+    def _follows_rows(self, name: str) -> bool:
+        """Whether buffer `name`'s first dimension runs along the rows (Format.rowwise_rows)."""
+        return self.fmt is not None and self.fmt.rowwise_rows.get(name, (None, 1))[0] == 0
+
+    def arrived(self) -> None:
+        """The end of the way back (started here if `come_back` was not called): the case's stream waits
+        for every copy, and the golden holds the device tensors, and its views of them, from now on.
+        Nothing while the golden has not stepped aside."""
+        aside = self._aside
+        if aside is None:
+            return
+        self.come_back()
+        views = self._held_views()
+        tensors = aside.way.arrived()
+        self._aside = None
+        for name, tensor in tensors.items():
+            self._hold(name, tensor)
+        self._derive(views)
+
+    def _arriving_rows(self, index: int, start: int, stop: int) -> torch.Tensor | Deferred:
+        """Rows [start, stop), check block `index`, of a golden on its way back, read from the device
+        once the case's stream has waited for the block's copies."""
+        self.come_back()
+        aside = self._aside
+        aside.way.wait_for(aside.marks[index])
+        q = QuantizedTensor(self.q.format, self.q.shape, {**self.q.buffers, **aside.way.tensors}, self.q.valid)
+        parts = self.fmt.dequantize_rows_parts(q, start, stop)
+        if parts is None:
+            return self.fmt.dequantize_rows(q, start, stop)
+        return Deferred(*parts, torch.Size((stop - start, flat_dims(self.q.shape)[1])))
+
+    def _held_views(self) -> list[str]:
+        """The buffers the golden holds as views of another (Format.derived_views)."""
+        if self.fmt is None:
+            return []
+        return [name for name, view in self.fmt.derived_views(self.q).items() if _same_view(self.q.buffers[name], view)]
+
+    def _derive(self, names: Iterable[str]) -> None:
+        """Buffers `names` held as views of the buffers they derive from, as those are now."""
+        views = self.fmt.derived_views(self.q) if names else {}
+        for name in names:
+            self._hold(name, views[name])
 
     def kept_output(self, x: torch.Tensor, blocks: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The golden layer's output for input `x` (computed whole, or block of rows by block with
@@ -175,13 +270,19 @@ class Golden:
         splits its dequantization so (a comparison may then never make the values).
         """
         m, _ = flat_dims(self.q.shape)
-        if self.fmt.judged_whole(self.q.shape):
+        whole = self.fmt.judged_whole(self.q.shape)
+        if self._aside is not None and (whole or not deferred):
+            self.arrived()  # only the deferred row blocks are read on the way back
+        if whole:
             if self._whole is None:
                 self.unpark(self.value_buffers())
                 self._whole = self.fmt.dequantize(self.q).reshape(m, -1)
             yield slice(0, m), self._whole
             return
-        for start, stop in self.fmt.check_blocks(self.q.shape):
+        for index, (start, stop) in enumerate(self.fmt.check_blocks(self.q.shape)):
+            if self._aside is not None:  # deferred: each block read from the device once it is there
+                yield slice(start, stop), self._arriving_rows(index, start, stop)
+                continue
             parts = self._deferred_parts(start, stop) if deferred and not self.parked else None
             if parts is not None:
                 yield slice(start, stop), Deferred(*parts, torch.Size((stop - start, flat_dims(self.q.shape)[1])))
@@ -203,6 +304,17 @@ class Golden:
             out[rows] = values
             del values  # not held while the next block is made
         return out.reshape(self.q.shape)
+
+
+@dataclass
+class _Aside:
+    """A golden stepped aside (Golden.step_aside): its device, the buffers held by their host copies, and
+    once `come_back` started their way back, the copies and the mark after each check block's rows."""
+
+    device: torch.device
+    names: tuple[str, ...]
+    way: host.WayBack | None = None
+    marks: list[int] = field(default_factory=list)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -12,7 +12,9 @@ the same way, by the golden's key, the configuration and the dtype the layer com
 
 A kept golden stays on the device, as one copy (Golden.keep_on_device): every inspection reads it
 where it is, since bringing a large one back from host memory costs more than the checks
-themselves (8.6 ms of a 24 ms inspection of an 8192x28672 FP8 blockwise weight on an H200). It
+themselves (8.6 ms of a 24 ms inspection of an 8192x28672 FP8 blockwise weight on an H200); only
+while the library's first unshard runs do its large rowwise buffers step aside to the host and come back
+beside the collective (Golden.step_aside, qgather.scenarios.fsdp.aside_while_unsharding). It
 holds at most `MAX_ENTRIES` goldens and `MAX_BYTES` of their buffers, the least recently used let
 go first.
 """

@@ -109,6 +109,7 @@ class Inspector:
         # lives beside the value checks' blocks; it is let go once digested: later checks read the
         # weight through the library, not these buffers.
         got = impl.read_buffers(param)
+        golden.arrived()  # a golden on its way back (Golden.step_aside): every buffer, for the buffer checks
         golden.unpark()  # a parked golden comes over whole, once per inspection, after the gather's buffers exist
         buffers = launch_buffers(got, golden.q)
         diffs, own_dequantized, (output, output_digest, forward_error) = read_together(buffers, own_values, output)
@@ -360,6 +361,7 @@ def _against_golden(values: torch.Tensor, golden: Golden) -> Comparison:
 def _add_buffer_evidence(exc: Exception, got: dict[str, torch.Tensor], golden: Golden) -> None:
     """What the gathered buffers hold against the golden, as a note on the library's own error (the
     last lines of an ERROR's traceback in the report): a raise does not hide wrong bytes."""
+    golden.arrived()
     golden.unpark()
     try:
         diffs = read_together(launch_buffers(got, golden.q))[0]

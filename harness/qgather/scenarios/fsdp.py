@@ -12,14 +12,17 @@ unshard gathered judged against the golden like every other unshard.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 
 from qgather.check import host
+from qgather.check.golden import Golden
 from qgather.check.inspection import TwinOutput
 from qgather.check.wire import record_wire, summarize_wire
-from qgather.instruments.patches import hooks_moving_phase
+from qgather.instruments.patches import hooks_moving_phase, pre_all_gather_observed
 from qgather.model.case import CaseSpec
 from qgather.model.phases import Phase, PhaseTracker, Step
 from qgather.model.records import FIRST_UNSHARD, RankResult, Stage
@@ -67,7 +70,7 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
     if spec.scenario == "steps":
         _requantize_unchanged(case, module, master)
     param_types = (type(local_shard(module)),)
-    with phases.at(Phase.SHARD), hooks_moving_phase(phases, param_types):
+    with phases.at(Phase.SHARD), hooks_moving_phase(phases, param_types), aside_while_unsharding(golden, param_types):
         with impl.gather_context(ctx.group), record_wire(param_types) as wire:
             module.unshard()
     with phases.at(Phase.INSPECTION):
@@ -86,6 +89,27 @@ def run_fsdp(ctx: CaseContext, spec: CaseSpec, phases: PhaseTracker, checkpoint:
         stages.extend(_update_and_regather(case, module, master, compiled))
     summary = summarize_wire(wire, fmt, weight_shape, case.shards, golden, impl)
     return RankResult(ctx.rank, tuple(stages), summary, golden.quantizer_diffs or None)
+
+
+@contextlib.contextmanager
+def aside_while_unsharding(golden: Golden, param_types: tuple[type, ...]) -> Iterator[None]:
+    """The block (the library's first unshard) runs with a large golden kept on a GPU stepped aside
+    (Golden.step_aside): FSDP2's lazy initialization at the first unshard may hold the library's
+    temporaries of several shards there (TE's blockwise FP8: 2 bf16 weights at 2 ranks, beside its
+    shard's 0.5 and the golden's 0.5: `qgather bench gpu`'s fp8_block peak). Its way back starts once
+    `param_types`' pre-all-gather hook has returned (the lazy initialization is done then), beside the
+    collective; the inspection reads each check block once it is there. Where the block raises, the
+    golden is back before the error leaves (it stays kept for the next case)."""
+    if not golden.step_aside():
+        yield
+        return
+    try:
+        with pre_all_gather_observed(param_types, lambda inputs: golden.come_back()):
+            yield
+    except BaseException:
+        golden.arrived()
+        raise
+    golden.come_back()  # where no pre-all-gather hook ran, the way back starts now
 
 
 def rows_to_draw(case: RankCase, kept_twin: TwinOutput | None) -> Rows | None:

@@ -24,6 +24,10 @@ COLLECTIVE = Phase.COLLECTIVE.value
 #: the library's own steps before a gather case's collective (the one-device twin, the golden and the
 #: build/quantize step, the case's data, are qgather's)
 LIBRARY_BEFORE_COLLECTIVE = (Step.SHARDED_MODULE.value, Phase.SHARD.value, Phase.PRE_HOOK.value)
+#: every step of a gather case that is the library's own work (FSDP2's and the library's, waits on them
+#: included): what the case would take were qgather's own steps (its data, golden, twin, inspection) free
+LIBRARY_STEPS = (Step.SHARDED_MODULE.value, Phase.SHARD.value, Phase.PRE_HOOK.value, COLLECTIVE,
+                 Phase.POST_HOOK.value, Step.LIBRARY_FORWARD.value, Step.RESHARD.value, WAIT_ON_LIBRARY)
 #: qgather's own steps (not the library's), each held to FLOOR_GOAL times its HBM floor
 OWN_STEPS = (Step.GOLDEN.value, Phase.INSPECTION.value, Step.TWIN.value, WAIT)
 FLOOR_GOAL = 5.0
@@ -71,6 +75,14 @@ def split_waits(ranks: Sequence[RankSteps]) -> tuple[list[RankSteps], int | None
 
 def _library_seconds(r: RankSteps) -> float:
     return sum(r.seconds.get(step, 0.0) for step in LIBRARY_BEFORE_COLLECTIVE)
+
+
+def library_seconds(ranks: Sequence[RankSteps]) -> tuple[float, int]:
+    """The most seconds a rank spent in the library's own steps (LIBRARY_STEPS; `ranks` as split_waits
+    returns them, the collective net of the wait for the last rank), and that rank: the least a case
+    can take, however fast qgather's own steps get."""
+    return max(((sum(r.seconds.get(step, 0.0) for step in LIBRARY_STEPS), r.rank) for r in ranks),
+               key=lambda seconds_rank: (seconds_rank[0], -seconds_rank[1]))
 
 
 def spreads(ranks: Sequence[RankSteps]) -> list[StepSpread]:
