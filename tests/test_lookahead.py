@@ -113,7 +113,7 @@ def test_the_hook_starts_the_queued_cases_pools_in_a_gpu_jobs_worker_one_start_a
 def test_a_pool_starting_in_the_background_is_seen_by_the_registry():
     from qgather.runtime import get_pool, is_cold, registry, starting_in_background
 
-    spec = PoolSpec(backend="gloo", world_size=1, device="cpu")
+    spec = PoolSpec(backend="gloo", world_size=61, device="cpu")  # of no other test of this process
     assert is_cold(spec)  # no pool yet
     pool = get_pool(spec)
     try:
