@@ -23,7 +23,7 @@ from qgather.model.policy import expectation
 from qgather.model.report import UNPLACED, CaseReport
 from qgather.model.repro import repro_command
 from qgather.model.verdict import Verdict
-from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool, is_cold, start_ahead
+from qgather.runtime import CaseOutcome, PoolSpec, PoolSpecError, RankError, get_pool, start_ahead
 from qgather.runtime.launch import detect_launch
 from qgather.scenarios import fsdp_setup
 from qgather.scenarios.registry import run_on_rank
@@ -143,25 +143,17 @@ def _start_own_pool_early(spec: CaseSpec, options: RunOptions) -> None:
         return  # the case itself reports it
 
 
-def cold_pools(spec: CaseSpec, options: RunOptions) -> list[PoolSpec]:
-    """The CUDA pools a case of `spec` will run on whose ranks are neither up nor starting (the case
-    would start them itself); none for a case that runs on no pool (virtual, skipped) or cannot run as
-    asked (the case itself reports that)."""
+def case_pools(spec: CaseSpec, options: RunOptions) -> tuple[PoolSpec, ...]:
+    """The CUDA pools a case of `spec` will run on (a dcp-wsA case's save's and its own); none for a case
+    that runs on no pool (virtual, skipped) or cannot run as asked (the case itself reports that)."""
     if options.device_type() != "cuda" or spec.scenario == "virtual":
-        return []
+        return ()
     try:
         if _skip_reason(spec, check_case(spec), options):
-            return []
-        pools = [_pool_of(size, options).validate() for size in spec.pool_sizes]
+            return ()
+        return tuple(_pool_of(size, options).validate() for size in spec.pool_sizes)
     except Exception:  # noqa: BLE001 - whatever keeps the case from running, the case itself reports
-        return []
-    return [pool for pool in pools if is_cold(pool)]
-
-
-def start_pools_ahead(spec: CaseSpec, options: RunOptions) -> int:
-    """Start in the background the cold pools (cold_pools) of a case of `spec` soon to run
-    (qgather.pytest_plugin.lookahead); how many began to start."""
-    return sum(start_ahead(pool) for pool in cold_pools(spec, options))
+        return ()
 
 
 def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:

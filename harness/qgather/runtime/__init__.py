@@ -35,7 +35,14 @@ from qgather.runtime.outcome import CaseOutcome, OutcomeStatus, RankError, same_
 from qgather.runtime.pool import RankPool
 from qgather.runtime.protocol import ProtocolError
 from qgather.runtime.rank import CaseContext
-from qgather.runtime.registry import get_pool, is_cold, shutdown_pools, start_ahead, starting_in_background
+from qgather.runtime.registry import (
+    get_pool,
+    is_cold,
+    is_up,
+    shutdown_pools,
+    start_ahead,
+    starting_in_background,
+)
 from qgather.runtime.spec import PoolSpec, PoolSpecError, visible_gpus
 
 __all__ = [
@@ -52,6 +59,7 @@ __all__ = [
     "get_pool",
     "is_cold",
     "is_reporting_rank",
+    "is_up",
     "same_error_on_every_rank",
     "shutdown_pools",
     "start_ahead",

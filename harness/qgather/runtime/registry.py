@@ -77,6 +77,15 @@ def is_cold(spec: PoolSpec) -> bool:
     return pool is None or (isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way)
 
 
+def is_up(spec: PoolSpec) -> bool:
+    """Whether a case of `spec` would find its pool's ranks up (not starting); always under a launcher."""
+    if external_world() is not None:
+        return True
+    with _lock:
+        pool = _pools.get(spec)
+    return isinstance(pool, RankPool) and pool.started and not pool.restart.under_way
+
+
 def starting_in_background() -> bool:
     """Whether one of this process's pools is starting (or restarting) in the background now."""
     with _lock:
