@@ -162,3 +162,15 @@ def test_a_pool_starting_in_the_background_is_seen_by_the_registry():
         pool.restart.under_way = False
         with registry._lock:
             registry._pools.pop(spec, None)
+
+
+def test_xdists_worker_plugin_is_found_by_its_class_name():
+    """In a worker, xdist.remote runs as execnet's channel module: its WorkerInteractor is another class
+    than the one `import xdist.remote` gives (run on the CPU, an isinstance check found none)."""
+
+    class WorkerInteractor:  # as the channel module defines it
+        torun = remote.TestQueue(execnet.gateway_base.get_execmodel("thread"))
+
+    plugins = [object(), WorkerInteractor()]
+    config = types.SimpleNamespace(pluginmanager=types.SimpleNamespace(get_plugins=lambda: plugins))
+    assert lookahead._worker_interactor(config) is plugins[1]

@@ -128,8 +128,7 @@ def _queued(interactor: object | None) -> list[int] | None:
 
 
 def _worker_interactor(config: pytest.Config) -> object | None:
-    try:
-        from xdist.remote import WorkerInteractor
-    except ImportError:
-        return None
-    return next((p for p in config.pluginmanager.get_plugins() if isinstance(p, WorkerInteractor)), None)
+    """xdist's worker plugin, by its class name: the worker runs xdist.remote's code as execnet's
+    channel module, so its class is not the one `import xdist.remote` gives."""
+    plugins = config.pluginmanager.get_plugins()
+    return next((p for p in plugins if type(p).__name__ == "WorkerInteractor" and hasattr(p, "torun")), None)
