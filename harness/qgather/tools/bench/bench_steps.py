@@ -97,6 +97,20 @@ def spreads(ranks: Sequence[RankSteps]) -> list[StepSpread]:
     return sorted(out, key=lambda s: (-s.slowest_s, s.step))
 
 
+def median_slowest(tables: Sequence[Sequence[StepSpread]]) -> list[StepSpread]:
+    """Each step of several runs' tables (spreads) as it was in the run of its median slowest-rank
+    seconds (a run without the step: 0 s there; of an even number, the lower middle one): what the floor
+    goals judge, so that one run's stall in one step (a shared host) does not decide them."""
+    steps = {s.step for table in tables for s in table}
+    absent = lambda step: StepSpread(step, 0.0, -1, 0.0, -1)  # noqa: E731
+    out = []
+    for step in steps:
+        runs = sorted((next((s for s in table if s.step == step), absent(step)) for table in tables),
+                      key=lambda s: s.slowest_s)
+        out.append(runs[(len(runs) - 1) // 2])
+    return sorted(out, key=lambda s: (-s.slowest_s, s.step))
+
+
 def floor_seconds(floor_bytes: Mapping[str, int], bandwidth: float) -> dict[str, float]:
     """Each modelled step's HBM floor in seconds; the wait before the collective is held to the
     collective's own floor (a rank that waits longer than the collective itself waits on another
