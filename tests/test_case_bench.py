@@ -123,7 +123,8 @@ def test_on_nccl_each_of_qgathers_own_steps_is_a_goal_against_its_floor(capsys, 
     out = capsys.readouterr().out
     assert missed == ["fp8_block golden within 5x its HBM floor", "fp8_block qgather's own steps within their HBM "
                       "floors"], out
-    assert "MISSED golden within 5x its HBM floor: 200.00 ms on its slowest rank (the median of the measured runs) vs floor" in out
+    assert ("MISSED golden within 5x its HBM floor: 200.00 ms on its slowest rank (the median of the measured runs) "
+            "vs floor") in out
 
 
 def test_the_memory_goal_names_the_step_and_rank_of_the_highest_peak(capsys, monkeypatch):
