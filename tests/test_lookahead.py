@@ -83,8 +83,9 @@ def test_items_whose_pools_were_not_read_are_left_where_they_are(monkeypatch):
     assert state.ready_first(queue) is None and list(queue) == [10, 11, 12]
 
 
-def _interactor(queued: list[int], following: int | None) -> remote.WorkerInteractor:
+def _interactor(queued: list[int], following: int | None, current: int = 0) -> remote.WorkerInteractor:
     interactor = remote.WorkerInteractor.__new__(remote.WorkerInteractor)
+    interactor.item_index = current
     interactor.torun = remote.TestQueue(execnet.gateway_base.get_execmodel("thread"))
     for index in queued:
         interactor.torun.put(index)
@@ -134,7 +135,7 @@ def test_the_hook_starts_the_next_cold_pool_unless_this_test_starts_its_own(monk
     monkeypatch.setattr(lookahead, "case_pools", lambda spec, options: own[next(n for n in own if spec.id in n)])
     pools = Pools(monkeypatch)
     nodeids = [DCP, OTHER, GATHER, OTHER]
-    interactor = _interactor([2, 3], following=1)
+    interactor = _interactor([2, 3], following=1, current=0)
     lookahead.pytest_runtest_protocol(_item(DCP, interactor, nodeids), None)
     assert pools.began == ([] if busy else [WS[2]])
     if not busy:  # the gather case waits for ws2's start: the other test after it runs first

@@ -6,6 +6,10 @@ cut to that piece (`tensor_parallel_piece`), per-tensor values (the whole weight
 For an implementation with its own quantizer the golden is its own single-device quantization of
 the full weight (sharding invariance: gathering the shards gives q(W)); that quantization's
 agreement with the reference formats is judged apart (`Golden.quantizer_diffs`, QUANTIZER_MISMATCH).
+
+Past 400 lines on purpose: where a golden's buffers live (on its GPU, parked on the host, stepped aside
+for the first unshard and on their way back) is one state of one class, whose views of each other must
+change together with them; the copying itself is qgather.check.host's.
 """
 
 from __future__ import annotations

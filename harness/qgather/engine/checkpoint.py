@@ -41,6 +41,11 @@ class PoolOptions(Protocol):
         """The ranks' device type ("cpu" or "cuda")."""
 
 
+def pool_of(world_size: int, options: PoolOptions) -> PoolSpec:
+    """The pool of `world_size` ranks the run's options put a case (or a save) on."""
+    return PoolSpec(backend=options.backend_for(world_size), world_size=world_size, device=options.device_type())
+
+
 class Save(NamedTuple):
     """A dcp-wsA case's save: the checkpoint directory, or the case's classification when the save could
     not run or failed; the save's own outcome (its pool's start, its steps) where it ran."""
@@ -63,7 +68,7 @@ def saved_checkpoint(spec: CaseSpec, impl: Implementation, options: PoolOptions)
 def _save(spec: CaseSpec, impl: Implementation, options: PoolOptions, path: str) -> Save:
     size = spec.config.saved_at_world_size
     where = f"checkpoint save at world size {size}"
-    pool_spec = PoolSpec(backend=options.backend_for(size), world_size=size, device=options.device_type())
+    pool_spec = pool_of(size, options)
     try:
         pool = get_pool(pool_spec.validate(), options.say)
     except PoolSpecError as exc:

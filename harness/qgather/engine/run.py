@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from qgather.engine.checkpoint import saved_checkpoint
+from qgather.engine.checkpoint import pool_of, saved_checkpoint
 from qgather.engine.classify import Classification, classify_errors, classify_outcome, classify_results
 from qgather.engine.evidence import detail_evidence, where_lines
 from qgather.errors import UsageError
@@ -151,17 +151,13 @@ def case_pools(spec: CaseSpec, options: RunOptions) -> tuple[PoolSpec, ...]:
     try:
         if _skip_reason(spec, check_case(spec), options):
             return ()
-        return tuple(_pool_of(size, options).validate() for size in spec.pool_sizes)
+        return tuple(pool_of(size, options).validate() for size in spec.pool_sizes)
     except Exception:  # noqa: BLE001 - whatever keeps the case from running, the case itself reports
         return ()
 
 
 def _pool_spec(spec: CaseSpec, options: RunOptions) -> PoolSpec:
-    return _pool_of(spec.world_size, options)
-
-
-def _pool_of(world_size: int, options: RunOptions) -> PoolSpec:
-    return PoolSpec(backend=options.backend_for(world_size), world_size=world_size, device=options.device_type())
+    return pool_of(spec.world_size, options)
 
 
 def _run_virtual(spec: CaseSpec, impl: Implementation) -> Classification:

@@ -96,8 +96,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     state = _state(item.config, item)
     for index in queued:
         state.pools_of(index)  # read here, not under xdist's lock (a library's first import takes seconds)
-    current = case_of(item.nodeid)
-    own_start = current is not None and any(is_cold(pool) for pool in case_pools(current, state.options))
+    current = getattr(interactor, "item_index", None)  # this test's, read as the previous test's next
+    own_start = isinstance(current, int) and any(is_cold(pool) for pool in state.pools_of(current))
     if not own_start and not starting_in_background():
         state.start_next(queued)
     if starting_in_background():

@@ -58,13 +58,13 @@ def start_ahead(spec: PoolSpec) -> bool:
     """The pool for `spec` starts in the background unless it is up or starting already (a pool a case
     will need soon); whether it began to. Nothing under a launcher, whose world is up (and whose pool
     writes with the case's `say`)."""
-    if not is_cold(spec):
+    if external_world() is not None:
         return False
     pool = get_pool(spec)
-    if isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way:
-        pool.start_in_background()
-        return True
-    return False
+    if not _cold(pool):
+        return False
+    pool.start_in_background()
+    return True
 
 
 def is_cold(spec: PoolSpec) -> bool:
@@ -74,7 +74,7 @@ def is_cold(spec: PoolSpec) -> bool:
         return False
     with _lock:
         pool = _pools.get(spec)
-    return pool is None or (isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way)
+    return pool is None or _cold(pool)
 
 
 def is_up(spec: PoolSpec) -> bool:
@@ -84,6 +84,10 @@ def is_up(spec: PoolSpec) -> bool:
     with _lock:
         pool = _pools.get(spec)
     return isinstance(pool, RankPool) and pool.started and not pool.restart.under_way
+
+
+def _cold(pool: RankPool | ExternalPool) -> bool:
+    return isinstance(pool, RankPool) and not pool.started and not pool.restart.under_way
 
 
 def starting_in_background() -> bool:
