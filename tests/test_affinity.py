@@ -214,6 +214,26 @@ def test_a_workers_first_batch_leads_with_its_share_of_the_no_pool_items():
         assert _lead(first) == no_pool // WORKERS, first[:4]
 
 
+def test_each_lead_takes_its_share_across_the_no_pool_items_not_a_run_of_one_kind():
+    """The virtual cases come first in the collection and the GPU-only tests (~5x as long) last: a lead
+    of the first no-pool items would give some workers only the quick ones."""
+    virtual = [f"cases/test_virtual.py::test_virtual[reference:fp8_tensor:{rows}x64:bf16:ws2:virtual:s0]"
+               for rows in range(1, 97)]
+    assert {key_of(nodeid) for nodeid in virtual} == {NO_POOL}
+    collection = virtual + gate_collection()  # its 20 GPU-only tests last
+    nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+    scheduler = WorldSizeScheduling(FakeConfig(WORKERS))
+    for node in nodes:
+        scheduler.add_node(node)
+        scheduler.add_node_collection(node, collection)
+    scheduler.schedule()  # each worker's first batch, as xdist sends it
+    for node in nodes:
+        lead = node.queue[:_lead([key_of(collection[i]) for i in node.queue])]
+        gpu_tests = sum(collection[i].startswith("tests/gpu/") for i in lead)
+        # 20 of the 116 no-pool items: ~2 in a lead of 11 (half the first batch); 0 or all from a run of one kind
+        assert len(lead) >= 8 and 1 <= gpu_tests <= 3, [collection[i] for i in lead]
+
+
 def test_a_worker_that_dies_leaves_its_cases_to_the_others():
     collection = gate_collection()
     nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
@@ -236,3 +256,9 @@ def test_only_a_gpu_job_in_xdists_load_mode_gets_it():
     assert isinstance(affinity.pytest_xdist_make_scheduler(Config("load", True), None), WorldSizeScheduling)
     assert affinity.pytest_xdist_make_scheduler(Config("load", False), None) is None
     assert affinity.pytest_xdist_make_scheduler(Config("loadgroup", True), None) is None
+
+
+def test_the_lookahead_sees_the_first_case_past_a_full_lead():
+    from qgather.pytest_plugin import affinity, lookahead
+
+    assert affinity.LEAD_ITEMS < lookahead.WINDOW

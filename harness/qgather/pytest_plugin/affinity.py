@@ -14,7 +14,8 @@ The cases' order within a world size, the chunk sizes and the end of the run are
 no pool (the GPU-only tests, the dispatch checks, the virtual cases) are a "size" of their own, as cheap
 as a world size of one; so are the cases that save a checkpoint at another world size, whatever other
 options their configuration joins (`key_of`, from the case id as CaseSpec reads it). A worker's first
-batch leads with its share of the no-pool items, which it runs while its first pool starts
+batch leads with its share of the no-pool items, taken across all of them (not the first virtual cases
+for one worker and the GPU-only tests for another), which it runs while its first pool starts
 (qgather.pytest_plugin.lookahead). Used where the
 run's pools take GPU seats (qgather.pytest_plugin.gpu_schedule) and xdist's mode is its default `load`;
 an explicit `--dist` is the user's.
@@ -37,8 +38,10 @@ _CASE_ID = re.compile(r"\[([^\]]*)\]$")
 NO_POOL = 0  # the key of an item that runs on no pool (no case id, or a virtual case)
 CHECKPOINT = -1  # the key of a dcp-wsA case: it runs on pools of two world sizes (the save's, its own)
 # No-pool items at the head of a worker's first batch, for its first pool to start beside (lookahead.py):
-# on the 2 x H200 gate (2026-11-29) a first start took 3-17 s, and a virtual case 0.12 s on average.
-LEAD_ITEMS = 48
+# on the 2 x H200 gate (2026-11-29) a first start took 3-17 s; of the 459 no-pool items, a virtual case
+# took 0.13 s on average and a GPU-only test 0.60 s (run U, 2026-11-29), ~16 s for an eighth of them.
+# Fewer than lookahead.WINDOW, which must see the first case past them to start its pool.
+LEAD_ITEMS = 60
 
 
 def pool_sizes_of(nodeid: str) -> tuple[int, ...]:
@@ -113,7 +116,7 @@ class WorldSizeScheduling(LoadScheduling):
         size = self._size_for(node)
         if size is None:
             return
-        lead = self._first_of_size(NO_POOL, self._lead_share(num)) if first and size != NO_POOL else []
+        lead = self._spread_of_size(NO_POOL, self._lead_share(num)) if first and size != NO_POOL else []
         positions = [*lead, *self._first_of_size(size, num)]
         chosen = [self.pending[p] for p in positions]
         for position in sorted(positions, reverse=True):
@@ -153,6 +156,14 @@ class WorldSizeScheduling(LoadScheduling):
             self.node2size[node] = chosen
             served.add(chosen)
         return chosen
+
+    def _spread_of_size(self, size: int, num: int) -> list[int]:
+        """`num` positions of pending items of `size`, spread evenly over all of them: the no-pool items
+        come in runs of one kind (the virtual cases, then the GPU-only tests, ~5x as long), and a lead
+        of the first ones alone would cover one worker's first start and not another's."""
+        positions = [position for position, index in enumerate(self.pending) if self._sizes[index] == size]
+        count = min(num, len(positions))
+        return [positions[k * len(positions) // count] for k in range(count)] if count > 0 else []
 
     def _first_of_size(self, size: int, num: int) -> Sequence[int]:
         positions: list[int] = []
