@@ -203,6 +203,17 @@ def test_a_pool_starts_phases_are_its_breakdown_not_steps_of_their_own():
     assert "spawn" not in page.split("slowest cases")[1]
 
 
+def test_a_gpu_runs_page_states_its_lease_wait_and_pool_start_even_when_none_waited():
+    from dataclasses import replace
+
+    on_gpu = replace(_record("a", 2.0, {"golden": 0.5}), ran_on="nccl/cuda")
+    page = render([on_gpu, _record("b", 2.0, {"golden": 0.5})])
+    assert "| GPU lease wait | 0 | 0.00 | 0.0% |" in page and "| pool start | 0 | 0.00 | 0.0% |" in page
+    assert "lease wait" not in render([_record("b", 2.0, {"golden": 0.5})])  # a CPU run has no GPU budgets
+    waited = replace(on_gpu, step_seconds={LEASE_WAIT: 1.0, "golden": 0.5})
+    assert "| GPU lease wait | 1 | 1.00 | 25.0% |" in render([waited, _record("b", 2.0, {})])
+
+
 def test_step_seconds_survive_the_record_round_trip():
     record = _record("a", 1.0, {"golden": 0.5})
     assert CaseRecord.from_dict(record.to_dict()) == record

@@ -1,6 +1,7 @@
 """Where a run's seconds went (timings.md in the report directory): the cases' steps summed over the
 run (pool starts, the one-device twin, the golden, building the sharded module, the hooks and the
-collective, the inspection ...), then the slowest cases step by step. The numbers are the
+collective, the inspection ...), then the slowest cases step by step. A run with cases on GPUs always
+shows the GPU lease wait and the pool start, 0 where no case waited for either (issue 41's budgets). The numbers are the
 CaseRecords' `step_seconds` (qgather.engine.run.step_seconds), which verdicts.json holds too."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from qgather.engine.run import POOL_START_PHASE
+from qgather.engine.run import LEASE_WAIT, POOL_START, POOL_START_PHASE
 from qgather.model.case_record import CaseRecord
 
 SLOWEST_SHOWN = 25
@@ -30,6 +31,8 @@ def render(records: Iterable[CaseRecord], slowest: int = SLOWEST_SHOWN) -> str:
     wall = sum(r.seconds for r in ran)
     out = [f"# qgather timings: {len(ran)} cases that ran, {wall:.1f} s of case time", "",
            "| step | cases | seconds | share of case time |", "| --- | ---: | ---: | ---: |"]
+    if any(r.ran_on.endswith("/cuda") for r in ran):  # a GPU run's budgets, stated even where nothing waited
+        totals.update({LEASE_WAIT: 0.0, POOL_START: 0.0})
     for step, seconds in totals.most_common():
         share = f"{100 * seconds / wall:.1f}%" if wall else "-"
         out.append(f"| {step} | {cases_with[step]} | {seconds:.2f} | {share} |")
