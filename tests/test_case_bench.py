@@ -115,7 +115,11 @@ def test_on_nccl_each_of_qgathers_own_steps_is_a_goal_against_its_floor(capsys, 
     assert ("the library's own steps alone (sharded module, shard, pre-all-gather hook, collective, post-all-gather "
             "hook, library forward, reshard, wait on the library's steps): 1.00 ms on rank 0, ratio 0.12 to the bare "
             "work: the least the case can take were qgather's own steps free") in out
-    assert "ok     qgather's own steps within their HBM floors" in out
+    own = next(line for line in out.splitlines() if "own steps within their HBM floors" in line)
+    assert own.strip().startswith("ok     qgather's own steps within their HBM floors: golden ")
+    assert "inspection " in own
+    inspection = next(line for line in out.split("steps (run")[1].splitlines() if line.strip().startswith("inspection"))
+    assert "judged: " in inspection and "x, the runs' median)" in inspection, inspection  # what the goal line judged
     assert "ok     memory: peak 2.00x the bf16 weight per rank, 470.0 MB within the goal's 1410.0 MB (every run, " \
            "warm-up included: the warm-up run 2.00x, the measured runs 1.50x)" in out
     missed = bench_report.report("fp8_block", "te:fp8_block:8192x28672:bf16:ws2:gather:s0", _gpu_results(0.2),

@@ -79,12 +79,17 @@ def report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespace
                        f"{seconds * 1e3:.2f} ms on its slowest rank (the median of the measured runs) vs floor "
                        f"{floor * 1e3:.3f} ms: {seconds / floor:.1f}x", f"<= {bench_steps.FLOOR_GOAL:g}x")
                   for step, seconds, floor in misses]
+        multiples = ", ".join(f"{step} {multiple:.1f}x" for step, multiple in
+                              sorted(bench_steps.floor_multiples(judged, floors)))
         goals.append(Goal("qgather's own steps within their HBM floors", not misses,
-                          ", ".join(bench_steps.OWN_STEPS) + " (each the median of the measured runs)",
+                          f"{multiples} (each the median of the measured runs)",
                           f"each <= {bench_steps.FLOOR_GOAL:g}x its floor"))
+    else:
+        judged = None
     for goal in goals:
         print(f"    {goal.line()}")
-    _print_steps(table, floors, last_rank, rep, hbm_bandwidth(first["device_name"])[1], backend)
+    _print_steps(table, floors, last_rank, rep, hbm_bandwidth(first["device_name"])[1], backend,
+                 {s.step: s.slowest_s for s in judged} if judged is not None else None)
     return [f"{fmt} {goal.name}" for goal in goals if not goal.met]
 
 
@@ -214,7 +219,7 @@ def _projection_line(p: Projection, nbytes: int, args: argparse.Namespace) -> st
 
 
 def _print_steps(table: list, floors: dict[str, float], last_rank: int | None, rep: int,
-                 bandwidth_source: str, backend: str) -> None:
+                 bandwidth_source: str, backend: str, judged: dict[str, float] | None = None) -> None:
     """The case's steps over its ranks (the median run): the slowest and the fastest rank, and on a GPU
     the HBM floor where modelled."""
     if not floors:
@@ -224,6 +229,6 @@ def _print_steps(table: list, floors: dict[str, float], last_rank: int | None, r
         if backend != "nccl":
             where += f"; not goals: the ranks share GPUs over {backend}"
     print(f"    steps (run {rep}, the median; {where}):")
-    for line in bench_steps.table_lines(table, floors, last_rank):
+    for line in bench_steps.table_lines(table, floors, last_rank, judged):
         print(line)
 

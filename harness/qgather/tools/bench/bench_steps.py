@@ -121,6 +121,11 @@ def floor_seconds(floor_bytes: Mapping[str, int], bandwidth: float) -> dict[str,
     return floors
 
 
+def floor_multiples(table: Sequence[StepSpread], floors: Mapping[str, float]) -> list[tuple[str, float]]:
+    """(step, multiple of its floor on its slowest rank) of each of qgather's own steps with a floor."""
+    return [(s.step, s.slowest_s / floors[s.step]) for s in table if s.step in OWN_STEPS and floors.get(s.step)]
+
+
 def floor_misses(table: Sequence[StepSpread], floors: Mapping[str, float]) -> list[tuple[str, float, float]]:
     """(step, slowest seconds, floor seconds) of each of qgather's own steps that took more than
     FLOOR_GOAL times its floor on its slowest rank."""
@@ -128,9 +133,11 @@ def floor_misses(table: Sequence[StepSpread], floors: Mapping[str, float]) -> li
             if s.step in OWN_STEPS and s.step in floors and s.slowest_s > FLOOR_GOAL * floors[s.step]]
 
 
-def table_lines(table: Sequence[StepSpread], floors: Mapping[str, float], last_rank: int | None) -> list[str]:
+def table_lines(table: Sequence[StepSpread], floors: Mapping[str, float], last_rank: int | None,
+                judged: Mapping[str, float] | None = None) -> list[str]:
     """The step table: slowest and fastest rank per step, and where modelled the floor, the slowest
-    rank's multiple of it and, for qgather's own steps, the goal."""
+    rank's multiple of it and, for qgather's own steps, the goal; with `judged` (step: the seconds the
+    floor goal judged, the median of the runs), that multiple too, which the goal line's verdict is of."""
     head = f"      {'step':<28} {'slowest rank':>17} {'fastest rank':>17}"
     lines = [head + ("   HBM floor  x floor" if floors else "")]
     for s in table:
@@ -139,6 +146,9 @@ def table_lines(table: Sequence[StepSpread], floors: Mapping[str, float], last_r
         floor = floors.get(s.step)
         if floor:
             own = f"  (goal <= {FLOOR_GOAL:g}x: qgather's own)" if s.step in OWN_STEPS else ""
+            if own and judged is not None and s.step in judged:
+                own = (f"  (goal <= {FLOOR_GOAL:g}x: qgather's own; judged: {judged[s.step] / floor:.1f}x, "
+                       "the runs' median)")
             line += f"   {floor * 1e3:7.3f} ms {s.slowest_s / floor:7.1f}x{own}"
         lines.append(line)
     if last_rank is not None:
