@@ -18,7 +18,8 @@ import torch
 MAX_ENTRIES = 2_000_000
 PACKAGE_MARKERS = ("/qgather/",)  # the package, installed or in the checkout's harness/
 # the bench's own instrumentation wraps the steps it times: never where a tensor was made
-INSTRUMENTATION = ("tools/memory_waypoints.py", "tools/peak_anatomy.py", "tools/case_bench.py")
+INSTRUMENTATION = tuple(f"/qgather/tools/bench/{name}.py" for name in ("memory_waypoints", "peak_anatomy",
+                                                                   "case_bench"))
 UNKNOWN = "(no Python frame)"
 
 
