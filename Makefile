@@ -115,12 +115,15 @@ gate-torch:
 # PY=python3), .qgather-path/ makes the checkout importable as an install is: a link qgather ->
 # harness/qgather/ and a dist-info whose pytest11 entry point loads the plugin.
 QGATHER_LINK := .qgather-path
+# Installed means pytest finds the plugin's entry point: a checkout on PYTHONPATH imports but loads no plugin.
+QGATHER_INSTALLED = $(PY) -c 'import importlib.metadata as m, sys; \
+  sys.exit(not any(e.name == "qgather" for e in m.entry_points(group="pytest11")))' 2>/dev/null
 test-multigpu: $(SETUP)
-	@$(PY) -c 'import qgather' 2>/dev/null || { mkdir -p $(QGATHER_LINK)/qgather-0.dist-info \
+	@$(QGATHER_INSTALLED) || { mkdir -p $(QGATHER_LINK)/qgather-0.dist-info \
 	  && ln -sfn ../harness/qgather $(QGATHER_LINK)/qgather \
 	  && printf 'Metadata-Version: 2.1\nName: qgather\nVersion: 0\n' > $(QGATHER_LINK)/qgather-0.dist-info/METADATA \
 	  && printf '[pytest11]\nqgather = qgather.pytest_plugin\n' > $(QGATHER_LINK)/qgather-0.dist-info/entry_points.txt; }
-	@( if $(PY) -c 'import qgather' 2>/dev/null; then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \
+	@( if $(QGATHER_INSTALLED); then path=; else path="$(CURDIR)/$(QGATHER_LINK)"; fi; \
 	  export PYTHONPATH="$${path:+$$path:}$$PYTHONPATH"; set -e; \
 	  $(PY) -m qgather gpu-check; \
 	  case ",$(GPU_IMPLS)," in *,te*) [ -n "$${QGATHER_FORKSERVER_PRELOAD+set}" ] || export QGATHER_FORKSERVER_PRELOAD=$$( \
