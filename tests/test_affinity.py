@@ -72,9 +72,9 @@ def pools_of(nodeid: str) -> set[int]:
 
 
 def drive(scheduler: LoadScheduling, nodes: list[FakeNode], collection: list[str], seed: int,
-          kill: FakeNode | None = None) -> list[int]:
-    """Run every case as DSession would; `kill` dies (remove_node) after its fifth case. Returns the
-    indices run, in completion order."""
+          kill: FakeNode | None = None, duration: float = 0.0) -> list[int]:
+    """Run every case as DSession would, each reported as taking `duration` seconds; `kill` dies
+    (remove_node) after its fifth case. Returns the indices run, in completion order."""
     rng = random.Random(seed)
     for node in nodes:
         scheduler.add_node(node)
@@ -99,7 +99,7 @@ def drive(scheduler: LoadScheduling, nodes: list[FakeNode], collection: list[str
         node.ran.append(index)
         node.pools |= pools_of(collection[index])
         done.append(index)
-        scheduler.mark_test_complete(node, index)
+        scheduler.mark_test_complete(node, index, duration)
     assert scheduler.tests_finished or not scheduler.has_pending
     return done
 
@@ -234,6 +234,31 @@ def test_each_lead_takes_its_share_across_the_no_pool_items_not_a_run_of_one_kin
         assert len(lead) >= 8 and 1 <= gpu_tests <= 3, [collection[i] for i in lead]
 
 
+@pytest.mark.parametrize("duration", [0.0, 0.3])
+def test_a_worker_gets_its_next_world_size_while_its_last_cases_still_run(duration):
+    """With tests of 0.1 s or more xdist refills a worker once it has one item left: its next size's
+    first case then waited for the whole start of that size's pool (run V, 2 x H200)."""
+    collection = gate_collection()
+    nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
+    left_at_moves: list[int] = []
+    for node in nodes:
+        original, last = node.send_runtest_some, {}
+
+        def recording(indices, node=node, original=original, last=last):
+            sizes = {key_of(collection[i]) for i in indices} - {NO_POOL}
+            if last.get("size") is not None and sizes and sizes != {last["size"]}:
+                left_at_moves.append(len(node.queue))
+            if sizes:
+                last["size"] = max(sizes)
+            original(indices)
+
+        node.send_runtest_some = recording
+    done = drive(WorldSizeScheduling(FakeConfig(WORKERS)), nodes, collection, seed=11, duration=duration)
+    assert sorted(done) == list(range(len(collection)))
+    assert left_at_moves and min(left_at_moves) >= 2, left_at_moves
+    assert sum(left >= 8 for left in left_at_moves) >= len(left_at_moves) // 2, left_at_moves
+
+
 def test_a_worker_that_dies_leaves_its_cases_to_the_others():
     collection = gate_collection()
     nodes = [FakeNode(f"gw{n}") for n in range(WORKERS)]
@@ -261,4 +286,4 @@ def test_only_a_gpu_job_in_xdists_load_mode_gets_it():
 def test_the_lookahead_sees_the_first_case_past_a_full_lead():
     from qgather.pytest_plugin import affinity, lookahead
 
-    assert affinity.LEAD_ITEMS < lookahead.WINDOW
+    assert affinity.LEAD_ITEMS < lookahead.WINDOW and affinity.MOVE_AHEAD < lookahead.WINDOW

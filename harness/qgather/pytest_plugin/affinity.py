@@ -10,7 +10,9 @@ one pool per worker, and one for each move as the world sizes run dry at the end
 drives it (tests/test_affinity.py), 17-20 starts for 8 workers and 5 world sizes, against xdist's 40.
 
 The cases' order within a world size, the chunk sizes and the end of the run are xdist's
-`LoadScheduling`'s; only the choice of which pending cases a worker is sent differs. Items that run on
+`LoadScheduling`'s; the choice of which pending cases a worker is sent differs, and a worker is refilled
+once MOVE_AHEAD cases are left in its queue rather than one, so that its next world size's pool starts
+(qgather.pytest_plugin.lookahead) while the last cases of its current one run. Items that run on
 no pool (the GPU-only tests, the dispatch checks, the virtual cases) are a "size" of their own, as cheap
 as a world size of one; so are the cases that save a checkpoint at another world size, whatever other
 options their configuration joins (`key_of`, from the case id as CaseSpec reads it). A worker's first
@@ -42,6 +44,11 @@ CHECKPOINT = -1  # the key of a dcp-wsA case: it runs on pools of two world size
 # took 0.13 s on average and a GPU-only test 0.60 s (run U, 2026-11-29), ~16 s for an eighth of them.
 # Fewer than lookahead.WINDOW, which must see the first case past them to start its pool.
 LEAD_ITEMS = 60
+# A worker is refilled once this many cases are left in its queue, not one (xdist's refill waits for that
+# while tests take 0.1 s or more), so that a move to its next world size comes while they run and the
+# lookahead (whose WINDOW must reach past them) starts the next pool meanwhile. On 2 x H200 (run V)
+# a move's first case waited ~9 s, the whole start, begun as the case came.
+MOVE_AHEAD = 32
 
 
 def pool_sizes_of(nodeid: str) -> tuple[int, ...]:
@@ -132,6 +139,23 @@ class WorldSizeScheduling(LoadScheduling):
             no_pool = sum(1 for index in self.pending if self._sizes[index] == NO_POOL)
             self._lead = min(no_pool // max(len(self.nodes), 1), LEAD_ITEMS)
         return min(self._lead, num // 2)
+
+    def check_schedule(self, node: Any, duration: float = 0, from_dsession: bool = False) -> None:
+        """xdist's refill, except that a worker whose queue holds MOVE_AHEAD or fewer cases, all of its
+        current size, is refilled now (_runs_low) rather than once it has one left."""
+        if self._runs_low(node):
+            self._send_tests(node, max(2, len(self.pending) // len(self.node2pending) // 2))
+            return
+        super().check_schedule(node, duration=duration)
+
+    def _runs_low(self, node: Any) -> bool:
+        """Whether cases are pending and the node's queue holds MOVE_AHEAD or fewer, all of its current
+        size: refilled now, a move to another size (its size has none left) comes while they run."""
+        queued = self.node2pending.get(node, [])
+        if node.shutting_down or not self.pending or not 0 < len(queued) <= MOVE_AHEAD:
+            return False
+        current = self.node2size.get(node)
+        return current is not None and all(self._sizes[index] == current for index in queued)
 
     def remove_node(self, node: Any) -> str | None:
         self.node2size.pop(node, None)
