@@ -247,3 +247,12 @@ def test_a_case_whose_golden_steps_aside_for_the_first_unshard_gets_the_same_rec
     first = plain.results[0][2][0].stages[0]
     assert ("nibble_swap" in case_id) == bool(first.buffer_diffs)  # the right bytes EXACT, the wrong ones found
     assert "nibble_swap" in case_id or first.own_dequantized.equal  # the library's own values compared
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU the probe runs on")
+def test_the_park_probe_without_a_gpu_skips_in_one_line(capsys):
+    from qgather.tools.bench import park_probe
+
+    assert park_probe.main(["--case", "te:nvfp4_2d:8192x28672:bf16:ws2:gather:s0"]) == 0
+    assert capsys.readouterr().out.strip() == "park_probe: skipped: needs CUDA GPUs"
+    assert all(CaseSpec.parse(case).world_size == 2 for case in park_probe.CASES)  # bench gpu's two cases

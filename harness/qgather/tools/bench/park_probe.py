@@ -2,7 +2,9 @@
 qgather.scenarios.fsdp.aside_while_unsharding) saves of a benchmarked case's peak memory and costs in
 time, the two measured in one pool, one after the other.
 
-    python -m qgather.tools.bench.park_probe [--case te:fp8_block:8192x28672:bf16:ws2:gather:s0] [--reps 3]
+    python -m qgather.tools.bench.park_probe [--case CASE_ID ...] [--reps 3]
+
+(by default the two cases `bench gpu` measures, fp8_block's and nvfp4_2d's).
 
 fp8_block's peak on 2 x H200 (`qgather bench gpu`) was reached in FSDP2's lazy initialization inside
 the first unshard: TE dequantizes the rank's shard for FSDP2's flat view (2 bf16 weights of float32
@@ -41,6 +43,7 @@ from qgather.scenarios.registry import run_on_rank
 from qgather.tools.bench import memory_waypoints
 
 MODES = ("kept", "aside")
+CASES = ("te:fp8_block:8192x28672:bf16:ws2:gather:s0", "te:nvfp4_2d:8192x28672:bf16:ws2:gather:s0")
 
 
 def probe_on_rank(ctx, case_id: str, reps: int, mode: str) -> dict:
@@ -93,19 +96,22 @@ def _summary(mode: str, results: list[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="park_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", default="te:fp8_block:8192x28672:bf16:ws2:gather:s0")
+    parser.add_argument("--case", action="append", dest="cases", help="a case id; repeat for several "
+                        f"(default: {', '.join(CASES)})")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("park_probe: skipped: needs CUDA GPUs")
         return 0
-    spec = CaseSpec.parse(args.case)
-    pool = get_pool(PoolSpec(backend="nccl", world_size=spec.world_size, device="cuda"))
     try:
-        for mode in args.modes.split(","):
-            outcome = pool.run(probe_on_rank, args.case, args.reps, mode, timeout=600.0)
-            print(_summary(mode, outcome.results) if outcome.status == "ok" else f"  {mode}: {outcome.summary()}")
+        for case_id in args.cases or CASES:
+            spec = CaseSpec.parse(case_id)
+            pool = get_pool(PoolSpec(backend="nccl", world_size=spec.world_size, device="cuda"))
+            print(f"{case_id}:")
+            for mode in args.modes.split(","):
+                outcome = pool.run(probe_on_rank, case_id, args.reps, mode, timeout=600.0)
+                print(_summary(mode, outcome.results) if outcome.status == "ok" else f"  {mode}: {outcome.summary()}")
     finally:
         shutdown_pools()
     return 0
