@@ -188,3 +188,18 @@ def test_every_step_the_profile_wraps_exists(case_id):
     with memory_waypoints.wrapping(targets, lambda label, fn: fn):
         pass
 
+
+
+@pytest.mark.usefixtures("one_pool")
+def test_the_park_probe_measures_each_mode_as_the_bench_measures_a_run():
+    """park_probe's modes run through case_bench.measured_runs: each run's seconds, result and peak."""
+    from qgather.runtime import PoolSpec, get_pool
+    from qgather.tools.bench import park_probe
+
+    pool = get_pool(PoolSpec(backend="gloo", world_size=2, device="cpu"))
+    case_id = "reference:fp8_tensor:128x64:bf16:ws2:gather:s0"
+    for mode in park_probe.MODES:
+        outcome = pool.run(park_probe.probe_on_rank, case_id, 1, mode, timeout=120.0)
+        assert outcome.status == "ok", outcome.summary()
+        line = park_probe._summary(mode, outcome.results)
+        assert line.startswith(f"  {mode:6s} verdicts EXACT,EXACT; peak ") and "the median run's slowest rank: " in line

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -185,18 +184,16 @@ class WorldSizeScheduling(LoadScheduling):
         """`num` positions of pending items of `size`, spread evenly over all of them: the no-pool items
         come in runs of one kind (the virtual cases, then the GPU-only tests, ~5x as long), and a lead
         of the first ones alone would cover one worker's first start and not another's."""
-        positions = [position for position, index in enumerate(self.pending) if self._sizes[index] == size]
+        positions = self._positions_of(size)
         count = min(num, len(positions))
         return [positions[k * len(positions) // count] for k in range(count)] if count > 0 else []
 
-    def _first_of_size(self, size: int, num: int) -> Sequence[int]:
-        positions: list[int] = []
-        for position, index in enumerate(self.pending):
-            if self._sizes[index] == size:
-                positions.append(position)
-                if len(positions) == num:
-                    break
-        return positions
+    def _first_of_size(self, size: int, num: int) -> list[int]:
+        return self._positions_of(size)[:num]
+
+    def _positions_of(self, size: int) -> list[int]:
+        """The positions in `pending` of the items of `size`, in order."""
+        return [position for position, index in enumerate(self.pending) if self._sizes[index] == size]
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,8 +1,9 @@
 """Where a run's seconds went (timings.md in the report directory): the cases' steps summed over the
 run (pool starts, the one-device twin, the golden, building the sharded module, the hooks and the
 collective, the inspection ...), then the slowest cases step by step. A run with cases on GPUs always
-shows the GPU lease wait and the pool start, 0 where no case waited for either (issue 41's budgets). The numbers are the
-CaseRecords' `step_seconds` (qgather.engine.run.step_seconds), which verdicts.json holds too."""
+shows the GPU lease wait and the pool start, 0 where no case waited for either (a GPU job's budgets
+are read off them). The numbers are the CaseRecords' `step_seconds` (qgather.engine.run.step_seconds),
+which verdicts.json holds too."""
 
 from __future__ import annotations
 

@@ -84,12 +84,12 @@ def report(fmt: str, case_id: str, results: list[dict], args: argparse.Namespace
         goals.append(Goal("qgather's own steps within their HBM floors", not misses,
                           f"{multiples} (each the median of the measured runs)",
                           f"each <= {bench_steps.FLOOR_GOAL:g}x its floor"))
+        judged_seconds = {s.step: s.slowest_s for s in judged}
     else:
-        judged = None
+        judged_seconds = None
     for goal in goals:
         print(f"    {goal.line()}")
-    _print_steps(table, floors, last_rank, rep, hbm_bandwidth(first["device_name"])[1], backend,
-                 {s.step: s.slowest_s for s in judged} if judged is not None else None)
+    _print_steps(table, floors, last_rank, rep, hbm_bandwidth(first["device_name"])[1], backend, judged_seconds)
     return [f"{fmt} {goal.name}" for goal in goals if not goal.met]
 
 

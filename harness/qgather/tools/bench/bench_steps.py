@@ -13,6 +13,7 @@ library (WAIT_ON_LIBRARY), the rest a wait on qgather's steps or on no one's (WA
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -121,16 +122,21 @@ def floor_seconds(floor_bytes: Mapping[str, int], bandwidth: float) -> dict[str,
     return floors
 
 
+def _own_with_floor(table: Sequence[StepSpread], floors: Mapping[str, float]) -> list[tuple[StepSpread, float]]:
+    """Each of qgather's own steps in `table` that has a floor, with that floor in seconds."""
+    return [(s, floors[s.step]) for s in table if s.step in OWN_STEPS and s.step in floors]
+
+
 def floor_multiples(table: Sequence[StepSpread], floors: Mapping[str, float]) -> list[tuple[str, float]]:
     """(step, multiple of its floor on its slowest rank) of each of qgather's own steps with a floor."""
-    return [(s.step, s.slowest_s / floors[s.step]) for s in table if s.step in OWN_STEPS and floors.get(s.step)]
+    return [(s.step, s.slowest_s / floor if floor else math.inf) for s, floor in _own_with_floor(table, floors)]
 
 
 def floor_misses(table: Sequence[StepSpread], floors: Mapping[str, float]) -> list[tuple[str, float, float]]:
     """(step, slowest seconds, floor seconds) of each of qgather's own steps that took more than
     FLOOR_GOAL times its floor on its slowest rank."""
-    return [(s.step, s.slowest_s, floors[s.step]) for s in table
-            if s.step in OWN_STEPS and s.step in floors and s.slowest_s > FLOOR_GOAL * floors[s.step]]
+    return [(s.step, s.slowest_s, floor) for s, floor in _own_with_floor(table, floors)
+            if s.slowest_s > FLOOR_GOAL * floor]
 
 
 def table_lines(table: Sequence[StepSpread], floors: Mapping[str, float], last_rank: int | None,

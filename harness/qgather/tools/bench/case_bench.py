@@ -59,6 +59,21 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
     then runs the case once more under torch.profiler and returns its table."""
     spec = CaseSpec.parse(case_id)
     cuda = ctx.device.type == "cuda"
+    runs = measured_runs(ctx, spec, reps)
+    nbytes = max(int(runs[-1]["result"].wire.collective_bytes), 1)
+    weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
+    bare = _bare_work(ctx, spec, weight, nbytes, reps)
+    table = case_profile.profiled(ctx, case_id) if profile else ""
+    return {"runs": runs, "bare": bare, "weight_bytes": weight.numel() * weight.element_size(),
+            "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "profile": table,
+            "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
+
+
+def measured_runs(ctx, spec: CaseSpec, reps: int) -> list[dict]:
+    """The full case `reps` + 1 times on this rank (the first a warm-up), each started on every rank at
+    once: its seconds, result, peak memory above what was allocated before the first run, and the step
+    of that peak."""
+    cuda = ctx.device.type == "cuda"
     baseline = memory_waypoints.settle(ctx.device)
     runs = []
     for _ in range(reps + 1):
@@ -69,13 +84,7 @@ def measure_on_rank(ctx, case_id: str, reps: int, profile: bool = False) -> dict
         run_peak = torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else 0
         runs.append({"full_s": seconds, "result": result, "peak_bytes": run_peak, "peak_step": _peak_step(result)})
         gc.collect()  # a sharded module's reference cycles, before the next run allocates its own
-    nbytes = max(int(runs[-1]["result"].wire.collective_bytes), 1)
-    weight = make_weight(spec, ctx.device).to(spec.torch_dtype)
-    bare = _bare_work(ctx, spec, weight, nbytes, reps)
-    table = case_profile.profiled(ctx, case_id) if profile else ""
-    return {"runs": runs, "bare": bare, "weight_bytes": weight.numel() * weight.element_size(),
-            "weight_bf16_bytes": weight.numel() * 2, "collective_bytes": nbytes, "profile": table,
-            "device_name": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
+    return runs
 
 
 def _peak_step(result) -> str | None:

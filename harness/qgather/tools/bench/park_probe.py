@@ -26,42 +26,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import sys
-import time
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
 from qgather.check import golden_cache
 from qgather.check.golden import Golden
 from qgather.engine.classify import classify_results
 from qgather.model.case import CaseSpec
 from qgather.runtime import PoolSpec, get_pool, shutdown_pools
-from qgather.scenarios.registry import run_on_rank
-from qgather.tools.bench import memory_waypoints
+from qgather.tools.bench.case_bench import measured_runs
 
 MODES = ("kept", "aside")
 CASES = ("te:fp8_block:8192x28672:bf16:ws2:gather:s0", "te:nvfp4_2d:8192x28672:bf16:ws2:gather:s0")
 
 
 def probe_on_rank(ctx, case_id: str, reps: int, mode: str) -> dict:
-    """Runs on every rank: the case `reps` + 1 times under `mode`; each run's seconds, peak and result."""
+    """Runs on every rank: the case `reps` + 1 times under `mode`, measured as `bench gpu` measures it
+    (case_bench.measured_runs)."""
     spec = CaseSpec.parse(case_id)
     golden_cache.forget(ctx.kept)  # every mode computes its golden in its own warm-up, as `bench gpu` does
-    baseline = memory_waypoints.settle(ctx.device)
-    runs = []
     with _declining(mode == "kept"):
-        for _ in range(reps + 1):
-            dist.barrier(group=ctx.group)
-            torch.cuda.reset_peak_memory_stats(ctx.device)
-            torch.cuda.synchronize(ctx.device)
-            start = time.perf_counter()
-            result = run_on_rank(ctx, spec)
-            torch.cuda.synchronize(ctx.device)
-            runs.append((time.perf_counter() - start, torch.cuda.max_memory_allocated(ctx.device) - baseline, result))
-            gc.collect()
+        runs = measured_runs(ctx, spec, reps)
     golden_cache.forget(ctx.kept)
     return {"runs": runs, "weight_bf16_bytes": spec.shape[0] * spec.shape[1] * 2}
 
@@ -82,16 +69,16 @@ def _declining(decline: bool) -> Iterator[None]:
 
 def _summary(mode: str, results: list[dict]) -> str:
     runs = len(results[0]["runs"])
-    verdicts = [classify_results([r["runs"][i][2] for r in results]).verdict.value for i in range(runs)]
-    peak, bf16 = max(run[1] for r in results for run in r["runs"]), results[0]["weight_bf16_bytes"]
-    by_time = sorted(range(1, runs), key=lambda i: max(r["runs"][i][0] for r in results))
+    verdicts = [classify_results([r["runs"][i]["result"] for r in results]).verdict.value for i in range(runs)]
+    peak, bf16 = max(run["peak_bytes"] for r in results for run in r["runs"]), results[0]["weight_bf16_bytes"]
+    by_time = sorted(range(1, runs), key=lambda i: max(r["runs"][i]["full_s"] for r in results))
     median = by_time[len(by_time) // 2]
-    slowest = max(results, key=lambda r: r["runs"][median][0])["runs"][median]
+    slowest = max(results, key=lambda r: r["runs"][median]["full_s"])["runs"][median]
     over = peak - 3 * bf16
     margin = f"{abs(over) / 1e6:.1f} MB {'over' if over > 0 else 'within'} 3x"
-    steps = ", ".join(f"{step} {seconds * 1e3:.2f}" for step, seconds in slowest[2].seconds)
+    steps = ", ".join(f"{step} {seconds * 1e3:.2f}" for step, seconds in slowest["result"].seconds)
     return (f"  {mode:6s} verdicts {','.join(verdicts)}; peak {peak / bf16:.4f}x the bf16 weight ({margin}); "
-            f"case {slowest[0] * 1e3:.2f} ms (the median run's slowest rank: {steps} ms)")
+            f"case {slowest['full_s'] * 1e3:.2f} ms (the median run's slowest rank: {steps} ms)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
